@@ -1,0 +1,13 @@
+"""Megatron-Core attention modules: SDPA core attention, differential scoring, and
+self-attention with a (q, k) coupling."""
+
+from cqk_megatron.attention.coupled import QKSelfAttention, QKSelfAttentionSubmodules
+from cqk_megatron.attention.differential import DifferentialCoreAttention
+from cqk_megatron.attention.sdpa import SDPACoreAttention
+
+__all__ = [
+    "DifferentialCoreAttention",
+    "QKSelfAttention",
+    "QKSelfAttentionSubmodules",
+    "SDPACoreAttention",
+]

@@ -1,0 +1,67 @@
+"""Self-attention whose (q, k) pass through a coupling before scoring.
+
+``QKSelfAttention`` is Megatron's ``SelfAttention`` plus one optional submodule,
+``coupling`` (any ``coupling.QKCoupling``). Before RoPE (the default) the coupling runs
+on the tensors that ``get_query_key_value_tensors`` returns, so cached keys at inference
+are coupled keys; after RoPE it runs in a pre-hook of the core attention, on the rotated
+tensors. Without a coupling the module is exactly ``SelfAttention``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+from cqk_megatron.attention.tp_grads import sum_partial_grads_across_tp
+
+COUPLING_POSITIONS = ("pre_rope", "post_rope")
+
+
+@dataclass
+class QKSelfAttentionSubmodules(SelfAttentionSubmodules):
+    coupling: ModuleSpec | type | None = None
+
+
+class QKSelfAttention(SelfAttention):
+    def __init__(
+        self,
+        config,
+        submodules: QKSelfAttentionSubmodules,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        coupling_position: str = "pre_rope",
+        **kwargs,
+    ) -> None:
+        super().__init__(config, submodules, layer_number, attn_mask_type, **kwargs)
+        if coupling_position not in COUPLING_POSITIONS:
+            raise ValueError(f"coupling_position must be one of {COUPLING_POSITIONS}")
+        self.coupling_position = coupling_position
+        self.coupling = None
+        if submodules.coupling is not None:
+            self.coupling = build_module(
+                submodules.coupling, head_dim=self.hidden_size_per_attention_head
+            ).to(dtype=config.params_dtype)
+            # f and dt are whole on every TP rank, each rank applies them to its heads
+            sum_partial_grads_across_tp(self.coupling, self.tp_group)
+            if coupling_position == "post_rope":
+                self.core_attention.register_forward_pre_hook(self._couple_rotated_qk)
+
+    def _couple_rotated_qk(self, _module, args):
+        query, key, *rest = args
+        return (*self.coupling(query, key), *rest)
+
+    def get_query_key_value_tensors(
+        self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True
+    ):
+        outputs = super().get_query_key_value_tensors(
+            hidden_states, key_value_states, output_gate=output_gate, split_qkv=split_qkv
+        )
+        if self.coupling is None or self.coupling_position != "pre_rope":
+            return outputs
+        if not split_qkv:
+            raise NotImplementedError("QK coupling needs split q/k; disable fused_single_qkv_rope")
+        query, key, *rest = outputs
+        return (*self.coupling(query, key), *rest)

@@ -1,0 +1,436 @@
+"""Typed run configuration: dataclasses are the one source of truth.
+
+YAML files under ``configs/`` are serialised instances. A file may start with
+``include: [other.yaml, ...]`` (paths relative to the file, then to ``configs/``); later
+entries and the file's own keys win. ``key.sub=value`` overrides apply last, values
+parsed as YAML. ``validate()`` rejects impossible layouts before any process starts,
+naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+SCORINGS = ("standard", "differential")
+COUPLINGS = ("none", "euler", "hamiltonian", "mlp_only", "invertible")
+
+# Named variants are presets of the two orthogonal choices (coupling, scoring).
+VARIANTS: dict[str, tuple[str, str]] = {
+    "standard": ("none", "standard"),
+    "coupled": ("hamiltonian", "standard"),
+    "coupled_euler": ("euler", "standard"),
+    "mlp_only": ("mlp_only", "standard"),
+    "invertible": ("invertible", "standard"),
+    "differential": ("none", "differential"),
+    "coupled_differential": ("hamiltonian", "differential"),
+    "invertible_differential": ("invertible", "differential"),
+}
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message names the field(s) and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    """Transformer shape (Llama-style by default: RMSNorm, SwiGLU, RoPE, no biases)."""
+
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None  # None: one key/value head per query head
+    ffn_hidden_size: int | None = None  # None: SwiGLU's 8/3 * hidden, rounded up to 64
+    seq_length: int = 128
+    vocab_size: int = 32000
+    make_vocab_size_divisible_by: int = 128  # padded once, independently of TP
+    normalization: str = "RMSNorm"
+    swiglu: bool = True
+    rotary_base: int = 10000
+    tie_embeddings: bool = False
+    init_method_std: float = 0.02
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    layernorm_epsilon: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_heads(self) -> int:
+        if self.num_query_groups is None:
+            return self.num_attention_heads
+        return self.num_query_groups
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if not self.swiglu:
+            return 4 * self.hidden_size
+        return 64 * math.ceil(8 * self.hidden_size / 3 / 64)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        multiple = self.make_vocab_size_divisible_by
+        return multiple * math.ceil(self.vocab_size / multiple)
+
+
+@dataclass
+class AttentionConfig:
+    """The two orthogonal choices of a layer's attention and their options."""
+
+    coupling: str = "none"  # none | euler | hamiltonian | mlp_only | invertible
+    scoring: str = "standard"  # standard | differential
+    steps: int = 1  # integrator steps, 1..7
+    coupling_hidden: int | None = None  # hidden width of f; None: head_dim
+    dt_init: float = 0.1
+    position: str = "pre_rope"  # pre_rope | post_rope
+    invertible_layers: int = 2
+    invertible_scale_bound: float = 2.0
+
+    @property
+    def variant(self) -> str:
+        """The preset name of this (coupling, scoring) pair, or ``coupling+scoring``."""
+        for name, pair in VARIANTS.items():
+            if pair == (self.coupling, self.scoring):
+                return name
+        return f"{self.coupling}+{self.scoring}"
+
+
+@dataclass
+class ParallelConfig:
+    """Model-parallel layout; data parallel is what remains of the world size."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    virtual_pipeline: int | None = None  # interleaved 1F1B chunks per pipeline rank
+    sequence_parallel: bool = False
+    world_size: int | None = None  # None: taken from the launcher at run time
+
+    def data_parallel(self, world_size: int) -> int:
+        return world_size // (self.tensor_parallel * self.pipeline_parallel)
+
+
+@dataclass
+class TrainConfig:
+    """Batch sizes and numerics (the training loop's own options are added with it)."""
+
+    micro_batch_size: int = 2
+    global_batch_size: int = 8
+    precision: str = "fp32"  # fp32 | bf16 | fp64 (numerical checks on CPU)
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    seed: int = 1234
+    backend: str = "local"  # local | transformer_engine (GPU, where installed)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+# ---------------------------------------------------------------------------------------
+# dict <-> dataclass
+# ---------------------------------------------------------------------------------------
+
+
+def _unknown_key_error(key: str, where: str, cls: type, source: str) -> ConfigError:
+    names = [f.name for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(key, names, n=1)
+    hint = f"did you mean '{where}{close[0]}'?" if close else f"known keys: {', '.join(names)}"
+    return ConfigError(f"{source}: unknown key '{where}{key}'; {hint}")
+
+
+def _coerce(value: Any, annotation: Any, dotted: str, source: str) -> Any:
+    """Check ``value`` against a field's annotation (int, float, bool, str, optional)."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (annotation,) = [a for a in args if a is not type(None)]
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "1e-3" (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if annotation in (int, float, bool, str):
+        ok = isinstance(value, annotation) and not (annotation is int and isinstance(value, bool))
+        if not ok:
+            raise ConfigError(f"{source}: '{dotted}' must be {annotation.__name__}, got {value!r}")
+    return value
+
+
+def from_dict(cls: type, data: dict, source: str = "config", prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from a nested dict, refusing unknown keys and bad types."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: '{prefix.rstrip('.') or 'top level'}' must be a mapping")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise _unknown_key_error(key, prefix, cls, source)
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            section = {} if value is None else value  # an empty section keeps defaults
+            kwargs[key] = from_dict(hint, section, source, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(value, hint, prefix + key, source)
+    return cls(**kwargs)
+
+
+def to_dict(config: Any) -> dict:
+    return dataclasses.asdict(config)
+
+
+# ---------------------------------------------------------------------------------------
+# YAML files, includes and overrides
+# ---------------------------------------------------------------------------------------
+
+
+def _deep_merge(base: dict, update: dict) -> dict:
+    merged = copy.deepcopy(base)
+    for key, value in update.items():
+        if value is None and isinstance(merged.get(key), dict):
+            continue  # "model:" with everything commented out keeps what was included
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def _resolve_include(name: str, relative_to: Path) -> Path:
+    for candidate in (relative_to / name, CONFIGS_DIR / name):
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(
+        f"{relative_to}: included file '{name}' not found next to it or under {CONFIGS_DIR}"
+    )
+
+
+def load_yaml_dict(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
+    """Read a config file with its includes resolved into one nested dict."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist")
+    if path.resolve() in _seen:
+        raise ConfigError(f"{path}: include cycle through {[str(p) for p in _seen]}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {error}") from error
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    includes = data.pop("include", []) or []
+    if isinstance(includes, str):
+        includes = [includes]
+    merged: dict = {}
+    for name in includes:
+        included = _resolve_include(name, path.parent)
+        merged = _deep_merge(merged, load_yaml_dict(included, _seen + (path.resolve(),)))
+    return _deep_merge(merged, data)
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b=c`` overrides (``c`` parsed as YAML) to a nested dict."""
+    data = _deep_merge({}, data)
+    for override in overrides:
+        if "=" not in override:
+            raise ConfigError(f"override '{override}' must look like section.key=value")
+        dotted, raw = override.split("=", 1)
+        keys = dotted.strip().split(".")
+        node = data
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{override}': '{key}' is not a section")
+        node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML config (or the defaults) and apply overrides; does not validate."""
+    data = load_yaml_dict(path) if path is not None else {}
+    data = apply_overrides(data, overrides or [])
+    source = str(path) if path is not None else "defaults"
+    if overrides:
+        source += " + overrides"
+    return from_dict(RunConfig, data, source)
+
+
+def save_config(config: RunConfig, path: str | Path) -> None:
+    """Write the resolved config; ``load_config`` of the file gives it back."""
+    Path(path).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+
+# ---------------------------------------------------------------------------------------
+# validation
+# ---------------------------------------------------------------------------------------
+
+
+def validate(config: RunConfig, world_size: int | None = None) -> RunConfig:
+    """Refuse configs that cannot work; every message names the field and the fix.
+
+    ``world_size`` (or ``parallel.world_size``) enables the data-parallel checks.
+    """
+    errors: list[str] = []
+    m, a, p, t = config.model, config.attention, config.parallel, config.train
+
+    def check(ok: bool, message: str) -> None:
+        if not ok:
+            errors.append(message)
+
+    def choice(value: str, options: tuple[str, ...], dotted: str) -> None:
+        check(value in options, f"{dotted}={value!r} is unknown; choose one of {list(options)}")
+
+    choice(a.coupling, COUPLINGS, "attention.coupling")
+    choice(a.scoring, SCORINGS, "attention.scoring")
+    choice(a.position, ("pre_rope", "post_rope"), "attention.position")
+    choice(m.normalization, ("RMSNorm", "LayerNorm"), "model.normalization")
+    choice(t.precision, ("fp32", "bf16", "fp64"), "train.precision")
+    choice(config.backend, ("local", "transformer_engine"), "backend")
+
+    for dotted, value in [
+        ("model.num_layers", m.num_layers),
+        ("model.hidden_size", m.hidden_size),
+        ("model.num_attention_heads", m.num_attention_heads),
+        ("model.seq_length", m.seq_length),
+        ("model.vocab_size", m.vocab_size),
+        ("parallel.tensor_parallel", p.tensor_parallel),
+        ("parallel.pipeline_parallel", p.pipeline_parallel),
+        ("train.micro_batch_size", t.micro_batch_size),
+        ("train.global_batch_size", t.global_batch_size),
+        ("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),
+        ("model.num_query_groups", 1 if m.num_query_groups is None else m.num_query_groups),
+        ("model.ffn_hidden_size", m.ffn_size),
+        ("parallel.world_size", p.world_size if p.world_size is not None else 1),
+        ("world size", world_size if world_size is not None else 1),
+    ]:
+        check(value >= 1, f"{dotted}={value} must be at least 1")
+    if errors:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+
+    heads, kv_heads, tp, pp = (
+        m.num_attention_heads,
+        m.kv_heads,
+        p.tensor_parallel,
+        p.pipeline_parallel,
+    )
+    check(
+        m.hidden_size % heads == 0,
+        f"model.hidden_size={m.hidden_size} is not divisible by "
+        f"model.num_attention_heads={heads}; pick a head count that divides it",
+    )
+    check(
+        heads % kv_heads == 0,
+        f"model.num_attention_heads={heads} is not a multiple of "
+        f"model.num_query_groups={kv_heads}; use a divisor of the head count",
+    )
+    check(
+        heads % tp == 0,
+        f"model.num_attention_heads={heads} is not divisible by parallel.tensor_parallel={tp}; "
+        "use a tensor-parallel size that divides the head count",
+    )
+    check(
+        kv_heads % tp == 0,
+        f"model.num_query_groups={kv_heads} is not divisible by parallel.tensor_parallel={tp}; "
+        "each tensor-parallel rank needs whole key/value heads",
+    )
+    check(
+        m.padded_vocab_size % tp == 0,
+        f"padded vocabulary {m.padded_vocab_size} is not divisible by "
+        f"parallel.tensor_parallel={tp}; raise model.make_vocab_size_divisible_by",
+    )
+    check(
+        0 <= m.hidden_dropout < 1 and 0 <= m.attention_dropout < 1,
+        "model.hidden_dropout and model.attention_dropout must be in [0, 1)",
+    )
+    if p.sequence_parallel:
+        check(
+            m.seq_length % tp == 0,
+            f"model.seq_length={m.seq_length} is not divisible by parallel.tensor_parallel={tp}, "
+            "which sequence parallelism needs; change one of them",
+        )
+    if a.scoring == "differential" and heads % tp == 0 and kv_heads % tp == 0:
+        check(
+            (heads // tp) % 2 == 0,
+            f"attention.scoring=differential pairs heads, but each tensor-parallel rank holds "
+            f"{heads // tp} query heads (model.num_attention_heads={heads} / "
+            f"parallel.tensor_parallel={tp}), an odd number; use an even count per rank",
+        )
+        check(
+            (kv_heads // tp) % 2 == 0,
+            f"attention.scoring=differential pairs key/value heads, but each tensor-parallel "
+            f"rank holds {kv_heads // tp} (model.num_query_groups={kv_heads} / "
+            f"parallel.tensor_parallel={tp}), an odd number; use an even count per rank",
+        )
+    layers_per_chunk = pp * (p.virtual_pipeline or 1)
+    check(
+        m.num_layers % layers_per_chunk == 0,
+        f"model.num_layers={m.num_layers} is not divisible by parallel.pipeline_parallel={pp}"
+        + (f" x parallel.virtual_pipeline={p.virtual_pipeline}" if p.virtual_pipeline else "")
+        + "; change the layer count or the pipeline size",
+    )
+    if p.virtual_pipeline is not None:
+        check(
+            pp > 1 and p.virtual_pipeline >= 1,
+            "parallel.virtual_pipeline needs parallel.pipeline_parallel > 1 and a value >= 1",
+        )
+    check(
+        not p.sequence_parallel or tp > 1,
+        "parallel.sequence_parallel=true needs parallel.tensor_parallel > 1",
+    )
+    check(
+        1 <= a.steps <= 7,
+        f"attention.steps={a.steps} is out of range; the integrators take 1 to 7 steps",
+    )
+    check(a.dt_init > 0, f"attention.dt_init={a.dt_init} must be positive")
+    hidden = a.coupling_hidden if a.coupling_hidden is not None else m.head_dim
+    check(
+        hidden >= (2 if a.coupling == "mlp_only" else 1),
+        f"attention.coupling_hidden={hidden} is too small"
+        + (
+            " (mlp_only splits it between f_q and f_k: at least 2)"
+            if a.coupling == "mlp_only"
+            else ""
+        ),
+    )
+    check(a.invertible_layers >= 1, "attention.invertible_layers must be at least 1")
+    check(a.invertible_scale_bound > 0, "attention.invertible_scale_bound must be positive")
+
+    world = world_size if world_size is not None else p.world_size
+    if world is not None:
+        check(
+            world % (tp * pp) == 0,
+            f"world size {world} is not divisible by parallel.tensor_parallel={tp} x "
+            f"parallel.pipeline_parallel={pp}; ask for a multiple of {tp * pp} processes",
+        )
+        if world % (tp * pp) == 0:
+            dp = world // (tp * pp)
+            check(
+                t.global_batch_size % (t.micro_batch_size * dp) == 0,
+                f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                f"train.micro_batch_size={t.micro_batch_size} x data parallel {dp}; "
+                f"use a multiple of {t.micro_batch_size * dp}",
+            )
+    if errors:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+    return config

@@ -1,0 +1,80 @@
+"""The one place where Megatron-Core 0.16's CUDA assumptions are redirected to CPU.
+
+Megatron hard-codes CUDA in a few spots that matter on a CPU/gloo run:
+``torch.cuda.current_device()`` for the p2p shape exchange and receive buffers, for the
+RoPE frequencies and for the sequence-parallel gather buffers; ``torch.cuda.synchronize()``
+after ``batch_isend_irecv``; and the schedules' token counter made with
+``device="cuda"``. Instead of patching ``torch`` for everyone, each of those modules gets
+its own view of ``torch`` in which these calls mean CPU; every other attribute is the
+real ``torch``. Nothing changes when CUDA is
+available. ``install()`` is idempotent; ``uninstall()`` restores the modules.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+_PATCHED_MODULES = (
+    "megatron.core.pipeline_parallel.p2p_communication",  # shape exchange, recv buffers
+    "megatron.core.pipeline_parallel.schedules",  # token counter on "cuda"
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",  # inv_freq moved to GPU
+    "megatron.core.tensor_parallel.mappings",  # sequence-parallel gather/scatter buffers
+    "megatron.core.tensor_parallel.layers",  # sequence-parallel all-gather buffer
+    "megatron.core.utils",  # the global memory buffer used by those gathers
+)
+
+
+class _CpuCuda(types.SimpleNamespace):
+    """``torch.cuda`` as the pipeline code uses it, answered for a CPU run."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch.cuda, name)
+
+
+def _cpu_device(device):
+    return "cpu" if device is not None and torch.device(device).type == "cuda" else device
+
+
+class _CpuTorch(types.ModuleType):
+    """``torch`` with CUDA device requests in tensor factories mapped to CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _CpuCuda(current_device=lambda: "cpu", synchronize=lambda *a, **k: None)
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    def zeros(self, *args, device=None, **kwargs):
+        return torch.zeros(*args, device=_cpu_device(device), **kwargs)
+
+    def empty(self, *args, device=None, **kwargs):
+        return torch.empty(*args, device=_cpu_device(device), **kwargs)
+
+    def tensor(self, *args, device=None, **kwargs):
+        return torch.tensor(*args, device=_cpu_device(device), **kwargs)
+
+
+def needed() -> bool:
+    return not torch.cuda.is_available()
+
+
+def install() -> None:
+    """Give Megatron's pipeline modules the CPU view of ``torch`` (no-op with CUDA)."""
+    if not needed():
+        return
+    import importlib
+
+    for name in _PATCHED_MODULES:
+        module = importlib.import_module(name)
+        if not isinstance(module.torch, _CpuTorch):
+            module.torch = _CpuTorch()
+
+
+def uninstall() -> None:
+    import importlib
+
+    for name in _PATCHED_MODULES:
+        importlib.import_module(name).torch = torch

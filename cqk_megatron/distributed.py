@@ -1,0 +1,106 @@
+"""Rank and world discovery, the process group, and Megatron's ``parallel_state``.
+
+Works under torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/
+``MASTER_PORT``), plain ``srun`` (``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``
+and the first node of ``SLURM_JOB_NODELIST``) and submitit (which sets the Slurm
+variables too). NCCL on GPU, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from cqk_megatron import cpu_bridge
+from cqk_megatron.config import RunConfig
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
+        )
+        return out.stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        # "node[01-04],x" -> "node01" without scontrol
+        head = nodelist.split(",")[0]
+        if "[" in head:
+            prefix, rest = head.split("[", 1)
+            return prefix + rest.split("-")[0].split(",")[0].rstrip("]")
+        return head
+
+
+def discover(env: dict[str, str] | None = None) -> DistEnv:
+    """Rank, world and rendezvous address from the launcher's environment."""
+    env = dict(os.environ if env is None else env)
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun, or set explicitly
+        return DistEnv(
+            rank=int(env["RANK"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            world_size=int(env["WORLD_SIZE"]),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:  # srun, submitit
+        job_id = int(env.get("SLURM_JOB_ID", "0") or 0)
+        return DistEnv(
+            rank=int(env["SLURM_PROCID"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            world_size=int(env["SLURM_NTASKS"]),
+            master_addr=env.get("MASTER_ADDR")
+            or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
+            master_port=int(env.get("MASTER_PORT", 20000 + job_id % 20000)),
+        )
+    return DistEnv(0, 0, 1, "127.0.0.1", int(env.get("MASTER_PORT", 29500)))
+
+
+def init_process_group(dist_env: DistEnv | None = None) -> DistEnv:
+    """Start the default process group (NCCL on GPU, gloo on CPU), once."""
+    dist_env = dist_env or discover()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(dist_env.local_rank % torch.cuda.device_count())
+    else:
+        cpu_bridge.install()
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if torch.cuda.is_available() else "gloo",
+            init_method=f"tcp://{dist_env.master_addr}:{dist_env.master_port}",
+            rank=dist_env.rank,
+            world_size=dist_env.world_size,
+        )
+    return dist_env
+
+
+def init_model_parallel(config: RunConfig) -> None:
+    """(Re)build Megatron's tensor/pipeline/data-parallel groups for ``config``."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    p = config.parallel
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=p.tensor_parallel,
+        pipeline_model_parallel_size=p.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline,
+    )
+
+
+def init_single_process(config: RunConfig | None = None) -> None:
+    """A world of one (no network) with TP=PP=1 groups: for tools and tests that only
+    build models, such as the parameter counter."""
+    if not dist.is_initialized():
+        cpu_bridge.install()
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    init_model_parallel(config or RunConfig())

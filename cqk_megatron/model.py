@@ -1,0 +1,93 @@
+"""Build this rank's Megatron ``GPTModel`` from a ``RunConfig``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from cqk_megatron.config import RunConfig
+from cqk_megatron.specs import layer_spec_from_config
+
+# fp64 is for numerical checks on CPU (layout equivalence far below fp32 rounding).
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+
+
+def transformer_config(config: RunConfig) -> TransformerConfig:
+    """Megatron's ``TransformerConfig`` for our model, layout and precision."""
+    m, p = config.model, config.parallel
+    on_gpu = torch.cuda.is_available()
+    bf16 = config.train.precision == "bf16"
+    dtype = PRECISIONS[config.train.precision]
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.kv_heads,
+        kv_channels=m.head_dim,
+        ffn_hidden_size=m.ffn_size,
+        normalization=m.normalization,
+        layernorm_epsilon=m.layernorm_epsilon,
+        gated_linear_unit=m.swiglu,
+        activation_func=F.silu if m.swiglu else F.gelu,
+        add_bias_linear=False,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        tensor_model_parallel_size=p.tensor_parallel,
+        pipeline_model_parallel_size=p.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline,
+        sequence_parallel=p.sequence_parallel,
+        bf16=bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        # CPU: initialise full weights then slice, so every TP layout starts identical.
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        cross_entropy_loss_fusion=False,
+        deallocate_pipeline_outputs=False,
+    )
+
+
+def build_model(
+    config: RunConfig,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    vp_stage: int | None = None,
+) -> GPTModel:
+    """The ``GPTModel`` for this rank's pipeline stage (parallel_state must be set up)."""
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(
+            ignore_virtual=False, vp_stage=vp_stage
+        )
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(
+            ignore_virtual=False, vp_stage=vp_stage
+        )
+    model = GPTModel(
+        config=transformer_config(config),
+        transformer_layer_spec=layer_spec_from_config(config),
+        vocab_size=config.model.padded_vocab_size,
+        max_sequence_length=config.model.seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=config.model.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=config.model.rotary_base,
+        vp_stage=vp_stage,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

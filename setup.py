@@ -1,0 +1,33 @@
+"""cqk-megatron: Coupled Query-Key Dynamics and Differential Attention on Megatron-Core.
+
+Ranges here are what a GPU cluster can satisfy (newer torch and megatron-core there);
+``constraints.txt`` pins the exact CPU versions that CI and the README's commands use.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="cqk-megatron",
+    version="0.1.0",
+    description="Coupled QK dynamics and Differential Attention at scale on Megatron-Core",
+    python_requires=">=3.10",
+    packages=find_packages(include=["cqk_megatron", "cqk_megatron.*"]),
+    install_requires=[
+        # torch is installed first and explicitly by scripts/install.sh (a CPU build here);
+        # >=2.5 for scaled_dot_product_attention(enable_gqa=...).
+        "torch>=2.5",
+        "megatron-core>=0.16.1",
+        "pyyaml>=6",
+        "numpy>=1.24",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "deepspeed": ["deepspeed>=0.16"],
+        "dev": ["pytest>=8", "ruff>=0.6"],
+    },
+    entry_points={
+        "console_scripts": [
+            "cqk-params=cqk_megatron.params:main",
+        ],
+    },
+)
