@@ -23,11 +23,13 @@ setup(
     ],
     extras_require={
         "deepspeed": ["deepspeed>=0.16"],
+        "logging": ["wandb>=0.17", "tensorboard>=2.14"],
         "dev": ["pytest>=8", "ruff>=0.6"],
     },
     entry_points={
         "console_scripts": [
             "cqk-params=cqk_megatron.params:main",
+            "cqk-train=cqk_megatron.train:main",
         ],
     },
 )

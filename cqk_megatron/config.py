@@ -126,11 +126,70 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    """Batch sizes and numerics (the training loop's own options are added with it)."""
+    """The training loop: batches, optimiser, schedule, engine, evaluation, checkpoints."""
 
     micro_batch_size: int = 2
     global_batch_size: int = 8
     precision: str = "fp32"  # fp32 | bf16 | fp64 (numerical checks on CPU)
+    train_steps: int = 100
+    # AdamW
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # 0 disables clipping
+    # learning-rate schedule: warmup then cosine | wsd (warmup-stable-decay) | constant
+    lr_schedule: str = "cosine"
+    warmup_steps: int = 10
+    wsd_decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly
+    # data-parallel engine: deepspeed (ZeRO) | megatron (distributed optimizer, GPU only)
+    engine: str = "deepspeed"
+    zero_stage: int = 1
+    offload_optimizer: bool = False
+    # evaluation and checkpoints (in optimizer steps)
+    eval_interval: int = 50
+    eval_iters: int = 4  # global batches of the validation split per evaluation
+    save_interval: int = 100
+    keep_last: int = 3
+    checkpoint_hashes: bool = True  # sha256 of every file in the manifest (else sizes only)
+    # robustness
+    max_nan_steps: int = 5  # abort after this many skipped (non-finite) steps in a row
+    wall_clock_budget_s: float | None = None  # checkpoint and exit for requeue after this
+    exit_after_steps: int | None = None  # checkpoint and exit for requeue at this step
+    init_from: str | None = None  # weights-only checkpoint to start from (any layout)
+    log_interval: int = 1
+
+
+@dataclass
+class LogConfig:
+    """Where a run writes: ``root/name`` holds config, metrics, checkpoints, logs."""
+
+    root: str = "runs"
+    wandb_mode: str = "offline"  # offline | online | disabled (online needs WANDB_API_KEY)
+    wandb_project: str = "cqk-megatron"
+    tags: list[str] = field(default_factory=list)
+    tensorboard: bool = False
+    progress_bar: str = "auto"  # auto (only on a terminal) | on | off
+
+
+@dataclass
+class DataConfig:
+    """Indexed ``.bin/.idx`` datasets read through Megatron's ``BlendedMegatronDatasetBuilder``.
+
+    ``prefixes`` are dataset path prefixes (without ``.bin``/``.idx``); ``weights`` blend
+    them (None: proportional to size). ``split`` is Megatron's train/valid/test split
+    string. ``mock: true`` uses Megatron's mock GPT dataset (tests, smoke runs).
+    """
+
+    prefixes: list[str] = field(default_factory=list)
+    weights: list[float] | None = None
+    split: str = "969,30,1"
+    tokenizer: str | None = None  # SentencePiece .model (or a Hugging Face tokenizer folder)
+    mock: bool = False
+    num_workers: int = 0
+    cache_dir: str | None = None  # Megatron's index cache; None: next to the run
 
 
 @dataclass
@@ -142,6 +201,8 @@ class RunConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
 
 # ---------------------------------------------------------------------------------------
@@ -170,6 +231,11 @@ def _coerce(value: Any, annotation: Any, dotted: str, source: str) -> Any:
             return float(value)
         except ValueError:
             pass
+    if typing.get_origin(annotation) is list:
+        (item,) = typing.get_args(annotation)
+        if not isinstance(value, list):
+            raise ConfigError(f"{source}: '{dotted}' must be a list, got {value!r}")
+        return [_coerce(v, item, f"{dotted}[{i}]", source) for i, v in enumerate(value)]
     if annotation in (int, float, bool, str):
         ok = isinstance(value, annotation) and not (annotation is int and isinstance(value, bool))
         if not ok:
@@ -286,6 +352,14 @@ def save_config(config: RunConfig, path: str | Path) -> None:
 # ---------------------------------------------------------------------------------------
 
 
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
 def validate(config: RunConfig, world_size: int | None = None) -> RunConfig:
     """Refuse configs that cannot work; every message names the field and the fix.
 
@@ -307,6 +381,39 @@ def validate(config: RunConfig, world_size: int | None = None) -> RunConfig:
     choice(m.normalization, ("RMSNorm", "LayerNorm"), "model.normalization")
     choice(t.precision, ("fp32", "bf16", "fp64"), "train.precision")
     choice(config.backend, ("local", "transformer_engine"), "backend")
+    choice(t.lr_schedule, ("cosine", "wsd", "constant"), "train.lr_schedule")
+    choice(t.engine, ("deepspeed", "megatron"), "train.engine")
+    choice(config.log.wandb_mode, ("offline", "online", "disabled"), "log.wandb_mode")
+    choice(config.log.progress_bar, ("auto", "on", "off"), "log.progress_bar")
+    check(t.zero_stage in (1, 2, 3), f"train.zero_stage={t.zero_stage} must be 1, 2 or 3")
+    check(
+        t.lr > 0 and 0 <= t.min_lr <= t.lr, "train.lr must be positive and train.min_lr in [0, lr]"
+    )
+    check(t.warmup_steps >= 0, "train.warmup_steps must be >= 0")
+    check(0 < t.wsd_decay_fraction <= 1, "train.wsd_decay_fraction must be in (0, 1]")
+    check(t.clip_grad >= 0, "train.clip_grad must be >= 0 (0 disables clipping)")
+    check(t.train_steps >= 1, "train.train_steps must be at least 1")
+    check(t.keep_last >= 1, "train.keep_last must be at least 1")
+    for dotted, value in [
+        ("train.eval_interval", t.eval_interval),
+        ("train.save_interval", t.save_interval),
+        ("train.log_interval", t.log_interval),
+        ("train.max_nan_steps", t.max_nan_steps),
+    ]:
+        check(value >= 1, f"{dotted}={value} must be at least 1")
+    d = config.data
+    if d.weights is not None:
+        check(
+            len(d.weights) == len(d.prefixes),
+            f"data.weights has {len(d.weights)} entries but data.prefixes has "
+            f"{len(d.prefixes)}; give one weight per prefix (or none)",
+        )
+        check(all(w > 0 for w in d.weights), "data.weights must all be positive")
+    split = d.split.split(",")
+    check(
+        len(split) == 3 and all(x.strip().replace(".", "", 1).isdigit() for x in split),
+        f"data.split={d.split!r} must be three numbers 'train,valid,test', e.g. '969,30,1'",
+    )
 
     for dotted, value in [
         ("model.num_layers", m.num_layers),
@@ -363,6 +470,19 @@ def validate(config: RunConfig, world_size: int | None = None) -> RunConfig:
         0 <= m.hidden_dropout < 1 and 0 <= m.attention_dropout < 1,
         "model.hidden_dropout and model.attention_dropout must be in [0, 1)",
     )
+    if pp > 1 and t.engine == "deepspeed":
+        check(
+            t.zero_stage == 1,
+            f"train.zero_stage={t.zero_stage} with parallel.pipeline_parallel={pp}: ZeRO-2/3 "
+            "reduce gradients inside each backward, which Megatron's pipeline schedule drives "
+            "itself; use train.zero_stage=1 with pipeline parallelism",
+        )
+    if t.engine == "megatron":
+        check(
+            _cuda_available(),
+            "train.engine=megatron (Megatron's distributed optimizer) allocates its buffers on "
+            "CUDA and needs reduce-scatter, which gloo lacks; use train.engine=deepspeed on CPU",
+        )
     if p.sequence_parallel:
         check(
             m.seq_length % tp == 0,

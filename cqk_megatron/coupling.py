@@ -89,13 +89,17 @@ class HeadMLP(nn.Module):
 
 
 class PositiveStep(nn.Module):
-    """A learnable step size kept positive by a softplus: ``dt = softplus(raw)``."""
+    """A learnable step size kept positive by a softplus: ``dt = softplus(raw)``.
+
+    Stored with shape ``[1]``, not as a 0-dim scalar: DeepSpeed views every parameter as
+    bytes to broadcast it, which a 0-dim tensor cannot do.
+    """
 
     def __init__(self, init: float) -> None:
         super().__init__()
         if init <= 0:
             raise ValueError(f"dt_init must be positive, got {init}")
-        self.raw = nn.Parameter(torch.tensor(math.log(math.expm1(init))))
+        self.raw = nn.Parameter(torch.tensor([math.log(math.expm1(init))]))
 
     def forward(self) -> torch.Tensor:
         return F.softplus(self.raw)
@@ -315,10 +319,13 @@ class DifferentialScoring(nn.Module):
         """
         q1, q2 = q[:, 0::2], q[:, 1::2]
         k1, k2 = k[:, 0::2], k[:, 1::2]
-        kv_heads = v.shape[1]
-        # value heads 2j and 2j+1 side by side: [b, Hk/2, s, 2d]
-        v_pairs = v.unflatten(1, (kv_heads // 2, 2)).transpose(2, 3).flatten(-2)
-        return self.combine(attend(q1, k1, v_pairs), attend(q2, k2, v_pairs))
+        # The value of a differential head is value heads 2j and 2j+1 side by side. Each
+        # half is attended separately (four calls instead of two with a 2d-wide value):
+        # flash kernels need values as wide as queries.
+        v_even, v_odd = v[:, 0::2], v[:, 1::2]
+        out1 = torch.cat((attend(q1, k1, v_even), attend(q1, k1, v_odd)), dim=-1)
+        out2 = torch.cat((attend(q2, k2, v_even), attend(q2, k2, v_odd)), dim=-1)
+        return self.combine(out1, out2)
 
     def combine(self, out1: torch.Tensor, out2: torch.Tensor) -> torch.Tensor:
         """``(1 - lambda_init) RMSNorm(out1 - lambda out2)``; inputs ``[..., 2 head_dim]``."""

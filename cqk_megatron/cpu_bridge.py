@@ -4,7 +4,8 @@ Megatron hard-codes CUDA in a few spots that matter on a CPU/gloo run:
 ``torch.cuda.current_device()`` for the p2p shape exchange and receive buffers, for the
 RoPE frequencies and for the sequence-parallel gather buffers; ``torch.cuda.synchronize()``
 after ``batch_isend_irecv``; and the schedules' token counter made with
-``device="cuda"``. Instead of patching ``torch`` for everyone, each of those modules gets
+``device="cuda"``; and the distributed checkpoint writer's synchronize and flag tensors.
+Instead of patching ``torch`` for everyone, each of those modules gets
 its own view of ``torch`` in which these calls mean CPU; every other attribute is the
 real ``torch``. Nothing changes when CUDA is
 available. ``install()`` is idempotent; ``uninstall()`` restores the modules.
@@ -23,6 +24,8 @@ _PATCHED_MODULES = (
     "megatron.core.tensor_parallel.mappings",  # sequence-parallel gather/scatter buffers
     "megatron.core.tensor_parallel.layers",  # sequence-parallel all-gather buffer
     "megatron.core.utils",  # the global memory buffer used by those gathers
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",  # synchronize on save
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",  # "cuda" flag tensors
 )
 
 

@@ -71,6 +71,15 @@ def discover(env: dict[str, str] | None = None) -> DistEnv:
 def init_process_group(dist_env: DistEnv | None = None) -> DistEnv:
     """Start the default process group (NCCL on GPU, gloo on CPU), once."""
     dist_env = dist_env or discover()
+    # DeepSpeed reads these from the environment whatever launched us (srun sets none).
+    for name, value in (
+        ("RANK", dist_env.rank),
+        ("LOCAL_RANK", dist_env.local_rank),
+        ("WORLD_SIZE", dist_env.world_size),
+        ("MASTER_ADDR", dist_env.master_addr),
+        ("MASTER_PORT", dist_env.master_port),
+    ):
+        os.environ.setdefault(name, str(value))
     if torch.cuda.is_available():
         torch.cuda.set_device(dist_env.local_rank % torch.cuda.device_count())
     else:

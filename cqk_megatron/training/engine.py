@@ -1,0 +1,200 @@
+"""The DeepSpeed ZeRO engine around this rank's Megatron-Core model.
+
+Tensor and pipeline parallelism are Megatron's (its layers, ``parallel_state`` and
+schedules); data-parallel sharding of optimizer state and gradients is DeepSpeed ZeRO,
+given Megatron's groups through ``MegatronMpu``. Two ways to drive a step:
+
+- PP=1: DeepSpeed owns gradient accumulation: ``engine.backward`` then ``engine.step``
+  per micro-batch (ZeRO-2/3 reduce inside each backward, so this is the only way).
+- PP>1: Megatron's 1F1B schedule runs every micro-batch of the global batch (it calls
+  backward itself), then ``engine.allreduce_gradients()`` and ``engine.step()`` with
+  DeepSpeed's accumulation set to 1. Only ZeRO-1 allows that (``validate`` says so).
+
+DeepSpeed detects a non-finite gradient norm and skips the update; the engine reports
+it so the loop can count skipped steps.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from cqk_megatron.config import RunConfig
+from cqk_megatron.training.mpu import MegatronMpu
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean over the global batch's tokens (every rank gets it)
+    grad_norm: float
+    skipped: bool  # DeepSpeed skipped the update (non-finite gradients)
+
+
+def _lm_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    mask = loss_mask.to(per_token_loss.dtype)
+    return (per_token_loss * mask).sum() / mask.sum().clamp_min(1)
+
+
+def _forward(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-token loss on the last pipeline stage, hidden states elsewhere."""
+    return model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+
+def deepspeed_config(config: RunConfig, gradient_accumulation_steps: int) -> dict:
+    t = config.train
+    ds: dict = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
+        "gradient_clipping": t.clip_grad,
+        "zero_optimization": {"stage": t.zero_stage},
+        "bf16": {"enabled": t.precision == "bf16"},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if t.offload_optimizer:
+        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return ds
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on vectors and scalars (norms, biases, dt, lambda)."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def make_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Optimizer:
+    t = config.train
+    kwargs = {"lr": t.lr, "betas": (t.adam_beta1, t.adam_beta2), "eps": t.adam_eps}
+    groups = param_groups(model, t.weight_decay)
+    if t.offload_optimizer:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    if torch.cuda.is_available():
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(groups, adam_w_mode=True, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+class DeepSpeedEngine:
+    def __init__(self, model: torch.nn.Module, config: RunConfig) -> None:
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+        import deepspeed
+
+        self.config = config
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.pipelined = ps.get_pipeline_model_parallel_world_size() > 1
+        t = config.train
+        self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * self.dp_size)
+        accumulation = 1 if self.pipelined else self.num_micro_batches
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=make_optimizer(model, config),
+            config=deepspeed_config(config, accumulation),
+            mpu=MegatronMpu(),
+            dist_init_required=False,
+        )
+        self.model = model
+
+    # -- training ----------------------------------------------------------------------
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
+        self.engine.train()
+        skipped_before = self.engine.skipped_steps
+        if self.pipelined:
+            loss_sum = self._pipelined_backward(micro_batches)
+            self.engine.allreduce_gradients()
+            self.engine.step()
+        else:
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            for batch in micro_batches:
+                loss = _lm_loss(self.engine(**_model_inputs(batch)), batch["loss_mask"])
+                loss_sum += loss.detach().double()
+                self.engine.backward(loss)
+                self.engine.step()
+        grad_norm = self.engine.get_global_grad_norm()
+        return StepResult(
+            loss=self._global_mean_loss(loss_sum),
+            grad_norm=float("nan") if grad_norm is None else float(grad_norm),
+            skipped=self.engine.skipped_steps > skipped_before,
+        )
+
+    def _pipelined_backward(self, micro_batches) -> torch.Tensor:
+        outputs = self._run_schedule(micro_batches, forward_only=False)
+        return sum((o["loss"].double() for o in outputs), torch.zeros((), dtype=torch.float64))
+
+    def _run_schedule(self, micro_batches, forward_only: bool) -> list[dict]:
+        def forward_step(data_iterator, model):
+            batch = next(data_iterator)
+            output = _forward(model, batch)
+
+            def loss_func(per_token_loss):
+                loss = _lm_loss(per_token_loss, batch["loss_mask"])
+                return loss, {"loss": loss.detach().clone()}  # the schedule divides in place
+
+            return output, loss_func
+
+        m = self.config.model
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=self.model,
+            num_microbatches=len(micro_batches),
+            seq_length=m.seq_length,
+            micro_batch_size=self.config.train.micro_batch_size,
+            forward_only=forward_only,
+        )
+
+    def _global_mean_loss(self, loss_sum: torch.Tensor) -> float:
+        """Mean micro-batch loss over the data-parallel ranks (and from the last stage)."""
+        total = loss_sum.reshape(1).clone()
+        # Non-last pipeline stages hold 0; summing over the whole world counts each
+        # data-parallel replica's last stage once per tensor-parallel rank.
+        dist.all_reduce(total)
+        tp = ps.get_tensor_model_parallel_world_size()
+        return total.item() / (self.num_micro_batches * self.dp_size * tp)
+
+    # -- evaluation --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: list[dict[str, torch.Tensor]]) -> float:
+        self.engine.eval()
+        if self.pipelined:
+            outputs = self._run_schedule(micro_batches, forward_only=True)
+            loss_sum = sum(
+                (o["loss"].double() for o in outputs), torch.zeros((), dtype=torch.float64)
+            )
+        else:
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            for batch in micro_batches:
+                per_token = self.engine(**_model_inputs(batch))
+                loss_sum += _lm_loss(per_token, batch["loss_mask"]).double()
+        total = loss_sum.reshape(1).clone()
+        dist.all_reduce(total)
+        tp = ps.get_tensor_model_parallel_world_size()
+        return total.item() / (len(micro_batches) * self.dp_size * tp)
+
+
+def _model_inputs(batch: dict[str, torch.Tensor]) -> dict:
+    return {
+        "input_ids": batch["tokens"],
+        "position_ids": batch["position_ids"],
+        "attention_mask": None,
+        "labels": batch["labels"],
+    }

@@ -1,0 +1,30 @@
+"""Learning-rate schedules as pure functions of the step (so resume needs no state)."""
+
+from __future__ import annotations
+
+import math
+
+from cqk_megatron.config import TrainConfig
+
+
+def learning_rate(step: int, train: TrainConfig) -> float:
+    """The learning rate for optimizer step ``step`` (0-based).
+
+    ``cosine``: linear warmup to ``lr``, cosine decay to ``min_lr`` at ``train_steps``.
+    ``wsd``: warmup, constant ``lr``, then linear decay to ``min_lr`` over the last
+    ``wsd_decay_fraction`` of the steps. ``constant``: warmup, then ``lr``.
+    """
+    if train.warmup_steps and step < train.warmup_steps:
+        return train.lr * (step + 1) / train.warmup_steps
+    if train.lr_schedule == "constant":
+        return train.lr
+    if train.lr_schedule == "wsd":
+        decay_steps = max(1, round(train.wsd_decay_fraction * train.train_steps))
+        decay_start = train.train_steps - decay_steps
+        if step < decay_start:
+            return train.lr
+        progress = min(1.0, (step - decay_start + 1) / decay_steps)
+        return train.lr - (train.lr - train.min_lr) * progress
+    span = max(1, train.train_steps - train.warmup_steps)
+    progress = min(1.0, (step - train.warmup_steps) / span)
+    return train.min_lr + 0.5 * (train.lr - train.min_lr) * (1 + math.cos(math.pi * progress))

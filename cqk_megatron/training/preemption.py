@@ -1,0 +1,47 @@
+"""Stop cleanly on SIGTERM/SIGUSR1 or a wall-clock budget, with every rank agreeing.
+
+A signal only sets a flag; at the next step boundary all ranks all-reduce it (so a
+signal that reached one rank stops all of them at the same step), save a checkpoint
+and exit with ``EXIT_REQUEUE``, which tells the launcher to requeue the job.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+EXIT_REQUEUE = 75  # EX_TEMPFAIL: "try again", the launcher requeues
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopRequest:
+    def __init__(self, wall_clock_budget_s: float | None = None) -> None:
+        self.started = time.monotonic()
+        self.budget = wall_clock_budget_s
+        self.signalled: int | None = None
+        self._previous = {}
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        self.signalled = signum
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def local_reason(self) -> str | None:
+        if self.signalled is not None:
+            return signal.Signals(self.signalled).name
+        if self.budget is not None and time.monotonic() - self.started > self.budget:
+            return "wall-clock budget"
+        return None
+
+    def agreed(self) -> bool:
+        """Collective: True on every rank if any rank wants to stop."""
+        flag = torch.tensor([1.0 if self.local_reason() else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())

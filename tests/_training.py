@@ -1,0 +1,86 @@
+"""Workers that run the real training loop in spawned ranks (tests only)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from _synthetic import ProgressionDataset
+
+from cqk_megatron.config import RunConfig, load_config
+
+TINY = [
+    "model.vocab_size=64",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.seq_length=32",
+    "train.lr=3e-3",
+    "train.warmup_steps=2",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "train.eval_iters=2",
+    "log.wandb_mode=disabled",
+]
+
+
+def set_rank_env(rank: int, world_size: int, port: int) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        DS_ACCELERATOR="cpu",
+    )
+
+
+def synthetic_datasets(config: RunConfig):
+    m = config.model
+    return (
+        ProgressionDataset(m.vocab_size, m.seq_length, seed=0),
+        ProgressionDataset(m.vocab_size, m.seq_length, seed=1),
+    )
+
+
+def config_for(root: str, name: str, overrides: list[str]) -> RunConfig:
+    return load_config(None, [*TINY, f"name={name}", f"log.root={root}", *overrides])
+
+
+def train_runs(rank, world_size, port, root, runs) -> None:
+    """Train each ``(name, overrides[, resume])`` in turn; rank 0 appends the exit code
+    (or the error message) to ``root/name.exit``, one line per attempt."""
+    set_rank_env(rank, world_size, port)
+    from cqk_megatron.training.loop import TrainingError, train
+
+    for name, overrides, *resume in runs:
+        config = config_for(root, name, overrides)
+        try:
+            outcome = str(
+                train(
+                    config,
+                    resume=resume[0] if resume else "auto",
+                    datasets=synthetic_datasets(config),
+                )
+            )
+        except TrainingError as error:
+            outcome = f"error: {error}"
+        if rank == 0:
+            with Path(root, f"{name}.exit").open("a") as handle:
+                handle.write(outcome.replace("\n", " ") + "\n")
+
+
+def save_initial_weights(rank, world_size, port, root, overrides) -> None:
+    """Build the TP=1 model from the seed and save it as a weights-only checkpoint."""
+    set_rank_env(rank, world_size, port)
+    import torch
+
+    from cqk_megatron.distributed import init_model_parallel, init_process_group
+    from cqk_megatron.model import build_model
+    from cqk_megatron.training import checkpoint
+
+    config = config_for(root, "init", overrides)
+    init_process_group()
+    init_model_parallel(config)
+    torch.manual_seed(config.seed)
+    checkpoint.save_weights(Path(root, "init"), build_model(config), config)

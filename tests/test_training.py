@@ -1,0 +1,238 @@
+"""The training engine on CPU with gloo: layouts agree step by step, resume is exact,
+checkpoints move between layouts, signals checkpoint and requeue, bad checkpoints are
+refused, metrics and wandb/TensorBoard files are written, and every variant learns.
+
+Three spawns share the work (starting processes is the slow part on 2 cores):
+one rank (initial weights, DP=1 reference), two ranks (every parallel layout, resume),
+one rank (checkpoint loaded under TP=1, NaN abort, logging, every variant).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _multiproc import free_port, run_ranks
+from _training import save_initial_weights, train_runs
+
+from cqk_megatron.config import VARIANTS
+from cqk_megatron.training import checkpoint
+from cqk_megatron.training.preemption import EXIT_REQUEUE
+
+STEPS = 10
+LAYOUTS = {
+    "dp2-zero1": ["train.zero_stage=1"],
+    "dp2-zero2": ["train.zero_stage=2"],
+    "dp2-zero3": ["train.zero_stage=3"],
+    "tp2": ["parallel.tensor_parallel=2"],
+    "pp2": ["parallel.pipeline_parallel=2"],
+}
+VARIANT_STEPS = 60
+
+
+def records(root: Path, name: str, kind: str) -> list[dict]:
+    lines = (root / name / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def exits(root: Path, name: str) -> list[str]:
+    return (root / f"{name}.exit").read_text().split("\n")[:-1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("runs")
+    r = str(root)
+    # Clipping at 0.5 is active (gradient norms are ~1), so the global norm must agree too.
+    same = ["train.eval_interval=100", "train.save_interval=100", "train.clip_grad=0.5"]
+    layout_run = [*same, f"train.train_steps={STEPS}", f"train.init_from={r}/init"]
+    resume_run = [*same, "train.train_steps=8", "train.zero_stage=2", "train.lr_schedule=wsd"]
+    run_ranks(save_initial_weights, 1, r, [])
+    run_ranks(train_runs, 1, r, [("reference", layout_run)])
+    run_ranks(
+        train_runs,
+        2,
+        r,
+        [
+            *[(name, [*layout_run, *extra]) for name, extra in LAYOUTS.items()],
+            ("straight", resume_run),
+            ("resumed", [*resume_run, "train.exit_after_steps=4"]),
+            ("resumed", resume_run),
+            ("tp2-saved", [*same, "train.train_steps=4", "parallel.tensor_parallel=2"]),
+        ],
+    )
+    tp2_checkpoint = f"{r}/tp2-saved/checkpoints/iter_0000004"
+    variant_run = [*same, f"train.train_steps={VARIANT_STEPS}", "train.lr=1e-2"]
+    run_ranks(
+        train_runs,
+        1,
+        r,
+        [
+            ("tp1-loaded", [*same, "train.train_steps=4"], tp2_checkpoint),
+            (
+                "nan",
+                [
+                    *same,
+                    "train.train_steps=20",
+                    "train.lr=1e30",
+                    "train.warmup_steps=0",
+                    "train.clip_grad=0",
+                    "train.max_nan_steps=3",
+                ],
+            ),
+            (
+                "logged",
+                [
+                    *same,
+                    "train.train_steps=3",
+                    "log.wandb_mode=offline",
+                    "log.tensorboard=true",
+                    "train.eval_interval=2",
+                ],
+            ),
+            *[
+                (
+                    f"variant-{v}",
+                    [*variant_run, f"attention.coupling={c}", f"attention.scoring={s}"],
+                )
+                for v, (c, s) in VARIANTS.items()
+            ],
+        ],
+    )
+    return root
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_gives_the_reference_loss_curve(runs, layout):
+    reference = [r["loss"] for r in records(runs, "reference", "train")]
+    losses = [r["loss"] for r in records(runs, layout, "train")]
+    assert len(losses) == len(reference) == STEPS
+    for step, (loss, expected) in enumerate(zip(losses, reference, strict=True), 1):
+        assert abs(loss - expected) <= 1e-5 * abs(expected), f"step {step}: {loss} vs {expected}"
+    assert reference[-1] < reference[0] - 0.5  # and it trains
+
+
+def _module_state(run_dir: Path, step: int) -> dict:
+    path = run_dir / "checkpoints" / f"iter_{step:07d}" / "engine" / "pp0" / "ds"
+    return torch.load(path / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+
+
+def test_resume_is_exact(runs):
+    assert exits(runs, "resumed") == [str(EXIT_REQUEUE), "0"]
+    straight = records(runs, "straight", "train")
+    resumed = records(runs, "resumed", "train")
+    # steps 1-4, the stop, then 5-8: none repeated, none skipped, the same losses bit for bit
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
+    assert [r["lr"] for r in resumed] == [r["lr"] for r in straight]
+    a, b = _module_state(runs / "straight", 8), _module_state(runs / "resumed", 8)
+    assert a.keys() == b.keys()
+    tensors = [name for name in a if isinstance(a[name], torch.Tensor)]
+    assert len(tensors) > 10
+    for name in tensors:
+        assert torch.equal(a[name], b[name]), name
+    state, _ = checkpoint.load_trainer_state(runs / "resumed" / "checkpoints" / "iter_0000008")
+    assert state.consumed_samples == 8 * 8 and state.step == 8
+
+
+def test_tp2_checkpoint_loads_under_tp1_with_the_same_validation_loss(runs):
+    (saved,) = records(runs, "tp2-saved", "valid")
+    (loaded,) = records(runs, "tp1-loaded", "valid")
+    assert saved["step"] == loaded["step"] == 4
+    assert abs(saved["val_loss"] - loaded["val_loss"]) <= 1e-5 * saved["val_loss"]
+    assert records(runs, "tp1-loaded", "train") == []  # nothing left to train
+
+
+def test_non_finite_steps_are_skipped_then_abort(runs):
+    (outcome,) = exits(runs, "nan")
+    assert outcome.startswith("error: 3 steps in a row had non-finite gradients"), outcome
+    skipped = [r for r in records(runs, "nan", "train") if r["skipped"]]
+    assert len(skipped) == 3
+
+
+def test_metrics_wandb_and_tensorboard_are_written(runs):
+    train = records(runs, "logged", "train")
+    assert [r["step"] for r in train] == [1, 2, 3]
+    for key in ("tokens", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mem_gb"):
+        assert all(key in r for r in train), key
+    valid = records(runs, "logged", "valid")
+    assert [v["step"] for v in valid] == [2, 3] and valid[-1]["final"]
+    (summary,) = records(runs, "logged", "summary")
+    assert summary["params_total"] > summary["params_non_embedding"] > 0
+    offline = list((runs / "logged" / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1 and list(offline[0].glob("run-*.wandb"))
+    assert list((runs / "logged" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_variant_learns(runs, variant):
+    losses = [r["loss"] for r in records(runs, f"variant-{variant}", "train")]
+    assert len(losses) == VARIANT_STEPS
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.6 * first, (first, last)
+
+
+def test_corrupted_checkpoint_is_refused_and_the_previous_one_used(runs):
+    checkpoints = runs / "resumed" / "checkpoints"
+    newest = checkpoints / "iter_0000008"
+    victim = next((newest / "model").glob("*.distcp"))
+    victim.write_bytes(victim.read_bytes()[:-10])  # truncated
+    folder, refused = checkpoint.find_resumable(checkpoints)
+    assert folder == checkpoints / "iter_0000004"
+    assert "truncated" in refused[0] and victim.name in refused[0]
+    with pytest.raises(checkpoint.CheckpointError, match="manifest"):
+        checkpoint.verify(newest)
+    half_written = checkpoints / "iter_0000009"
+    half_written.mkdir()
+    folder, refused = checkpoint.find_resumable(checkpoints)
+    assert folder == checkpoints / "iter_0000004"
+    assert "never completed" in refused[0]
+
+
+def test_sigterm_checkpoints_and_requeues_then_resumes(tmp_path):
+    script = Path(__file__).with_name("_train_script.py")
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "DS_ACCELERATOR": "cpu"}
+    args = [
+        sys.executable,
+        str(script),
+        str(tmp_path),
+        "sig",
+        "train.train_steps=400",
+        "train.eval_interval=1000",
+        "train.save_interval=1000",
+    ]
+    process = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    metrics = tmp_path / "sig" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=240)[0].decode()
+    assert process.returncode == EXIT_REQUEUE, output[-2000:]
+    folder, refused = checkpoint.find_resumable(tmp_path / "sig" / "checkpoints")
+    assert folder is not None and refused == []
+    stopped_at = checkpoint.verify(folder)
+    assert 3 <= stopped_at < 400
+    assert "SIGTERM" in output
+    finish = subprocess.run(
+        [*args[:4], "train.train_steps=" + str(stopped_at + 2), *args[5:]],
+        env={**env, "MASTER_PORT": str(free_port())},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert finish.returncode == 0, finish.stdout[-2000:] + finish.stderr[-2000:]
+    assert f"at step {stopped_at}" in finish.stdout
+    steps = [
+        json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"train"' in line
+    ]
+    assert steps[-2:] == [stopped_at + 1, stopped_at + 2]
