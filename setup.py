@@ -30,6 +30,8 @@ setup(
         "console_scripts": [
             "cqk-params=cqk_megatron.params:main",
             "cqk-train=cqk_megatron.train:main",
+            "cqk-plan=cqk_megatron.perf.plan:main",
+            "cqk-bench=cqk_megatron.perf.bench:main",
         ],
     },
 )

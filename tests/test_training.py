@@ -160,12 +160,15 @@ def test_non_finite_steps_are_skipped_then_abort(runs):
 def test_metrics_wandb_and_tensorboard_are_written(runs):
     train = records(runs, "logged", "train")
     assert [r["step"] for r in train] == [1, 2, 3]
-    for key in ("tokens", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mem_gb"):
+    keys = ("tokens", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mem_gb", "tflops")
+    for key in keys:
         assert all(key in r for r in train), key
     valid = records(runs, "logged", "valid")
     assert [v["step"] for v in valid] == [2, 3] and valid[-1]["final"]
     (summary,) = records(runs, "logged", "summary")
     assert summary["params_total"] > summary["params_non_embedding"] > 0
+    assert summary["flops_per_token"] > 6 * summary["params_non_embedding"]
+    assert all(r["tflops"] > 0 and r["mfu"] is None for r in train)  # no GPU peak on CPU
     offline = list((runs / "logged" / "wandb").glob("offline-run-*"))
     assert len(offline) == 1 and list(offline[0].glob("run-*.wandb"))
     assert list((runs / "logged" / "tensorboard").glob("events.out.tfevents.*"))

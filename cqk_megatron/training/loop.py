@@ -17,6 +17,8 @@ from megatron.core import parallel_state as ps
 from cqk_megatron.config import RunConfig, save_config, validate
 from cqk_megatron.distributed import init_model_parallel, init_process_group
 from cqk_megatron.model import build_model
+from cqk_megatron.perf.flops import flops_per_token, mfu, peak_flops
+from cqk_megatron.perf.plan import check_fits, gpu_memory_bytes
 from cqk_megatron.training import checkpoint
 from cqk_megatron.training.engine import DeepSpeedEngine
 from cqk_megatron.training.lr_schedule import learning_rate
@@ -98,6 +100,9 @@ def train(config: RunConfig, resume: str = "auto", datasets=None) -> int:
         save_config(config, run_dir / "config.yaml")
     dist.barrier()
 
+    gpu_memory = gpu_memory_bytes()
+    if gpu_memory:  # refuse, with the numbers, a layout that cannot fit before building it
+        check_fits(config, world, gpu_memory).require()
     seed_everything(config.seed)
     model = build_model(config)
     state, folder = checkpoint.TrainerState(), None
@@ -136,6 +141,8 @@ def train(config: RunConfig, resume: str = "auto", datasets=None) -> int:
         )
     train_data, valid_data = datasets
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    train_flops_per_token = flops_per_token(config, training=True)
+    peak = peak_flops()
     logger = MetricsLogger(run_dir, config, enabled=rank == 0)
     logger.set_start(state.step)
     stop = StopRequest(t.wall_clock_budget_s)
@@ -155,6 +162,7 @@ def train(config: RunConfig, resume: str = "auto", datasets=None) -> int:
             state.tokens += t.global_batch_size * seq
             state.skipped_in_a_row = state.skipped_in_a_row + 1 if result.skipped else 0
             if state.step % t.log_interval == 0 or result.skipped:
+                tokens_per_s = t.global_batch_size * seq / step_time
                 logger.log(
                     {
                         "kind": "train",
@@ -163,8 +171,10 @@ def train(config: RunConfig, resume: str = "auto", datasets=None) -> int:
                         "loss": result.loss,
                         "lr": lr,
                         "grad_norm": result.grad_norm,
-                        "tokens_per_s": t.global_batch_size * seq / step_time,
+                        "tokens_per_s": tokens_per_s,
                         "step_time_s": step_time,
+                        "tflops": tokens_per_s * train_flops_per_token / world / 1e12,
+                        "mfu": mfu(tokens_per_s, config, peak, num_gpus=world),
                         "mem_gb": peak_memory_gb(),
                         "skipped": result.skipped,
                     }
@@ -202,6 +212,7 @@ def train(config: RunConfig, resume: str = "auto", datasets=None) -> int:
                 "kind": "summary",
                 "params_total": params_total,
                 "params_non_embedding": params_non_embedding,
+                "flops_per_token": train_flops_per_token,
                 "tokens": state.tokens,
                 "steps": state.step,
             }

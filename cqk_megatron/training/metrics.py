@@ -2,7 +2,8 @@
 progress bar on terminals (plain lines in logs).
 
 JSONL lines: ``{"kind": "train", step, tokens, loss, lr, grad_norm, tokens_per_s,
-step_time_s, tflops, mfu, mem_gb, skipped, time}``, ``{"kind": "valid", step, tokens,
+step_time_s, tflops (per device), mfu (None without a known GPU peak), mem_gb, skipped,
+time}``, ``{"kind": "valid", step, tokens,
 val_loss, val_ppl, time[, final]}`` and, when a run finishes, ``{"kind": "summary", ...}``.
 """
 

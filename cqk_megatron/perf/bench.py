@@ -1,0 +1,433 @@
+"""Benchmark the attention variants against standard attention, in one run.
+
+    python -m cqk_megatron.perf.bench [--config tiny|configs/models/350m.yaml]
+        [--variants standard,coupled,differential] [--steps 5] [--warmup 1]
+        [--micro-batch B] [--seq S] [--attention-only] [--optimizer adamw]
+        [--precision fp32|bf16] [--json out.json] [section.key=value ...]
+
+Builds the same model config with each variant (all resident at once), then times
+forward + backward (+ an optimizer step with ``--optimizer adamw``) interleaved,
+``A B C A B C ...``, for ``--steps`` rounds after ``--warmup`` rounds, so that drift in
+the machine's speed hits every variant alike. Reported per variant: the median step
+time, tokens/s, the ratio to standard attention (the median over rounds of the
+per-round ratio), model FLOPs per token and MFU (GPU), and memory:
+
+- ``act MiB``: bytes autograd keeps for the backward, measured with a saved-tensor
+  hook in one extra untimed forward (the only per-variant measure on CPU, where PyTorch
+  has no allocator statistics); ``est MiB`` is the planner's estimate of the same.
+- ``step MiB`` (GPU): ``torch.cuda.max_memory_allocated`` during a step above what was
+  allocated before it (activations, gradients, temporaries).
+
+``--attention-only`` times one ``QKSelfAttention`` layer instead of the model.
+On GPU the model is built in bf16 (``train.precision=bf16``) unless ``--precision``
+says otherwise; on CPU in the config's precision (fp32 by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from cqk_megatron.config import VARIANTS, ConfigError, RunConfig, load_config, validate
+from cqk_megatron.perf.flops import flops_breakdown, flops_per_token, mfu, peak_flops
+from cqk_megatron.perf.measure import saved_activation_bytes
+from cqk_megatron.perf.memory import activation_estimate
+
+# Small enough for a 2-core CPU, with the real models' head_dim of 64.
+TINY = [
+    "model.num_layers=4",
+    "model.hidden_size=256",
+    "model.num_attention_heads=4",
+    "model.seq_length=256",
+    "model.vocab_size=4096",
+]
+DEFAULT_VARIANTS = "standard,coupled,differential"
+MIB = 2**20
+
+
+def load_bench_config(spec: str, overrides: list[str] | None = None) -> RunConfig:
+    """``tiny`` (the built-in CPU size) or a YAML path, with overrides."""
+    if spec == "tiny":
+        return load_config(None, [*TINY, *(overrides or [])])
+    return load_config(spec, overrides)
+
+
+def variant_of(config: RunConfig, variant: str) -> RunConfig:
+    """``config`` with ``variant``'s (coupling, scoring), on one process."""
+    coupling, scoring = VARIANTS[variant]
+    attention = dataclasses.replace(config.attention, coupling=coupling, scoring=scoring)
+    parallel = dataclasses.replace(
+        config.parallel, tensor_parallel=1, pipeline_parallel=1, virtual_pipeline=None
+    )
+    parallel = dataclasses.replace(parallel, sequence_parallel=False, world_size=1)
+    return validate(dataclasses.replace(config, attention=attention, parallel=parallel))
+
+
+def init_world(config: RunConfig) -> torch.device:
+    """A world of one: NCCL on GPU (gloo on CPU), Megatron groups, CUDA RNG tracker."""
+    import torch.distributed as dist
+
+    from cqk_megatron.distributed import init_single_process
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    init_single_process(config)
+    if torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        # Megatron initialises weights on GPU under its model-parallel RNG tracker
+        tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def sdpa_kernel_for(config: RunConfig, device: torch.device) -> str:
+    """Which SDPA path the planner should assume: PyTorch's CPU flash kernel needs
+    values as wide as queries, so differential attention takes the math path on CPU."""
+    if device.type == "cpu" and config.attention.scoring == "differential":
+        return "math"
+    return "fused"
+
+
+@dataclass
+class Workload:
+    """One variant, ready to run: ``step()`` does forward + backward (+ optimizer)."""
+
+    variant: str
+    config: RunConfig
+    module: torch.nn.Module
+    step: Callable[[], None]
+    forward: Callable[[], torch.Tensor]
+    parameters: int
+    times: list[float] = field(default_factory=list)
+    step_bytes: list[int] = field(default_factory=list)
+    activation_bytes: int = 0
+
+
+def build_workload(
+    config: RunConfig,
+    variant: str,
+    micro_batch: int,
+    device: torch.device,
+    attention_only: bool = False,
+    optimizer: str = "none",
+) -> Workload:
+    from cqk_megatron.model import build_model
+
+    config = variant_of(config, variant)
+    seq, hidden = config.model.seq_length, config.model.hidden_size
+    torch.manual_seed(config.seed)
+    if attention_only:
+        config_one = dataclasses.replace(
+            config, model=dataclasses.replace(config.model, num_layers=1)
+        )
+        model = build_model(config_one)
+        module = model.decoder.layers[0].self_attention
+        dtype = next(module.parameters()).dtype
+        hidden_states = torch.randn(
+            seq, micro_batch, hidden, device=device, dtype=dtype, requires_grad=True
+        )
+        rotary = model.rotary_pos_emb(seq)
+
+        def forward() -> torch.Tensor:
+            output, _ = module(hidden_states, None, rotary_pos_emb=rotary)
+            return output.float().square().mean()
+
+    else:
+        module = build_model(config)
+        generator = torch.Generator().manual_seed(config.seed)
+        tokens = torch.randint(
+            0, config.model.vocab_size, (micro_batch, seq), generator=generator
+        ).to(device)
+        positions = torch.arange(seq, device=device).expand(micro_batch, seq)
+
+        def forward() -> torch.Tensor:
+            return module(tokens, positions, None, labels=tokens).float().mean()
+
+    if config.train.precision == "bf16":
+        # Megatron's norms are created in fp32; its Float16Module casts the whole model to
+        # bf16 before training, and so do we (else RMSNorm misses its fused kernel)
+        module.bfloat16()
+    module.train()
+    opt = None
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-5, foreach=True)
+    elif optimizer != "none":
+        raise ValueError(f"optimizer {optimizer!r}: choose none or adamw")
+
+    def step() -> None:
+        forward().backward()
+        if opt is not None:
+            opt.step()
+        module.zero_grad(set_to_none=True)  # next step allocates its gradients afresh
+        if attention_only:
+            hidden_states.grad = None
+
+    parameters = sum(p.numel() for p in module.parameters())
+    return Workload(variant, config, module, step, forward, parameters)
+
+
+def attention_layer_flops(config: RunConfig, seq: int) -> float:
+    """Forward FLOPs per token of one attention layer (projections, scores, coupling)."""
+    parts = flops_breakdown(config, seq)
+    names = ("qkv", "attention_proj", "attention_scores", "attention_context", "coupling")
+    return sum(parts[name] for name in names) / config.model.num_layers
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def timed_step(work: Workload, device: torch.device, clock: str = "wall") -> None:
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    now = CLOCKS[clock]
+    start = now()
+    work.step()
+    _sync(device)
+    work.times.append(now() - start)
+    if device.type == "cuda":
+        work.step_bytes.append(torch.cuda.max_memory_allocated(device) - before)
+
+
+def run_benchmark(
+    config: RunConfig,
+    variants: list[str],
+    rounds: int = 5,
+    warmup: int = 1,
+    micro_batch: int | None = None,
+    attention_only: bool = False,
+    optimizer: str = "none",
+    device: torch.device | None = None,
+    clock: str = "wall",
+    log: Callable[[str], None] = lambda line: None,
+) -> dict:
+    """Interleaved timing of ``variants``; returns ``{"meta": ..., "rows": [...]}``.
+
+    ``clock="cpu"`` times with the process's CPU time (CPU only: on a machine shared
+    with other jobs it counts the work done, not the waiting for a core).
+    """
+    if rounds < 1 or warmup < 0:
+        raise ValueError("need at least 1 round and a non-negative warm-up")
+    if clock not in CLOCKS:
+        raise ValueError(f"clock {clock!r}: choose one of {list(CLOCKS)}")
+    device = device or init_world(config)
+    if clock == "cpu" and device.type == "cuda":
+        raise ValueError("clock=cpu measures host CPU time; use the wall clock on GPU")
+    micro_batch = micro_batch or config.train.micro_batch_size
+    seq = config.model.seq_length
+    tokens = micro_batch * seq
+    works = []
+    for variant in variants:
+        log(f"building {variant}")
+        works.append(
+            build_workload(config, variant, micro_batch, device, attention_only, optimizer)
+        )
+    for work in works:  # activation bytes, measured apart from the timed steps
+        work.activation_bytes = saved_activation_bytes(work.module, work.forward)
+    for round_index in range(warmup + rounds):
+        for work in works:
+            timed_step(work, device, clock)
+            if round_index < warmup:
+                work.times.pop()
+                if work.step_bytes:
+                    work.step_bytes.pop()
+        log(f"round {round_index + 1 - warmup}/{rounds}" if round_index >= warmup else "warm-up")
+
+    baseline = next((w for w in works if w.variant == "standard"), works[0])
+    peak = peak_flops() if device.type == "cuda" else None
+    precision = config.train.precision
+    rows = []
+    for work in works:
+        median = statistics.median(work.times)
+        ratio = statistics.median(t / b for t, b in zip(work.times, baseline.times, strict=True))
+        vconfig = work.config
+        tokens_per_s = tokens / median
+        if attention_only:
+            flops = 3 * attention_layer_flops(vconfig, seq)
+            estimate = None
+            utilisation = tokens_per_s * flops / peak if peak else None
+        else:
+            flops = flops_per_token(vconfig, training=True, seq_length=seq)
+            act = activation_estimate(
+                vconfig, micro_batch, seq, sdpa_kernel=sdpa_kernel_for(vconfig, device)
+            )
+            estimate = (
+                vconfig.model.num_layers * act.layer_bytes + act.embedding_bytes + act.output_bytes
+            )
+            utilisation = mfu(tokens_per_s, vconfig, peak, seq_length=seq)
+        rows.append(
+            {
+                "variant": work.variant,
+                "parameters": work.parameters,
+                "step_ms": 1000 * median,
+                "step_ms_all": [1000 * t for t in work.times],
+                "tokens_per_s": tokens_per_s,
+                "ratio": ratio,
+                "gflop_per_token": flops / 1e9,
+                "mfu": utilisation,
+                "activation_mib": work.activation_bytes / MIB,
+                "activation_estimate_mib": None if estimate is None else estimate / MIB,
+                "step_peak_mib": max(work.step_bytes) / MIB if work.step_bytes else None,
+            }
+        )
+    meta = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "threads": torch.get_num_threads(),
+        "precision": precision,
+        "layers": config.model.num_layers,
+        "hidden": config.model.hidden_size,
+        "heads": config.model.num_attention_heads,
+        "kv_heads": config.model.kv_heads,
+        "micro_batch": micro_batch,
+        "seq": seq,
+        "rounds": rounds,
+        "warmup": warmup,
+        "attention_only": attention_only,
+        "optimizer": optimizer,
+        "clock": clock,
+        "baseline": baseline.variant,
+        "peak_flops": peak,
+    }
+    return {"meta": meta, "rows": rows}
+
+
+def _cell(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_report(result: dict) -> str:
+    meta, rows = result["meta"], result["rows"]
+    what = "one attention layer" if meta["attention_only"] else f"{meta['layers']} layers"
+    step = "forward+backward" + ("+AdamW" if meta["optimizer"] == "adamw" else "")
+    lines = [
+        f"{what}, hidden {meta['hidden']}, {meta['heads']} heads ({meta['kv_heads']} kv), "
+        f"micro-batch {meta['micro_batch']} x seq {meta['seq']}, {meta['precision']} on "
+        f"{meta['device']} ({meta['threads']} threads); {step}, {meta['rounds']} interleaved "
+        f"rounds after {meta['warmup']} warm-up; {meta['clock']} clock",
+        f"{'variant':<24}{'step ms':>10}{'tokens/s':>11}{'ratio':>8}{'GFLOP/tok':>11}"
+        f"{'MFU':>7}{'act MiB':>9}{'est MiB':>9}{'step MiB':>10}",
+    ]
+    for row in rows:
+        lines.append(
+            f"{row['variant']:<24}{row['step_ms']:>10.1f}{row['tokens_per_s']:>11.0f}"
+            f"{row['ratio']:>8.3f}{row['gflop_per_token']:>11.3f}"
+            f"{_cell(row['mfu'] and 100 * row['mfu'], '.1f'):>7}"
+            f"{row['activation_mib']:>9.1f}{_cell(row['activation_estimate_mib'], '.1f'):>9}"
+            f"{_cell(row['step_peak_mib'], '.0f'):>10}"
+        )
+    lines.append(
+        f"ratio: median over rounds of step time / {meta['baseline']}'s in the same round; "
+        "MFU (%): model FLOPs (3 x forward matmuls) over the GPU's dense bf16 peak"
+    )
+    lines.append(
+        "act MiB: saved-tensor bytes of one forward (measured); est MiB: the planner's "
+        "estimate; step MiB (GPU): max_memory_allocated during a step above its start"
+    )
+    return "\n".join(lines)
+
+
+def write_json(result: dict, path: str) -> None:
+    """Write atomically: a temporary file in the same folder, renamed at the end."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    with os.fdopen(fd, "w") as handle:
+        json.dump(result, handle, indent=2)
+    os.replace(temp, target)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="tiny", help="tiny (default) or a YAML path")
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma-separated names")
+    parser.add_argument("--steps", type=int, default=5, help="timed rounds (default 5)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds (default 1)")
+    parser.add_argument("--micro-batch", type=int, default=None, help="default: config's")
+    parser.add_argument("--seq", type=int, default=None, help="default: model.seq_length")
+    parser.add_argument("--attention-only", action="store_true", help="one attention layer")
+    parser.add_argument("--optimizer", choices=("none", "adamw"), default="none")
+    parser.add_argument(
+        "--precision", choices=("fp32", "bf16"), default=None, help="default: bf16 on GPU"
+    )
+    parser.add_argument(
+        "--clock",
+        choices=tuple(CLOCKS),
+        default="wall",
+        help="wall (default) or cpu: process CPU time, for a CPU shared with other jobs",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("overrides", nargs="*", help="section.key=value config overrides")
+    return parser
+
+
+def parse_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> RunConfig:
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        parser.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    args.variant_list = variants
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be at least 1 and --warmup at least 0")
+    overrides = list(args.overrides)
+    if args.seq is not None:
+        overrides.append(f"model.seq_length={args.seq}")
+    precision = args.precision or ("bf16" if torch.cuda.is_available() else None)
+    if precision is not None:
+        overrides.append(f"train.precision={precision}")
+    try:
+        config = load_bench_config(args.config, overrides)
+        for variant in variants:
+            variant_of(config, variant)
+    except ConfigError as error:
+        parser.error(str(error))
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    config = parse_config(args, parser)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    result = run_benchmark(
+        config,
+        args.variant_list,
+        rounds=args.steps,
+        warmup=args.warmup,
+        micro_batch=args.micro_batch,
+        attention_only=args.attention_only,
+        optimizer=args.optimizer,
+        clock=args.clock,
+        log=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    print(format_report(result))
+    if args.json:
+        write_json(result, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

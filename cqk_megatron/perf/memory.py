@@ -1,0 +1,360 @@
+"""Memory of one GPU under a TP x PP x DP layout: parameters, gradients, optimizer
+states and activations, as pure functions of the ``RunConfig``.
+
+Parameters are counted tensor by tensor as Megatron-Core's ``GPTModel`` (local spec)
+allocates them on each rank; tests compare every count with built models.
+
+Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models"), whose ``s b h (34 + 5 a s / h)`` bytes per layer counts the
+tensors that autograd keeps for the backward. We count the same thing for this model,
+tensor by tensor (``activation_terms``), because its layer differs: RMSNorm keeps its
+input, normalised input and 1/rms; SwiGLU keeps the gate/up output, SiLU(gate), the
+``up`` operand and the product; there is no dropout (no masks); and SDPA's fused kernels
+(flash/cuDNN/memory-efficient on GPU, the flash kernel on CPU) keep q, k, v, the output
+and the log-sum-exp, never the ``s x s`` score matrix. PyTorch's math path (used when
+no fused kernel applies: e.g. differential attention on CPU, whose values are twice as
+wide as its queries) keeps the softmax probabilities: ``sdpa_kernel="math"``. The
+coupling keeps its MLP's input, hidden pre-activation and activation for every
+evaluation of ``f`` plus the operands of its ``dt`` products; differential attention
+keeps two attention outputs and its RMSNorm's tensors. A kept view keeps its whole
+storage alive: when SDPA keeps ``v``, a view of the fused QKV projection output, all of
+that output stays. Tensors over the hidden size are split by TP only with sequence
+parallelism; tensors over heads or the FFN width always are.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from cqk_megatron.config import RunConfig
+
+BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}
+ENGINES = ("ddp", "zero1", "zero2", "zero3", "distopt")
+RECOMPUTE = ("none", "selective", "full")
+SDPA_KERNELS = ("fused", "math")
+
+
+# ---------------------------------------------------------------------------------------
+# parameters
+# ---------------------------------------------------------------------------------------
+
+
+def norm_parameters(config: RunConfig) -> int:
+    """One norm over the hidden size: RMSNorm has a weight, LayerNorm a weight and bias."""
+    h = config.model.hidden_size
+    return h if config.model.normalization == "RMSNorm" else 2 * h
+
+
+def coupling_parameters(config: RunConfig) -> int:
+    """One layer's coupling (whole on every TP rank); see ``coupling.py`` for the nets.
+
+    ``f`` is ``d -> hidden`` with bias, then ``hidden -> d`` without; MLP-only splits the
+    hidden width between ``f_q`` and ``f_k`` (same count); the integrators add ``dt``.
+    Each invertible layer has two ``d -> hidden -> 2d`` nets with both biases.
+    """
+    a, d = config.attention, config.model.head_dim
+    hidden = a.coupling_hidden or d
+    if a.coupling == "none":
+        return 0
+    if a.coupling in ("euler", "hamiltonian", "mlp_only"):
+        return hidden * (2 * d + 1) + 1
+    if a.coupling == "invertible":
+        return a.invertible_layers * 2 * (hidden * (d + 1) + 2 * d * hidden + 2 * d)
+    raise ValueError(f"attention.coupling={a.coupling!r} has no parameter formula")
+
+
+def scoring_parameters(config: RunConfig) -> int:
+    """Differential attention: four lambda vectors of ``d`` and an RMSNorm over ``2d``."""
+    if config.attention.scoring == "standard":
+        return 0
+    return 4 * config.model.head_dim + 2 * config.model.head_dim
+
+
+def layer_parameters(config: RunConfig, tp: int = 1) -> int:
+    """One transformer layer on one TP rank (no biases: ``add_bias_linear=False``)."""
+    m = config.model
+    h, d, hq, hkv, f = m.hidden_size, m.head_dim, m.num_attention_heads, m.kv_heads, m.ffn_size
+    sharded = (
+        h * (hq + 2 * hkv) * d  # linear_qkv (column parallel)
+        + hq * d * h  # linear_proj (row parallel)
+        + h * f * (2 if m.swiglu else 1)  # linear_fc1: gate and up fused
+        + f * h  # linear_fc2
+    )
+    if sharded % tp:
+        raise ValueError(f"layer weights do not split evenly over tensor_parallel={tp}")
+    replicated = 2 * norm_parameters(config) + coupling_parameters(config)
+    return sharded // tp + replicated + scoring_parameters(config)
+
+
+def embedding_parameters(config: RunConfig, tp: int = 1) -> int:
+    return config.model.padded_vocab_size // tp * config.model.hidden_size
+
+
+def stage_parameters(
+    config: RunConfig, tp: int = 1, pp: int = 1, first: bool = True, last: bool = True
+) -> int:
+    """Parameters on one rank of a pipeline stage holding ``num_layers / pp`` layers.
+
+    The first stage has the word embeddings; the last the final norm and the output
+    layer, whose weight is the embedding's when tied and both are on one stage (a tied
+    output on a later stage keeps its own copy, kept equal by Megatron).
+    """
+    m = config.model
+    if m.num_layers % pp:
+        raise ValueError(f"model.num_layers={m.num_layers} does not split over pp={pp}")
+    total = m.num_layers // pp * layer_parameters(config, tp)
+    if first:
+        total += embedding_parameters(config, tp)
+    if last:
+        total += norm_parameters(config)
+        if not (m.tie_embeddings and first):
+            total += embedding_parameters(config, tp)
+    return total
+
+
+def total_parameters(config: RunConfig) -> int:
+    """Parameters of the whole model (TP = PP = 1)."""
+    return stage_parameters(config, 1, 1, first=True, last=True)
+
+
+# ---------------------------------------------------------------------------------------
+# model states: parameters, gradients, optimizer
+# ---------------------------------------------------------------------------------------
+
+
+def model_state_bytes(
+    parameters: int, precision: str, engine: str, dp: int, offload_optimizer: bool = False
+) -> dict[str, float]:
+    """Bytes of parameters, gradients and Adam states for ``parameters`` on one rank.
+
+    Mixed precision (bf16): bf16 parameters (2 B), fp32 gradients (4 B, Megatron's
+    ``main_grad`` / DeepSpeed's fp32 accumulation), fp32 master copy (4 B) and two fp32
+    Adam moments (8 B): 18 B per parameter unsharded. fp32 training has no master copy.
+    Sharding over the ``dp`` data-parallel ranks: ZeRO-1 and Megatron's distributed
+    optimizer shard master + moments; ZeRO-2 also gradients; ZeRO-3 also parameters.
+    ``offload_optimizer`` (DeepSpeed): master and moments live in CPU memory.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r} is unknown; choose one of {list(ENGINES)}")
+    param_bytes = BYTES[precision]
+    grad_bytes = max(4, param_bytes)
+    master_bytes = 4 if param_bytes < 4 else 0
+    moment_bytes = 2 * max(4, param_bytes)
+    shard_optimizer = engine in ("zero1", "zero2", "zero3", "distopt")
+    return {
+        "parameters": parameters * param_bytes / (dp if engine == "zero3" else 1),
+        "gradients": parameters * grad_bytes / (dp if engine in ("zero2", "zero3") else 1),
+        "optimizer": 0.0
+        if offload_optimizer
+        else parameters * (master_bytes + moment_bytes) / (dp if shard_optimizer else 1),
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# activations
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class ActivationTerm:
+    """Elements per token kept for the backward by one layer, before any TP split.
+
+    ``sharded``: split over TP always (heads, FFN width); otherwise only with sequence
+    parallelism. ``dtype``: ``act`` (the training precision) or ``fp32`` (log-sum-exp,
+    norm statistics, upcasts). ``group``: which recomputation drops it.
+    """
+
+    elements: float
+    sharded: bool = True
+    dtype: str = "act"
+    group: str = "layer"  # layer | core_attention | coupling
+
+
+def _coupling_terms(config: RunConfig) -> dict[str, ActivationTerm]:
+    m, a = config.model, config.attention
+    d, hq, hkv = m.head_dim, m.num_attention_heads, m.kv_heads
+    hidden = a.coupling_hidden or d
+
+    def mlp(rows: int, width: int) -> float:  # input, fc1 output (SiLU's input), SiLU output
+        return rows * (d + 2 * width)
+
+    kick, drift = hkv * d, hq * d  # the operands of the dt products
+    if a.coupling == "none":
+        per_call = 0.0
+    elif a.coupling == "euler":
+        per_call = a.steps * (mlp(hq, hidden) + kick + drift)
+    elif a.coupling == "hamiltonian":
+        per_call = a.steps * (2 * mlp(hq, hidden) + 2 * kick + drift)
+    elif a.coupling == "mlp_only":
+        h_q, h_k = hidden // 2, hidden - hidden // 2
+        per_call = a.steps * (mlp(hq, h_q) + hq * d + mlp(hkv, h_k) + hkv * d)
+    elif a.coupling == "invertible":
+        # per layer: two nets; tanh-bounded scales of q and k; exp(s1), exp(mean s2);
+        # k before its update; q before its update only in the first layer (later it is
+        # the previous layer's k-net input, already kept)
+        per_layer = 2 * mlp(hq, hidden) + 2 * hq * d + hq * d + 2 * hkv * d
+        per_call = a.invertible_layers * per_layer + hq * d
+    else:
+        raise ValueError(f"attention.coupling={a.coupling!r} has no activation formula")
+    return {"coupling": ActivationTerm(per_call, group="coupling")} if per_call else {}
+
+
+def _keeps_qkv_output(config: RunConfig, sdpa_kernel: str) -> bool:
+    """Whether a kept view of the fused QKV output keeps all of it alive.
+
+    Standard scoring gives SDPA ``v`` as a view; differential scoring copies the values
+    into pairs, but some couplings keep a view of the pre-RoPE ``k`` (MLP-only's ``f_k``
+    input, the invertible k update, Euler's ``dt * k`` without GQA).
+    """
+    m, a = config.model, config.attention
+    if a.scoring == "standard":
+        return True
+    return a.coupling in ("mlp_only", "invertible") or (
+        a.coupling == "euler" and m.kv_heads == m.num_attention_heads
+    )
+
+
+def activation_terms(
+    config: RunConfig, seq_length: int | None = None, sdpa_kernel: str = "fused"
+) -> dict[str, ActivationTerm]:
+    """What one transformer layer keeps for the backward, per token, by tensor."""
+    if sdpa_kernel not in SDPA_KERNELS:
+        raise ValueError(f"sdpa_kernel={sdpa_kernel!r}; choose one of {list(SDPA_KERNELS)}")
+    m, a = config.model, config.attention
+    h, d, hq, hkv, f = m.hidden_size, m.head_dim, m.num_attention_heads, m.kv_heads, m.ffn_size
+    s = seq_length or m.seq_length
+    stats = 1 if m.normalization == "RMSNorm" else 2  # 1/rms (and the mean for LayerNorm)
+    terms = {
+        # two norms (input and normalised input), their outputs as the linears' inputs
+        "norms": ActivationTerm(2 * 2 * h, sharded=False),
+        "norm_stats": ActivationTerm(2 * stats, sharded=False, dtype="fp32"),
+        "qkv_and_fc1_inputs": ActivationTerm(2 * h, sharded=False),
+        "proj_input": ActivationTerm(hq * d),
+        # SwiGLU: fc1 output [gate; up] (2f), SiLU(gate), up + offset, product = fc2 input
+        "mlp": ActivationTerm((2 + 1 + 1 + 1) * f if m.swiglu else 2 * f),
+    }
+    if _keeps_qkv_output(config, sdpa_kernel):
+        terms["qkv_output"] = ActivationTerm((hq + 2 * hkv) * d)
+    terms["q_k_after_rope"] = ActivationTerm((hq + hkv) * d, group="core_attention")
+    if a.scoring == "standard":
+        calls, q_heads, v_width, v_heads = 1, hq, d, hkv
+    else:
+        calls, q_heads, v_width, v_heads = 2, hq // 2, 2 * d, hkv // 2
+        terms["value_pairs"] = ActivationTerm(hkv * d, group="core_attention")
+        # RMSNorm over 2d of (A1 - lambda A2) v: the fp32 input, 1/rms, normalised output
+        terms["differential_norm"] = ActivationTerm(hq * d, dtype="fp32", group="core_attention")
+        terms["differential_norm_out"] = ActivationTerm(hq * d, group="core_attention")
+        terms["differential_norm_stats"] = ActivationTerm(
+            hq // 2, dtype="fp32", group="core_attention"
+        )
+    if sdpa_kernel == "fused":
+        terms["sdpa_output"] = ActivationTerm(calls * q_heads * v_width, group="core_attention")
+        terms["sdpa_logsumexp"] = ActivationTerm(
+            calls * q_heads, dtype="fp32", group="core_attention"
+        )
+    else:  # math path: scaled q, k and v expanded to the query heads, softmax probabilities
+        group = q_heads // v_heads
+        expanded = (q_heads * d + q_heads * v_width) if group > 1 else 0.0
+        terms["sdpa_math"] = ActivationTerm(
+            calls * (q_heads * d + expanded + q_heads * s), group="core_attention"
+        )
+    terms.update(_coupling_terms(config))
+    return terms
+
+
+@dataclass
+class ActivationEstimate:
+    """Bytes kept for the backward on one rank for one micro-batch, by part."""
+
+    per_layer: dict[str, float] = field(default_factory=dict)
+    layer_bytes: float = 0.0  # one layer, as stored under the recompute policy
+    full_layer_bytes: float = 0.0  # one layer without recomputation (full recompute's peak)
+    embedding_bytes: float = 0.0  # first stage
+    output_bytes: float = 0.0  # last stage: final norm, output-layer input, CE softmax
+    logits_transient_bytes: float = 0.0  # last stage: logits and their gradient in flight
+
+
+def activation_estimate(
+    config: RunConfig,
+    micro_batch: int,
+    seq_length: int | None = None,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    recompute_coupling: bool = False,
+    sdpa_kernel: str = "fused",
+) -> ActivationEstimate:
+    """Activation bytes for one micro-batch of ``micro_batch x seq_length`` tokens.
+
+    ``recompute``: ``none``; ``selective`` (Megatron's core-attention recomputation: the
+    SDPA outputs, log-sum-exp and differential norm are recomputed; its inputs are kept);
+    ``full`` (each layer keeps only its input, and one layer is rebuilt at a time).
+    ``recompute_coupling`` drops the coupling's intermediates (its inputs are kept anyway).
+    """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r}; choose one of {list(RECOMPUTE)}")
+    m = config.model
+    s = seq_length or m.seq_length
+    tokens = micro_batch * s
+    act = BYTES[config.train.precision]
+    split_hidden = tp if sequence_parallel else 1
+
+    def term_bytes(term: ActivationTerm) -> float:
+        size = act if term.dtype == "act" else max(4, act)
+        return term.elements * tokens * size / (tp if term.sharded else split_hidden)
+
+    terms = activation_terms(config, s, sdpa_kernel)
+    per_layer = {name: term_bytes(term) for name, term in terms.items()}
+    # RoPE's cos and sin, for q and for k, per position (not per token)
+    per_layer["rope_tables"] = 4 * s * m.head_dim * act
+    full_layer = sum(per_layer.values())
+    dropped = set()
+    if recompute == "selective":
+        dropped |= {n for n, t in terms.items() if t.group == "core_attention"}
+        dropped -= {"q_k_after_rope", "value_pairs"}  # the checkpoint keeps its inputs
+    if recompute_coupling:
+        dropped |= {n for n, t in terms.items() if t.group == "coupling"}
+    if recompute == "full":
+        layer = tokens * m.hidden_size * act / split_hidden  # the layer's input only
+    else:
+        layer = sum(v for n, v in per_layer.items() if n not in dropped)
+    h, vocab = m.hidden_size, m.padded_vocab_size // tp
+    stats = 1 if m.normalization == "RMSNorm" else 2
+    output = (
+        tokens
+        * (
+            (3 * h * act) / split_hidden  # final norm input and normalised, output-layer input
+            + stats * 4 / split_hidden
+            + vocab * 4  # the cross entropy keeps exp(logits - max) in fp32
+            + 1  # target mask (bool)
+        )
+        + micro_batch * s * 8
+    )  # masked targets (int64)
+    return ActivationEstimate(
+        per_layer=per_layer,
+        layer_bytes=layer,
+        full_layer_bytes=full_layer,
+        embedding_bytes=tokens * 8,  # token ids (int64) for the embedding backward
+        output_bytes=output,
+        # bf16 logits, their fp32 copy and the gradient cast back, beside the kept softmax
+        logits_transient_bytes=tokens * vocab * (act + 4),
+    )
+
+
+def microbatches_in_flight(
+    pp: int, stage: int, num_microbatches: int | None, vp: int | None = None
+) -> float:
+    """Layers' worth of activations a pipeline rank holds at its peak, in units of
+    ``num_layers / pp`` (its own layers for one micro-batch).
+
+    1F1B: stage ``i`` holds ``min(pp - i, M)`` micro-batches. Interleaved (``vp`` chunks
+    per rank): the first rank runs ``2 (pp - 1) + (vp - 1) pp`` warm-up chunk forwards
+    before its first backward, i.e. ``pp + (pp - 1) / vp`` stages' worth (Korthikanti
+    et al.: ``1 + (p - 1) / (p m)`` times the non-interleaved ``L`` layers).
+    """
+    m = num_microbatches if num_microbatches is not None else math.inf
+    if vp is None or vp == 1 or pp == 1:
+        return float(min(pp - stage, m))
+    chunks = 2 * (pp - 1 - stage) + (vp - 1) * pp + 1
+    return min(chunks, m * vp) / vp

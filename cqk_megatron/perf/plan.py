@@ -1,0 +1,548 @@
+"""Memory planner: will a layout fit, and which layouts fit?
+
+    python -m cqk_megatron.perf.plan --config configs/models/1b.yaml --gpus 8 --gpu-mem 80GiB
+        [--micro-batch 1] [--seq 2048] [--zero 1|2|3|distopt|all] [--recompute none|...]
+        [--tp 2 --pp 1] [--variant coupled] [--all] [section.key=value ...]
+
+With ``--tp/--pp`` it prints one layout stage by stage; otherwise every layout of
+``--gpus`` GPUs (TP in 1, 2, 4, 8; PP dividing the layers; DP = the rest; each ZeRO
+stage) and whether it fits. ``check_fits`` is what the training command calls before it
+launches. All numbers are per GPU, for the pipeline stage that needs the most.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+from dataclasses import dataclass, field
+
+from cqk_megatron.config import VARIANTS, ConfigError, RunConfig, load_config, validate
+from cqk_megatron.perf.memory import (
+    BYTES,
+    ENGINES,
+    RECOMPUTE,
+    activation_estimate,
+    layer_parameters,
+    microbatches_in_flight,
+    model_state_bytes,
+    stage_parameters,
+    total_parameters,
+)
+
+GIB = 2**30
+# CUDA context, NCCL buffers and allocator fragmentation: memory no estimate here covers.
+DEFAULT_RESERVE_BYTES = 4 * GIB
+TP_SIZES = (1, 2, 4, 8)
+# DeepSpeed partitions gradients (ZeRO-2) and parameters (ZeRO-3) per step, which its
+# pipeline engine refuses and Megatron's schedules do not drive: only ZeRO-1 and the
+# distributed optimizer are offered with PP > 1.
+ENGINES_WITH_PIPELINE = ("ddp", "zero1", "distopt")
+_ENGINE_ALIASES = {"0": "ddp", "1": "zero1", "2": "zero2", "3": "zero3"}
+
+
+class PlanError(ConfigError):
+    """A layout that cannot fit in GPU memory; the message carries the numbers."""
+
+
+def parse_bytes(text: str) -> int:
+    """``80GiB``, ``80GB``, ``512MiB`` or a plain number of bytes."""
+    units = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    units |= {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match[2].lower() not in units:
+        raise ValueError(f"cannot read a memory size from {text!r}; write e.g. 80GiB or 80GB")
+    return int(float(match[1]) * units[match[2].lower()])
+
+
+def normalize_engine(engine: str | int) -> str:
+    name = _ENGINE_ALIASES.get(str(engine), str(engine))
+    if name not in ENGINES:
+        raise ValueError(f"engine {engine!r} is unknown; choose one of {list(ENGINES)} or 0-3")
+    return name
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    engine: str = "distopt"
+    recompute: str = "none"
+    vp: int | None = None
+    sequence_parallel: bool = False
+
+    def describe(self) -> str:
+        vp = f" VP={self.vp}" if self.vp else ""
+        sp = " SP" if self.sequence_parallel else ""
+        return (
+            f"TP={self.tp} PP={self.pp}{vp} DP={self.dp}{sp} {self.engine} "
+            f"recompute={self.recompute}"
+        )
+
+
+@dataclass
+class StageMemory:
+    """Bytes on one GPU of pipeline stage ``stage``."""
+
+    stage: int
+    parameters: int
+    parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+
+@dataclass
+class PlanResult:
+    config_name: str
+    variant: str
+    layout: Layout
+    micro_batch: int
+    seq_length: int
+    gpu_mem_bytes: int
+    reserve_bytes: int
+    stages: list[StageMemory]
+    message: str = ""
+
+    @property
+    def worst(self) -> StageMemory:
+        return max(self.stages, key=lambda stage: stage.total)
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.gpu_mem_bytes - self.reserve_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.worst.total <= self.usable_bytes
+
+    def require(self) -> PlanResult:
+        """Raise ``PlanError`` with the numbers if the layout does not fit."""
+        if not self.fits:
+            raise PlanError(self.message)
+        return self
+
+
+def gib(value: float) -> str:
+    return f"{value / GIB:.1f} GiB"
+
+
+def _summary(result: PlanResult) -> str:
+    worst = result.worst
+    parts = ", ".join(f"{name} {gib(value)}" for name, value in worst.parts.items())
+    verdict = "fits" if result.fits else "does not fit"
+    return (
+        f"{result.config_name} ({result.variant}) {result.layout.describe()}, micro-batch "
+        f"{result.micro_batch} x seq {result.seq_length}: {verdict}: stage {worst.stage} "
+        f"needs {gib(worst.total)} ({parts}); usable {gib(result.usable_bytes)} of "
+        f"{gib(result.gpu_mem_bytes)} ({gib(result.reserve_bytes)} reserved)"
+    )
+
+
+def plan_layout(
+    config: RunConfig,
+    layout: Layout,
+    micro_batch: int,
+    gpu_mem_bytes: int,
+    seq_length: int | None = None,
+    num_microbatches: int | None = None,
+    reserve_bytes: int = DEFAULT_RESERVE_BYTES,
+    recompute_coupling: bool = False,
+    offload_optimizer: bool = False,
+    config_name: str = "model",
+) -> PlanResult:
+    """Memory of every pipeline stage of ``layout`` (``num_microbatches`` None: the
+    pipeline is full, the worst case)."""
+    m = config.model
+    seq = seq_length or m.seq_length
+    tp, pp = layout.tp, layout.pp
+    act = activation_estimate(
+        config,
+        micro_batch,
+        seq,
+        tp=tp,
+        sequence_parallel=layout.sequence_parallel,
+        recompute=layout.recompute,
+        recompute_coupling=recompute_coupling,
+    )
+    layers = m.num_layers // pp
+    offload = offload_optimizer and layout.engine.startswith("zero")  # DeepSpeed only
+    stages = []
+    for stage in range(pp):
+        first, last = stage == 0, stage == pp - 1
+        params = stage_parameters(config, tp, pp, first=first, last=last)
+        parts = model_state_bytes(params, config.train.precision, layout.engine, layout.dp, offload)
+        in_flight = microbatches_in_flight(pp, stage, num_microbatches, layout.vp)
+        one_microbatch = (
+            layers * act.layer_bytes
+            + (act.embedding_bytes if first else 0.0)
+            + (act.output_bytes if last else 0.0)
+        )
+        parts["activations"] = one_microbatch * in_flight
+        transient = max(
+            act.logits_transient_bytes if last else 0.0,
+            act.full_layer_bytes if layout.recompute == "full" else 0.0,
+        )
+        if layout.engine == "zero3":  # the gathered layer and the prefetched next one
+            transient += 2 * layer_parameters(config, tp) * BYTES[config.train.precision]
+        parts["transient"] = transient
+        stages.append(StageMemory(stage=stage, parameters=params, parts=parts))
+    result = PlanResult(
+        config_name=config_name,
+        variant=config.attention.variant,
+        layout=layout,
+        micro_batch=micro_batch,
+        seq_length=seq,
+        gpu_mem_bytes=gpu_mem_bytes,
+        reserve_bytes=reserve_bytes,
+        stages=stages,
+    )
+    result.message = _summary(result)
+    return result
+
+
+def _with_layout(config: RunConfig, tp: int, pp: int, vp: int | None, sp: bool) -> RunConfig:
+    """``config`` with this model-parallel layout, for ``validate``: the engine is the
+    planner's choice, so the copy names one that any layout accepts."""
+    parallel = dataclasses.replace(
+        config.parallel,
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        virtual_pipeline=vp,
+        sequence_parallel=sp,
+    )
+    train = config.train
+    if hasattr(train, "engine"):
+        train = dataclasses.replace(train, engine="deepspeed", zero_stage=1)
+    return dataclasses.replace(config, parallel=parallel, train=train)
+
+
+def engine_of(config: RunConfig) -> str:
+    """The planner's engine name for ``train.engine`` / ``train.zero_stage``."""
+    t = config.train
+    if getattr(t, "engine", "deepspeed") == "megatron":
+        return "distopt"
+    return normalize_engine(getattr(t, "zero_stage", 1))
+
+
+def enumerate_layouts(
+    config: RunConfig,
+    gpus: int,
+    engines: tuple[str, ...] = ("zero1", "zero2", "zero3", "distopt"),
+    recomputes: tuple[str, ...] = ("none",),
+    sequence_parallel: bool | None = None,
+) -> list[Layout]:
+    """Every valid layout of ``gpus`` GPUs: TP in 1, 2, 4, 8 (dividing the heads and key
+    groups), PP dividing the layers, DP the rest; ``sequence_parallel`` None: on when
+    TP > 1."""
+    layouts = []
+    for tp in TP_SIZES:
+        for pp in range(1, config.model.num_layers + 1):
+            if config.model.num_layers % pp or gpus % (tp * pp):
+                continue
+            sp = (tp > 1) if sequence_parallel is None else (sequence_parallel and tp > 1)
+            try:
+                validate(_with_layout(config, tp, pp, None, sp))
+            except ConfigError:
+                continue
+            for engine in engines:
+                if pp > 1 and engine not in ENGINES_WITH_PIPELINE:
+                    continue
+                for recompute in recomputes:
+                    layouts.append(Layout(tp, pp, gpus // (tp * pp), engine, recompute, None, sp))
+    return layouts
+
+
+def _microbatches(global_batch: int | None, micro_batch: int, dp: int) -> int | None:
+    """Micro-batches per step on each DP rank; None (a full pipeline) when unknown."""
+    if not global_batch:
+        return None
+    return global_batch // (micro_batch * dp) or None
+
+
+def plan_all(
+    config: RunConfig,
+    gpus: int,
+    gpu_mem_bytes: int,
+    micro_batch: int,
+    global_batch: int | None = None,
+    **options,
+) -> list[PlanResult]:
+    """``plan_layout`` for every layout of ``enumerate_layouts`` (whose options
+    ``engines``, ``recomputes``, ``sequence_parallel`` pass through)."""
+    layout_options = {
+        k: options.pop(k) for k in ("engines", "recomputes", "sequence_parallel") if k in options
+    }
+    return [
+        plan_layout(
+            config,
+            layout,
+            micro_batch,
+            gpu_mem_bytes,
+            num_microbatches=_microbatches(global_batch, micro_batch, layout.dp),
+            **options,
+        )
+        for layout in enumerate_layouts(config, gpus, **layout_options)
+    ]
+
+
+def gpu_memory_bytes() -> int | None:
+    """Total memory of the current CUDA device, None without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+def check_fits(
+    config: RunConfig,
+    world_size: int,
+    gpu_mem_bytes: int,
+    engine: str | int | None = None,
+    recompute: str | None = None,
+    reserve_bytes: int = DEFAULT_RESERVE_BYTES,
+    recompute_coupling: bool | None = None,
+) -> PlanResult:
+    """The plan of ``config``'s own layout on ``world_size`` GPUs (before launching).
+
+    ``result.fits`` says whether it fits, ``result.message`` gives the numbers (and, if it
+    does not fit, layouts of the same GPUs that do); ``result.require()`` raises
+    ``PlanError`` with that message. ``engine``: ``ddp``, ``zero1``-``zero3`` (or 0-3),
+    ``distopt``; None: from ``train.engine`` and ``train.zero_stage``. ``recompute``
+    None: ``config.train.recompute`` if the config has that field, else ``none``;
+    ``recompute_coupling`` None: ``config.attention.recompute_coupling`` likewise.
+    """
+    p, t = config.parallel, config.train
+    if recompute is None:
+        recompute = getattr(t, "recompute", "none")
+    if recompute_coupling is None:
+        recompute_coupling = bool(getattr(config.attention, "recompute_coupling", False))
+    if recompute not in RECOMPUTE:
+        raise ConfigError(f"recompute={recompute!r} is unknown; choose one of {list(RECOMPUTE)}")
+    engine = engine_of(config) if engine is None else normalize_engine(engine)
+    tp, pp = p.tensor_parallel, p.pipeline_parallel
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.tensor_parallel={tp} x "
+            f"parallel.pipeline_parallel={pp}"
+        )
+    dp = world_size // (tp * pp)
+    num_microbatches = _microbatches(t.global_batch_size, t.micro_batch_size, dp)
+    layout = Layout(tp, pp, dp, engine, recompute, p.virtual_pipeline, p.sequence_parallel)
+    offload = bool(getattr(t, "offload_optimizer", False))
+    result = plan_layout(
+        config,
+        layout,
+        t.micro_batch_size,
+        gpu_mem_bytes,
+        num_microbatches=num_microbatches,
+        reserve_bytes=reserve_bytes,
+        recompute_coupling=recompute_coupling,
+        offload_optimizer=offload,
+        config_name=config.name,
+    )
+    if not result.fits:
+        alternatives = [
+            r
+            for r in plan_all(
+                config,
+                world_size,
+                gpu_mem_bytes,
+                t.micro_batch_size,
+                global_batch=t.global_batch_size,
+                recomputes=RECOMPUTE,
+                reserve_bytes=reserve_bytes,
+                offload_optimizer=offload,
+            )
+            if r.fits
+        ]
+        # least model parallelism and recomputation first: usually the fastest
+        alternatives.sort(
+            key=lambda r: (
+                r.layout.tp * r.layout.pp,
+                RECOMPUTE.index(r.layout.recompute),
+                r.worst.total,
+            )
+        )
+        hint = (
+            "layouts of these GPUs that fit: "
+            + "; ".join(f"{r.layout.describe()} ({gib(r.worst.total)})" for r in alternatives[:3])
+            if alternatives
+            else "no layout of these GPUs fits at this micro-batch; lower "
+            "train.micro_batch_size or model.seq_length, or use more GPUs"
+        )
+        result.message += f"; {hint}"
+    return result
+
+
+# ---------------------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------------------
+
+
+def format_stages(result: PlanResult) -> str:
+    names = list(result.stages[0].parts)
+    header = f"{'stage':>5} {'params':>14} " + " ".join(f"{n:>12}" for n in names)
+    lines = [header + f" {'total':>10}"]
+    for stage in result.stages:
+        values = " ".join(f"{stage.parts[n] / GIB:>12.2f}" for n in names)
+        lines.append(
+            f"{stage.stage:>5} {stage.parameters:>14,} {values} {stage.total / GIB:>10.2f}"
+        )
+    return "\n".join(lines) + "\n(GiB per GPU)"
+
+
+def format_layouts(results: list[PlanResult]) -> str:
+    lines = [
+        f"{'TP':>3} {'PP':>3} {'DP':>3} {'SP':>3} {'engine':>8} {'recompute':>10} "
+        f"{'states':>8} {'activ.':>8} {'transient':>9} {'total':>8} {'fits':>5}"
+    ]
+    for r in results:
+        w, lay = r.worst, r.layout
+        states = w.parts["parameters"] + w.parts["gradients"] + w.parts["optimizer"]
+        lines.append(
+            f"{lay.tp:>3} {lay.pp:>3} {lay.dp:>3} {'on' if lay.sequence_parallel else '-':>3} "
+            f"{lay.engine:>8} {lay.recompute:>10} {states / GIB:>8.1f} "
+            f"{w.parts['activations'] / GIB:>8.1f} {w.parts['transient'] / GIB:>9.1f} "
+            f"{w.total / GIB:>8.1f} {'yes' if r.fits else 'no':>5}"
+        )
+    return "\n".join(lines) + "\n(GiB per GPU, worst pipeline stage)"
+
+
+def _check_against_built_model(config: RunConfig) -> None:
+    """Build the model on the meta device (seconds, no memory) and compare the totals."""
+    from cqk_megatron.params import count_variant_parameters
+
+    variant = config.attention.variant
+    if variant not in VARIANTS:
+        return
+    built = count_variant_parameters(config, variant)
+    formula = total_parameters(config)
+    if built != formula:
+        print(
+            f"warning: the planner counts {formula:,} parameters but the built model has "
+            f"{built:,}; per-rank memory below is off by that difference (please report)"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="model YAML, e.g. configs/models/1b.yaml")
+    parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    parser.add_argument("--gpu-mem", default="80GiB", help="memory per GPU (default 80GiB)")
+    parser.add_argument("--reserve", default="4GiB", help="per-GPU memory kept back (4GiB)")
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=None, help="default: model.seq_length")
+    parser.add_argument("--global-batch", type=int, default=None, help="default: full pipeline")
+    parser.add_argument("--zero", default="all", help="0 (DDP), 1, 2, 3, distopt or all")
+    parser.add_argument("--recompute", default="none", help="none, selective, full or all")
+    parser.add_argument("--recompute-coupling", action="store_true")
+    parser.add_argument(
+        "--offload-optimizer", action="store_true", help="DeepSpeed: Adam states in CPU memory"
+    )
+    parser.add_argument("--tp", type=int, default=None, help="one layout: tensor parallel")
+    parser.add_argument("--pp", type=int, default=None, help="one layout: pipeline parallel")
+    parser.add_argument("--vp", type=int, default=None, help="virtual pipeline chunks")
+    parser.add_argument("--sequence-parallel", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--variant", default=None, help=f"one of {list(VARIANTS)}")
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--all", action="store_true", help="list layouts that do not fit too")
+    parser.add_argument(
+        "--no-build-check",
+        dest="build_check",
+        action="store_false",
+        help="skip comparing the parameter formula with the model built on the meta device",
+    )
+    parser.add_argument("overrides", nargs="*", help="section.key=value config overrides")
+    args = parser.parse_args(argv)
+
+    overrides = [f"train.precision={args.precision}", *args.overrides]
+    if args.variant is not None:
+        if args.variant not in VARIANTS:
+            parser.error(f"--variant {args.variant!r} is unknown; choose from {list(VARIANTS)}")
+        coupling, scoring = VARIANTS[args.variant]
+        overrides += [f"attention.coupling={coupling}", f"attention.scoring={scoring}"]
+    try:
+        config = load_config(args.config, overrides)
+        gpu_mem, reserve = parse_bytes(args.gpu_mem), parse_bytes(args.reserve)
+        engines = (
+            ("zero1", "zero2", "zero3", "distopt")
+            if args.zero == "all"
+            else (normalize_engine(args.zero),)
+        )
+    except (ConfigError, ValueError) as error:
+        parser.error(str(error))
+    recomputes = RECOMPUTE if args.recompute == "all" else (args.recompute,)
+    if any(r not in RECOMPUTE for r in recomputes):
+        parser.error(f"--recompute {args.recompute!r}: choose one of {list(RECOMPUTE)} or all")
+    sp = {"auto": None, "on": True, "off": False}[args.sequence_parallel]
+    name = args.config
+    options = dict(
+        seq_length=args.seq,
+        reserve_bytes=reserve,
+        recompute_coupling=args.recompute_coupling,
+        offload_optimizer=args.offload_optimizer,
+        config_name=name,
+    )
+    print(
+        f"{name}: {config.attention.variant}, {total_parameters(config):,} parameters, "
+        f"{args.precision}; {args.gpus} GPUs x {gib(gpu_mem)}"
+    )
+    if args.build_check:
+        _check_against_built_model(config)
+
+    if args.tp is not None or args.pp is not None:
+        tp, pp = args.tp or 1, args.pp or 1
+        if args.gpus % (tp * pp):
+            parser.error(f"--gpus {args.gpus} is not divisible by TP x PP = {tp * pp}")
+        dp = args.gpus // (tp * pp)
+        use_sp = (tp > 1) if sp is None else (sp and tp > 1)
+        try:
+            validate(_with_layout(config, tp, pp, args.vp, use_sp))
+        except ConfigError as error:
+            parser.error(str(error))
+        num_micro = _microbatches(args.global_batch, args.micro_batch, dp)
+        results = [
+            plan_layout(
+                config,
+                Layout(tp, pp, dp, engine, recompute, args.vp, use_sp),
+                args.micro_batch,
+                gpu_mem,
+                num_microbatches=num_micro,
+                **options,
+            )
+            for engine in engines
+            for recompute in recomputes
+        ]
+        for result in results:
+            print(f"\n{result.message}\n{format_stages(result)}")
+        return 0 if any(r.fits for r in results) else 1
+
+    results = plan_all(
+        config,
+        args.gpus,
+        gpu_mem,
+        args.micro_batch,
+        global_batch=args.global_batch,
+        engines=engines,
+        recomputes=recomputes,
+        sequence_parallel=sp,
+        **options,
+    )
+    shown = results if args.all else [r for r in results if r.fits]
+    fitting = sum(r.fits for r in results)
+    print(
+        f"{fitting} of {len(results)} layouts fit (micro-batch {args.micro_batch}, seq "
+        f"{args.seq or config.model.seq_length}, {gib(reserve)} reserved per GPU)"
+    )
+    if shown:
+        print(format_layouts(shown))
+    return 0 if fitting else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
