@@ -24,6 +24,14 @@ setup(
     extras_require={
         "deepspeed": ["deepspeed>=0.16"],
         "logging": ["wandb>=0.17", "tensorboard>=2.14"],
+        "hf": [
+            "transformers>=5.0,<6",
+            "safetensors>=0.4",
+            "sentencepiece>=0.2",
+            "tokenizers>=0.21",
+            "protobuf>=4",
+        ],
+        "eval": ["lm-eval>=0.4.13", "accelerate>=1.0"],
         "dev": ["pytest>=8", "ruff>=0.6"],
     },
     entry_points={
@@ -32,6 +40,7 @@ setup(
             "cqk-train=cqk_megatron.train:main",
             "cqk-plan=cqk_megatron.perf.plan:main",
             "cqk-bench=cqk_megatron.perf.bench:main",
+            "cqk-convert=cqk_megatron.convert.cli:main",
         ],
     },
 )

@@ -1,0 +1,90 @@
+"""Configuration of the CQK causal language model (exported from cqk-megatron).
+
+A Llama-shaped decoder (pre-norm, RoPE, no biases) whose attention may couple each
+token's (q, k) before scoring (``coupling``: none, euler, hamiltonian, mlp_only,
+invertible) and may score differentially (``scoring``: standard, differential). The math
+of both lives in ``coupling.py`` beside this file, copied verbatim from cqk-megatron.
+Imports only transformers.
+"""
+
+from transformers import PretrainedConfig
+
+COUPLINGS = ("none", "euler", "hamiltonian", "mlp_only", "invertible")
+SCORINGS = ("standard", "differential")
+COUPLING_POSITIONS = ("pre_rope", "post_rope")
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+MLP_ACTIVATIONS = ("swiglu", "gelu")
+
+
+class CQKConfig(PretrainedConfig):
+    model_type = "cqk"
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
+
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        hidden_size: int = 512,
+        intermediate_size: int = 1408,
+        num_hidden_layers: int = 8,
+        num_attention_heads: int = 8,
+        num_key_value_heads: int | None = None,
+        head_dim: int | None = None,
+        max_position_embeddings: int = 2048,
+        rotary_base: float = 10000.0,
+        normalization: str = "RMSNorm",
+        norm_eps: float = 1e-5,
+        mlp_activation: str = "swiglu",
+        initializer_range: float = 0.02,
+        coupling: str = "none",
+        coupling_options: dict | None = None,
+        coupling_position: str = "pre_rope",
+        scoring: str = "standard",
+        tie_word_embeddings: bool = False,
+        use_cache: bool = True,
+        **kwargs,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads or num_attention_heads
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.max_position_embeddings = max_position_embeddings
+        self.rotary_base = rotary_base
+        self.normalization = normalization
+        self.norm_eps = norm_eps
+        self.mlp_activation = mlp_activation
+        self.initializer_range = initializer_range
+        self.coupling = coupling
+        self.coupling_options = dict(coupling_options or {})
+        self.coupling_position = coupling_position
+        self.scoring = scoring
+        self.tie_word_embeddings = tie_word_embeddings
+        self.use_cache = use_cache
+        self._check()
+        super().__init__(**kwargs)
+
+    def _check(self) -> None:
+        choices = {
+            "coupling": (self.coupling, COUPLINGS),
+            "coupling_position": (self.coupling_position, COUPLING_POSITIONS),
+            "scoring": (self.scoring, SCORINGS),
+            "normalization": (self.normalization, NORMALIZATIONS),
+            "mlp_activation": (self.mlp_activation, MLP_ACTIVATIONS),
+        }
+        for key, (value, options) in choices.items():
+            if value not in options:
+                raise ValueError(f"config.json: {key}={value!r} is unknown; one of {options}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"config.json: num_attention_heads={self.num_attention_heads} is not a multiple "
+                f"of num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.scoring == "differential" and (
+            self.num_attention_heads % 2 or self.num_key_value_heads % 2
+        ):
+            raise ValueError(
+                "config.json: differential scoring pairs heads; num_attention_heads and "
+                "num_key_value_heads must be even"
+            )
