@@ -11,7 +11,7 @@ setup(
     version="0.1.0",
     description="Coupled QK dynamics and Differential Attention at scale on Megatron-Core",
     python_requires=">=3.10",
-    packages=find_packages(include=["cqk_megatron", "cqk_megatron.*"]),
+    packages=find_packages(include=["cqk_megatron", "cqk_megatron.*", "data_tools", "data_tools.*"]),
     install_requires=[
         # torch is installed first and explicitly by scripts/install.sh (a CPU build here);
         # >=2.5 for scaled_dot_product_attention(enable_gqa=...).
@@ -20,6 +20,9 @@ setup(
         "pyyaml>=6",
         "numpy>=1.24",
         "tqdm>=4.60",
+        "sentencepiece>=0.2",
+        "datasets>=3.0",
+        "pyarrow>=15",
     ],
     extras_require={
         "deepspeed": ["deepspeed>=0.16"],
@@ -41,6 +44,11 @@ setup(
             "cqk-plan=cqk_megatron.perf.plan:main",
             "cqk-bench=cqk_megatron.perf.bench:main",
             "cqk-convert=cqk_megatron.convert.cli:main",
+            "cqk-train-tokenizer=data_tools.tokenizer:main",
+            "cqk-preprocess=data_tools.preprocess:main",
+            "cqk-data-stats=data_tools.stats:main",
+            "cqk-demo-corpus=data_tools.demo_corpus:main",
+            "cqk-data-bench=data_tools.bench:main",
         ],
     },
 )

@@ -1,0 +1,313 @@
+"""Reading corpora with Hugging Face ``datasets`` into one ``text`` column.
+
+Inputs: plain text files (one document per line, per blank-line-separated paragraph, or
+per file), JSON lines (a chosen text field), Parquet (a chosen column), folders saved with
+``Dataset.save_to_disk``, folders of such files, and (where the network allows, never in
+tests) ``hub:NAME[:CONFIG]``. Each file is checked before loading: empty files, unknown
+types, a missing or non-text field and undecodable bytes get errors or reports that name
+the file. Documents keep the order of the inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cqk_megatron.data.errors import DataError
+from data_tools.utf8 import scan_utf8, write_repaired
+
+TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst")
+JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
+PARQUET_SUFFIXES = (".parquet",)
+COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz")
+FORMATS = ("text", "json", "parquet")
+TEXT_UNITS = {"line": "line", "paragraph": "paragraph", "file": "document"}
+
+_SUPPORTED = (
+    "supported: .txt/.text/.md/.rst (plain text), .jsonl/.json/.ndjson (JSON lines), "
+    ".parquet, each of the first two optionally .gz/.bz2/.xz; or a folder saved with "
+    "datasets' save_to_disk"
+)
+
+
+@dataclass
+class FileReport:
+    path: str
+    format: str
+    bytes: int = 0
+    documents: int = 0
+    replaced_bytes: int = 0  # invalid UTF-8 sequences replaced with U+FFFD
+    first_bad_offset: int | None = None
+
+
+@dataclass
+class Corpus:
+    """A ``datasets.Dataset`` with one ``text`` column, and what each input contributed."""
+
+    dataset: object
+    files: list[FileReport] = field(default_factory=list)
+
+    @property
+    def replaced_bytes(self) -> int:
+        return sum(f.replaced_bytes for f in self.files)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+def _strip_compression(path: Path) -> tuple[str, str]:
+    """('.jsonl', '.gz') for data.jsonl.gz, ('.txt', '') for a.txt."""
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] in COMPRESSED_SUFFIXES:
+        return (suffixes[-2] if len(suffixes) > 1 else ""), suffixes[-1]
+    return (suffixes[-1] if suffixes else ""), ""
+
+
+def detect_format(path: Path, forced: str | None = None) -> str:
+    if forced is not None:
+        if forced not in FORMATS:
+            raise DataError(f"--input-format {forced!r} is unknown; choose one of {list(FORMATS)}")
+        return forced
+    kind, compression = _strip_compression(path)
+    if kind in TEXT_SUFFIXES:
+        return "text"
+    if kind in JSON_SUFFIXES:
+        return "json"
+    if kind in PARQUET_SUFFIXES and not compression:
+        return "parquet"
+    shown = kind + compression or "(no extension)"
+    raise DataError(
+        f"input '{path}': unknown file type {shown}; {_SUPPORTED}. Rename the file or pass "
+        "--input-format text|json|parquet to say what it holds"
+    )
+
+
+def _is_saved_dataset(folder: Path) -> bool:
+    return (folder / "dataset_dict.json").is_file() or (
+        (folder / "state.json").is_file() and (folder / "dataset_info.json").is_file()
+    )
+
+
+def _expand(inputs: list[str]) -> list[str | Path]:
+    """Files as given, folders of files expanded (sorted), saved datasets and hub names kept."""
+    expanded: list[str | Path] = []
+    if not inputs:
+        raise DataError("no inputs given; pass text, JSONL or Parquet files, or folders of them")
+    for item in inputs:
+        if item.startswith("hub:"):
+            expanded.append(item)
+            continue
+        path = Path(item).expanduser()
+        if not path.exists():
+            raise DataError(f"input '{item}' does not exist; check the path")
+        if path.is_dir() and not _is_saved_dataset(path):
+            files = sorted(
+                p
+                for p in path.rglob("*")
+                if p.is_file()
+                and not any(part.startswith(".") for part in p.relative_to(path).parts)
+                and _strip_compression(p)[0] in TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES
+            )
+            if not files:
+                raise DataError(
+                    f"input folder '{item}' holds no data files and is not a folder saved with "
+                    f"save_to_disk; {_SUPPORTED}"
+                )
+            expanded.extend(files)
+        else:
+            expanded.append(path)
+    return expanded
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    import datasets
+
+    was_enabled = datasets.is_progress_bar_enabled()
+    verbosity = datasets.logging.get_verbosity()
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if was_enabled:
+            datasets.enable_progress_bars()
+
+
+def _text_column(ds, source: str, text_field: str, fmt: str):
+    """``ds`` reduced to a string column named ``text``; errors name ``source``."""
+    if text_field not in ds.column_names:
+        option = "--text-field" if fmt != "text" else "--input-format"
+        raise DataError(
+            f"input '{source}' has no field '{text_field}' (its fields: "
+            f"{', '.join(ds.column_names) or 'none'}); pass {option} with the field that holds "
+            "the text"
+        )
+    dtype = getattr(ds.features[text_field], "dtype", None)
+    if dtype not in ("string", "large_string"):
+        raise DataError(
+            f"input '{source}': field '{text_field}' holds {ds.features[text_field]}, not text; "
+            "pass --text-field with a field of strings"
+        )
+    ds = ds.select_columns([text_field])
+    if text_field != "text":
+        ds = ds.rename_column(text_field, "text")
+    return ds
+
+
+def _check_has_text(ds, source: str, text_field: str) -> None:
+    import pyarrow.compute as pc
+
+    column = ds.data.column("text")
+    if len(ds) == 0:
+        raise DataError(f"input '{source}' holds no records; remove it from the inputs")
+    trimmed = pc.utf8_length(pc.utf8_trim_whitespace(column))
+    if not pc.any(pc.greater(trimmed, 0)).as_py():
+        raise DataError(
+            f"input '{source}': every '{text_field}' value is empty or null; remove the file or "
+            "pass --text-field with the field that holds the text"
+        )
+
+
+def _load_files(paths: list[Path], fmt: str, options: dict, cache_dir: Path) -> list:
+    """One ``load_dataset`` call for all files of a format, each file its own split (keeps
+    files apart for reporting); on failure, file by file to name the culprit."""
+    import datasets
+
+    builder = {"text": "text", "json": "json", "parquet": "parquet"}[fmt]
+    data_files = {f"file{i}": str(p) for i, p in enumerate(paths)}
+    try:
+        loaded = datasets.load_dataset(
+            builder, data_files=data_files, cache_dir=str(cache_dir), **options
+        )
+        return [loaded[f"file{i}"] for i in range(len(paths))]
+    except Exception as error:  # re-raised below, naming the file
+        if len(paths) == 1:
+            hint = {
+                "json": "each line must be one JSON object; fix the file or pass --input-format",
+                "parquet": "it must be a Parquet file; fix it or pass --input-format",
+                "text": "check the file",
+            }[fmt]
+            cause = error.__cause__ or error
+            raise DataError(f"cannot read '{paths[0]}' as {fmt} ({cause}); {hint}") from error
+        return [ds for p in paths for ds in _load_files([p], fmt, options, cache_dir)]
+
+
+def open_corpus(
+    inputs: list[str],
+    workdir: Path,
+    text_field: str = "text",
+    text_unit: str = "paragraph",
+    input_format: str | None = None,
+    split: str = "train",
+    report=print,
+) -> Corpus:
+    """All inputs as one dataset with a ``text`` column, in input order. ``workdir`` holds
+    the Arrow cache and repaired copies of files with bad bytes; keep it while the corpus
+    is in use."""
+    import datasets
+
+    if text_unit not in TEXT_UNITS:
+        raise DataError(f"--text-unit {text_unit!r} is unknown; choose one of {list(TEXT_UNITS)}")
+    cache_dir = workdir / "hf-cache"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    items = _expand(inputs)
+    pieces: list[tuple[int, object]] = []
+    reports: list[FileReport] = []
+    files_by_format: dict[str, list[tuple[int, Path, Path, FileReport]]] = {f: [] for f in FORMATS}
+
+    for position, item in enumerate(items):
+        if isinstance(item, str):  # hub:NAME[:CONFIG]
+            name, _, config = item[4:].partition(":")
+            with _quiet_datasets():
+                ds = datasets.load_dataset(
+                    name, config or None, split=split, cache_dir=str(cache_dir)
+                )
+            ds = _text_column(ds, item, text_field, "json")
+            reports.append(FileReport(item, "hub", documents=len(ds)))
+            pieces.append((position, ds))
+        elif item.is_dir():  # saved with save_to_disk
+            loaded = datasets.load_from_disk(str(item))
+            if isinstance(loaded, datasets.DatasetDict):
+                if split not in loaded:
+                    raise DataError(
+                        f"input '{item}' has splits {list(loaded)} but no '{split}'; pass --split"
+                    )
+                loaded = loaded[split]
+            ds = _text_column(loaded, str(item), text_field, "json")
+            _check_has_text(ds, str(item), text_field)
+            reports.append(FileReport(str(item), "datasets", documents=len(ds)))
+            pieces.append((position, ds))
+        else:
+            fmt = detect_format(item, input_format)
+            load_path = item
+            file_report = FileReport(str(item), fmt, bytes=item.stat().st_size)
+            if fmt in ("text", "json"):
+                scan = scan_utf8(item)
+                if not scan.has_text:
+                    raise DataError(
+                        f"input '{item}' is empty ({scan.bytes} bytes, no text); remove it from "
+                        "the inputs"
+                    )
+                if scan.replaced:
+                    load_path = workdir / f"repaired-{position}{_strip_compression(item)[0]}"
+                    write_repaired(item, load_path)
+                    file_report.replaced_bytes = scan.replaced
+                    file_report.first_bad_offset = scan.first_bad_offset
+                    report(
+                        f"warning: '{item}' is not valid UTF-8: replaced {scan.replaced} bad byte "
+                        f"sequence(s) with U+FFFD (first at byte {scan.first_bad_offset}); "
+                        "re-encode the file as UTF-8 to keep those characters"
+                    )
+            elif item.stat().st_size == 0:
+                raise DataError(f"input '{item}' is empty (0 bytes); remove it from the inputs")
+            files_by_format[fmt].append((position, item, load_path, file_report))
+            reports.append(file_report)
+
+    options = {
+        "text": {"sample_by": TEXT_UNITS[text_unit]},
+        "json": {},
+        "parquet": {},
+    }
+    for fmt, entries in files_by_format.items():
+        if not entries:
+            continue
+        with _quiet_datasets():
+            loaded = _load_files([e[2] for e in entries], fmt, options[fmt], cache_dir)
+        for (position, original, _, file_report), ds in zip(entries, loaded, strict=True):
+            field_name = "text" if fmt == "text" else text_field
+            ds = _text_column(ds, str(original), field_name, fmt)
+            _check_has_text(ds, str(original), field_name)
+            pieces.append((position, ds))
+            file_report.documents = len(ds)
+
+    pieces.sort(key=lambda piece: piece[0])
+    parts = [ds for _, ds in pieces]
+    dataset = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    return Corpus(dataset, reports)
+
+
+def default_workers() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def add_input_arguments(parser: argparse.ArgumentParser) -> None:
+    """Input options shared with the tokenizer trainer."""
+    parser.add_argument("--input", nargs="+", required=True, help="files, folders, or hub:NAME")
+    parser.add_argument("--text-field", default="text", help="JSONL/Parquet/datasets field")
+    parser.add_argument(
+        "--text-unit",
+        default="paragraph",
+        choices=list(TEXT_UNITS),
+        help="what one document is in a plain text file",
+    )
+    parser.add_argument("--input-format", choices=FORMATS, help="override the file extension")
+    parser.add_argument("--split", default="train", help="split of a saved DatasetDict / hub set")
