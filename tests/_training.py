@@ -55,14 +55,10 @@ def train_runs(rank, world_size, port, root, runs) -> None:
 
     for name, overrides, *resume in runs:
         config = config_for(root, name, overrides)
+        # runs that name real data read it through build_datasets; the rest are synthetic
+        datasets = None if config.data.prefixes else synthetic_datasets(config)
         try:
-            outcome = str(
-                train(
-                    config,
-                    resume=resume[0] if resume else "auto",
-                    datasets=synthetic_datasets(config),
-                )
-            )
+            outcome = str(train(config, resume=resume[0] if resume else "auto", datasets=datasets))
         except TrainingError as error:
             outcome = f"error: {error}"
         if rank == 0:

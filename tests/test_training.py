@@ -25,6 +25,7 @@ from _training import save_initial_weights, train_runs
 from cqk_megatron.config import VARIANTS
 from cqk_megatron.training import checkpoint
 from cqk_megatron.training.preemption import EXIT_REQUEUE
+from data_tools.demo_corpus import DemoSettings, build_demo
 
 STEPS = 10
 LAYOUTS = {
@@ -69,6 +70,16 @@ def runs(tmp_path_factory) -> Path:
         ],
     )
     tp2_checkpoint = f"{r}/tp2-saved/checkpoints/iter_0000004"
+    small = DemoSettings(max_bytes=150_000, vocab_size=700)
+    demo = build_demo(root / "demo", small, progress=False)
+    real_data = [
+        *same,
+        "train.train_steps=40",
+        "model.vocab_size=768",
+        f"data.prefixes=[{demo.folder}/demo_text_document]",
+        f"data.tokenizer={demo.folder}/tokenizer.model",
+        f"data.cache_dir={root}/index-cache",
+    ]
     variant_run = [*same, f"train.train_steps={VARIANT_STEPS}", "train.lr=1e-2"]
     run_ranks(
         train_runs,
@@ -76,6 +87,7 @@ def runs(tmp_path_factory) -> Path:
         r,
         [
             ("tp1-loaded", [*same, "train.train_steps=4"], tp2_checkpoint),
+            ("real-data", real_data),
             (
                 "nan",
                 [
@@ -180,6 +192,15 @@ def test_every_variant_learns(runs, variant):
     assert len(losses) == VARIANT_STEPS
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.6 * first, (first, last)
+
+
+def test_trains_on_a_dataset_made_by_the_data_tools(runs):
+    train = records(runs, "real-data", "train")
+    assert len(train) == 40
+    first, last = sum(r["loss"] for r in train[:5]) / 5, sum(r["loss"] for r in train[-5:]) / 5
+    assert last < first - 1.0, (first, last)
+    (final,) = [v for v in records(runs, "real-data", "valid") if v.get("final")]
+    assert final["val_loss"] < train[0]["loss"]
 
 
 def test_corrupted_checkpoint_is_refused_and_the_previous_one_used(runs):
