@@ -35,6 +35,7 @@ setup(
             "protobuf>=4",
         ],
         "eval": ["lm-eval>=0.4.13", "accelerate>=1.0"],
+        "analysis": ["pandas>=2.0", "scipy>=1.10", "matplotlib>=3.7"],
         "dev": ["pytest>=8", "ruff>=0.6"],
     },
     entry_points={
@@ -49,6 +50,8 @@ setup(
             "cqk-data-stats=data_tools.stats:main",
             "cqk-demo-corpus=data_tools.demo_corpus:main",
             "cqk-data-bench=data_tools.bench:main",
+            "cqk-analyze=cqk_megatron.analysis.cli:main",
+            "cqk-mqar=cqk_megatron.eval.mqar:main",
         ],
     },
 )

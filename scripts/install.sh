@@ -16,5 +16,5 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install -c constraints.txt "megatron-core==0.16.1"
 # DeepSpeed builds against the installed torch: no build isolation.
 "${PIP[@]}" install -c constraints.txt --no-build-isolation deepspeed
-"${PIP[@]}" install -c constraints.txt -e ".[dev,logging,hf,eval]"
+"${PIP[@]}" install -c constraints.txt -e ".[dev,logging,hf,eval,analysis]"
 "$VENV/bin/python" -c "import torch, megatron.core, deepspeed, cqk_megatron; print('installed: torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| deepspeed', deepspeed.__version__)"

@@ -1,0 +1,3 @@
+from cqk_megatron.analysis.cli import main
+
+main()

@@ -1,0 +1,214 @@
+"""The paper's questions, answered from fits and points.
+
+- data-efficiency multiplier of a variant over standard attention: at ``N`` parameters
+  and ``D`` tokens, the tokens standard attention needs to reach the variant's loss,
+  divided by ``D`` (the paper: 2.4x at 60M);
+- its trend with model size (at a fixed tokens-per-parameter ratio);
+- the size where one variant overtakes another (differential over coupled);
+- percentage changes of perplexity against standard at each size, from points;
+- seed variance per variant and size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+from scipy.optimize import brentq
+
+from cqk_megatron.analysis.fits import Bootstrap, ChinchillaFit
+
+TOKENS_PER_PARAM = 20.0  # Chinchilla's compute-optimal ratio, the ladder's budget
+SEARCH_RANGE = (1e6, 1e13)  # parameters searched for a crossover
+
+
+def data_efficiency_multiplier(
+    variant: ChinchillaFit, baseline: ChinchillaFit, n, tokens
+) -> np.ndarray:
+    """Tokens ``baseline`` needs to match ``variant``'s loss at (n, tokens), over tokens."""
+    target = variant.predict(n, tokens)
+    return baseline.tokens_to_reach(target, n) / np.asarray(tokens, dtype=float)
+
+
+def _interval(values: np.ndarray, level: float) -> tuple[float, float]:
+    values = values[~np.isnan(values)]
+    if values.size == 0:
+        return math.nan, math.nan
+    tail = 100 * (1 - level) / 2
+    low, high = np.percentile(values, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def multiplier_vs_size(
+    variant: Bootstrap,
+    baseline: Bootstrap,
+    sizes,
+    tokens_per_param: float = TOKENS_PER_PARAM,
+    level: float = 0.9,
+) -> pd.DataFrame:
+    """Multiplier at each size (``D = tokens_per_param * N``) with a bootstrap interval.
+
+    Replicate ``i`` of the variant is paired with replicate ``i`` of the baseline; the
+    two were resampled independently, so the interval carries both fits' uncertainty.
+    An infinite multiplier (standard never reaches the loss at that size) counts as
+    above every finite one in the percentiles.
+    """
+    sizes = np.asarray(sizes, dtype=float)
+    pairs = list(zip(variant.samples, baseline.samples, strict=False))
+    rows = []
+    for n in sizes:
+        tokens = tokens_per_param * n
+        point = float(data_efficiency_multiplier(variant.point, baseline.point, n, tokens))
+        replicas = np.array([float(data_efficiency_multiplier(v, b, n, tokens)) for v, b in pairs])
+        low, high = _interval(np.where(np.isinf(replicas), 1e300, replicas), level)
+        rows.append(
+            {
+                "params": n,
+                "tokens": tokens,
+                "multiplier": point,
+                "low": low if low < 1e299 else math.inf,
+                "high": high if high < 1e299 else math.inf,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def crossover_size(
+    challenger: ChinchillaFit,
+    incumbent: ChinchillaFit,
+    tokens_per_param: float = TOKENS_PER_PARAM,
+    search=SEARCH_RANGE,
+) -> float | None:
+    """Smallest size above which ``challenger``'s loss drops below ``incumbent``'s.
+
+    Searched on a log grid of ``search`` with ``D = tokens_per_param * N``; None when
+    the sign of the difference does not change from incumbent-better to
+    challenger-better in that range.
+    """
+
+    def gap(log_n: float) -> float:
+        n = math.exp(log_n)
+        tokens = tokens_per_param * n
+        return float(challenger.predict(n, tokens) - incumbent.predict(n, tokens))
+
+    grid = np.linspace(math.log(search[0]), math.log(search[1]), 200)
+    values = np.array([gap(x) for x in grid])
+    for i in range(len(grid) - 1):
+        if values[i] > 0 >= values[i + 1]:
+            return math.exp(brentq(gap, grid[i], grid[i + 1]))
+    return None
+
+
+@dataclass
+class Crossover:
+    size: float | None  # from the point fits
+    low: float  # bootstrap interval of the size, over replicates that cross
+    high: float
+    fraction_crossing: float  # replicates with a crossover in the search range
+    replicates: int
+
+
+def crossover_with_uncertainty(
+    challenger: Bootstrap,
+    incumbent: Bootstrap,
+    tokens_per_param: float = TOKENS_PER_PARAM,
+    level: float = 0.9,
+) -> Crossover:
+    point = crossover_size(challenger.point, incumbent.point, tokens_per_param)
+    sizes = [
+        crossover_size(c, i, tokens_per_param)
+        for c, i in zip(challenger.samples, incumbent.samples, strict=False)
+    ]
+    found = np.array([s for s in sizes if s is not None])
+    low, high = _interval(np.log(found), level) if found.size else (math.nan, math.nan)
+    return Crossover(
+        size=point,
+        low=math.exp(low) if found.size else math.nan,
+        high=math.exp(high) if found.size else math.nan,
+        fraction_crossing=found.size / max(len(sizes), 1),
+        replicates=len(sizes),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# from points (published numbers, or the final evaluations of runs)
+# ---------------------------------------------------------------------------------------
+
+
+def percent_change_table(
+    points: pd.DataFrame, baseline: str = "standard", metric: str = "ppl"
+) -> pd.DataFrame:
+    """Per size and variant: the metric and its % change against ``baseline`` there.
+
+    ``points`` has columns ``size`` (a label), ``params`` (a number, for ordering),
+    ``variant`` and ``metric``; several rows per (size, variant), such as seeds, are
+    averaged, and their range kept.
+    """
+    points = points.copy()
+    # A published range (e.g. over seeds) may come as METRIC_low / METRIC_high columns.
+    points["_low"] = points.get(f"{metric}_low", points[metric]).fillna(points[metric])
+    points["_high"] = points.get(f"{metric}_high", points[metric]).fillna(points[metric])
+    grouped = (
+        points.groupby(["size", "variant"], sort=False)
+        .agg(
+            params=("params", "first"),
+            value=(metric, "mean"),
+            low=("_low", "min"),
+            high=("_high", "max"),
+            n=(metric, "size"),
+        )
+        .reset_index()
+    )
+    base = grouped[grouped["variant"] == baseline].set_index("size")["value"]
+    grouped["baseline"] = grouped["size"].map(base)
+    grouped["percent"] = 100 * (grouped["value"] - grouped["baseline"]) / grouped["baseline"]
+    grouped["_others"] = grouped["variant"] != baseline  # the baseline first in each size
+    ordered = grouped.sort_values(["params", "_others", "variant"]).drop(columns="_others")
+    return ordered.reset_index(drop=True)
+
+
+def crossover_from_points(
+    points: pd.DataFrame, challenger: str, incumbent: str, metric: str = "ppl"
+) -> float | None:
+    """Size where ``challenger`` overtakes ``incumbent``, interpolating log(metric) ratio
+    linearly in log(params) between the two measured sizes where its sign flips."""
+    table = points.groupby(["params", "variant"])[metric].mean().unstack("variant")
+    if challenger not in table or incumbent not in table:
+        return None
+    gap = np.log(table[challenger]) - np.log(table[incumbent])
+    gap = gap.dropna()
+    params, values = gap.index.to_numpy(dtype=float), gap.to_numpy()
+    for i in range(len(values) - 1):
+        if values[i] > 0 >= values[i + 1]:
+            x0, x1 = math.log(params[i]), math.log(params[i + 1])
+            t = values[i] / (values[i] - values[i + 1])
+            return math.exp(x0 + t * (x1 - x0))
+    return None
+
+
+def seed_variance(finals: pd.DataFrame, baseline: str = "standard") -> pd.DataFrame:
+    """Spread of final validation loss over seeds, per variant and size.
+
+    ``finals`` has ``variant, size, params_total, seed, final_val_loss``. ``variance_ratio``
+    compares each variant's seed variance with the baseline's at the same size.
+    """
+    finals = finals.dropna(subset=["final_val_loss"])
+    grouped = (
+        finals.groupby(["size", "variant"], sort=False)
+        .agg(
+            params=("params_total", "min"),
+            seeds=("seed", "nunique"),
+            mean_loss=("final_val_loss", "mean"),
+            std_loss=("final_val_loss", "std"),
+            min_loss=("final_val_loss", "min"),
+            max_loss=("final_val_loss", "max"),
+        )
+        .reset_index()
+    )
+    grouped["mean_ppl"] = np.exp(grouped["mean_loss"])
+    grouped["ppl_range"] = np.exp(grouped["max_loss"]) - np.exp(grouped["min_loss"])
+    base = grouped[grouped["variant"] == baseline].set_index("size")["std_loss"]
+    grouped["variance_ratio"] = (grouped["std_loss"] / grouped["size"].map(base)) ** 2
+    return grouped.sort_values(["params", "variant"]).reset_index(drop=True)

@@ -1,0 +1,430 @@
+"""Read run folders into one tidy table.
+
+A run folder (written by the training engine) holds ``config.yaml`` (the resolved
+``RunConfig``) and ``metrics.jsonl`` (``train`` lines, ``valid`` lines, and a ``summary``
+line when the run finished). wandb offline run folders (``wandb/offline-run-*``) are read
+too, when no ``metrics.jsonl`` sits above them. Bad runs are reported and skipped; a
+preempted run (no summary, maybe a truncated last line) is kept and marked partial.
+
+The table has one row per logged loss: ``run, variant, seed, size, shape, params_total,
+params_non_embedding, flops_per_token, split ("train" | "valid"), step, tokens, flops,
+loss, final, lr, tokens_per_s, time, finished, source``. FLOPs are
+``flops_per_token * tokens`` where the run's summary gives ``flops_per_token``, else
+``6 * params_total * tokens`` (the usual estimate; ``flops_source`` says which).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from cqk_megatron.analysis import wandb_runs
+from cqk_megatron.config import VARIANTS, ConfigError, RunConfig, from_dict, load_config
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.yaml"
+REQUIRED = {"train": ("step", "tokens", "loss"), "valid": ("step", "tokens", "val_loss")}
+COLUMNS = [
+    "run",
+    "variant",
+    "seed",
+    "size",
+    "shape",
+    "params_total",
+    "params_non_embedding",
+    "flops_per_token",
+    "flops_source",
+    "split",
+    "step",
+    "tokens",
+    "flops",
+    "loss",
+    "final",
+    "lr",
+    "tokens_per_s",
+    "time",
+    "finished",
+    "source",
+]
+
+
+class RunError(ValueError):
+    """This folder is not a usable run; the message says why and what to do."""
+
+
+@dataclass
+class Skipped:
+    path: str
+    reason: str
+
+
+@dataclass
+class Ingested:
+    table: pd.DataFrame
+    skipped: list[Skipped] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def runs(self) -> pd.DataFrame:
+        return run_summary(self.table)
+
+
+# ---------------------------------------------------------------------------------------
+# parameter counts
+# ---------------------------------------------------------------------------------------
+
+_PARAM_CACHE: dict[str, int] = {}
+
+
+def count_total_parameters(config: RunConfig) -> int:
+    """Total parameters of the run's model (TP=PP=1), built on the meta device."""
+    key = repr((config.model, config.attention))
+    if key not in _PARAM_CACHE:
+        # Only the model and attention sections decide the count; the run's layout,
+        # engine (GPU-only ones fail validation here) and batch sizes must not get in
+        # the way on an analysis machine.
+        config = RunConfig(name=config.name, model=config.model, attention=config.attention)
+        variant = config.attention.variant
+        if variant in VARIANTS:
+            from cqk_megatron.params import count_variant_parameters
+
+            _PARAM_CACHE[key] = count_variant_parameters(config, variant)
+        else:
+            _PARAM_CACHE[key] = _count_custom(config)
+    return _PARAM_CACHE[key]
+
+
+def _count_custom(config: RunConfig) -> int:
+    """A (coupling, scoring) pair that is no named preset: count the config as it is."""
+    import torch
+
+    from cqk_megatron.config import validate
+    from cqk_megatron.distributed import init_single_process
+    from cqk_megatron.model import build_model, count_parameters
+
+    config = validate(config)
+    init_single_process(config)
+    with torch.device("meta"):
+        return count_parameters(build_model(config))
+
+
+def embedding_parameters(config: RunConfig) -> int:
+    """Input embedding plus, when untied, the output layer: ``padded_vocab * hidden`` each."""
+    m = config.model
+    return m.padded_vocab_size * m.hidden_size * (1 if m.tie_embeddings else 2)
+
+
+def shape_key(config: RunConfig) -> str:
+    m = config.model
+    return (
+        f"L{m.num_layers}-H{m.hidden_size}-A{m.num_attention_heads}-G{m.kv_heads}"
+        f"-F{m.ffn_size}-V{m.padded_vocab_size}"
+    )
+
+
+def humanize_count(count: float) -> str:
+    """58466816 -> '58M', 1.2e9 -> '1.2B'."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(count) >= scale:
+            value = count / scale
+            return f"{value:.2g}{suffix}" if value < 10 else f"{value:.0f}{suffix}"
+    return f"{count:.0f}"
+
+
+# ---------------------------------------------------------------------------------------
+# reading one run
+# ---------------------------------------------------------------------------------------
+
+
+def read_metrics(path: Path) -> tuple[list[dict], list[str]]:
+    """Parse ``metrics.jsonl``: the good lines, and a problem per line that was not."""
+    lines, problems = [], []
+    raw = path.read_text(errors="replace").splitlines()
+    for number, text in enumerate(raw, start=1):
+        if not text.strip():
+            continue
+        try:
+            line = json.loads(text)
+        except json.JSONDecodeError:
+            where = "last line (truncated: run preempted?)" if number == len(raw) else "line"
+            problems.append(f"{path}:{number}: {where} is not valid JSON; skipped")
+            continue
+        if not isinstance(line, dict):
+            problems.append(f"{path}:{number}: not a JSON object; skipped")
+            continue
+        kind = line.get("kind")
+        missing = [key for key in REQUIRED.get(kind, ()) if line.get(key) is None]
+        if missing:
+            problems.append(f"{path}:{number}: {kind} line lacks {missing}; skipped")
+            continue
+        lines.append(line)
+    return lines, problems
+
+
+@dataclass
+class RunRecord:
+    path: str
+    config: RunConfig
+    lines: list[dict]
+    finished: bool
+    source: str
+    problems: list[str]
+
+
+def read_run_dir(path: Path) -> RunRecord:
+    config_path, metrics_path = path / CONFIG_FILE, path / METRICS_FILE
+    if not metrics_path.is_file():
+        raise RunError(f"{path}: no {METRICS_FILE} (has the run logged a step yet?)")
+    if not config_path.is_file():
+        raise RunError(f"{path}: no {CONFIG_FILE}; the engine writes the resolved config there")
+    try:
+        config = load_config(config_path)
+    except ConfigError as error:
+        raise RunError(f"{path}: unreadable config: {error}") from error
+    lines, problems = read_metrics(metrics_path)
+    finished = any(line.get("kind") == "summary" for line in lines)
+    return RunRecord(str(path), config, lines, finished, "jsonl", problems)
+
+
+def record_from_wandb(run: dict, path: str) -> RunRecord:
+    try:
+        config = from_dict(RunConfig, run["config"], source=f"{path} (wandb config)")
+    except ConfigError as error:
+        raise RunError(f"{path}: the wandb config is not a RunConfig: {error}") from error
+    lines = wandb_runs.history_to_metrics(run["history"])
+    summary = wandb_runs.summary_line(run["summary"], run["config"])
+    if summary is not None and run["finished"]:
+        lines.append(summary)
+    return RunRecord(path, config, lines, run["finished"], "wandb", list(run["problems"]))
+
+
+def read_wandb_dir(path: Path) -> RunRecord:
+    try:
+        run = wandb_runs.read_offline_run(path)
+    except wandb_runs.WandbUnavailable as error:
+        raise RunError(str(error)) from error
+    return record_from_wandb(run, str(path))
+
+
+def _finite(value) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return math.nan
+    return number if math.isfinite(number) else math.nan
+
+
+def record_rows(record: RunRecord) -> tuple[list[dict], list[str]]:
+    """One row per train/valid line of a run, with its parameter counts."""
+    config, problems = record.config, list(record.problems)
+    summaries = [line for line in record.lines if line.get("kind") == "summary"]
+    summary = summaries[-1] if summaries else {}
+    total = summary.get("params_total")
+    non_embedding = summary.get("params_non_embedding")
+    if total is None:
+        try:
+            total = count_total_parameters(config)
+        except Exception as error:  # a model that cannot be built is a bad run, not a crash
+            raise RunError(
+                f"{record.path}: cannot count parameters from the config: {error}"
+            ) from error
+    if non_embedding is None:
+        non_embedding = total - embedding_parameters(config)
+    flops_per_token = summary.get("flops_per_token")
+    base = {
+        "run": config.name,
+        "variant": config.attention.variant,
+        "seed": config.seed,
+        "shape": shape_key(config),
+        "params_total": int(total),
+        "params_non_embedding": int(non_embedding),
+        "flops_per_token": float(flops_per_token) if flops_per_token else math.nan,
+        "flops_source": "summary" if flops_per_token else "6ND",
+        "finished": record.finished,
+        "source": record.path,
+    }
+    rows, dropped = [], 0
+    for line in record.lines:
+        kind = line.get("kind")
+        if kind not in ("train", "valid"):
+            continue
+        loss = _finite(line["loss"] if kind == "train" else line["val_loss"])
+        if math.isnan(loss):
+            dropped += 1
+            continue
+        tokens = float(line["tokens"])
+        flops = (
+            float(flops_per_token) * tokens
+            if flops_per_token
+            else 6.0 * base["params_total"] * tokens
+        )
+        rows.append(
+            {
+                **base,
+                "split": kind,
+                "step": int(line["step"]),
+                "tokens": tokens,
+                "flops": flops,
+                "loss": loss,
+                "final": bool(line.get("final", False)),
+                "lr": _finite(line.get("lr")),
+                "tokens_per_s": _finite(line.get("tokens_per_s")),
+                "time": _finite(line.get("time")),
+            }
+        )
+    if dropped:
+        problems.append(f"{record.path}: {dropped} non-finite loss value(s) dropped")
+    if not rows:
+        raise RunError(f"{record.path}: no train or valid lines with a finite loss")
+    if not record.finished:
+        problems.append(f"{record.path}: partial run (no summary line: preempted or running)")
+    return rows, problems
+
+
+# ---------------------------------------------------------------------------------------
+# finding runs and building the table
+# ---------------------------------------------------------------------------------------
+
+
+def find_runs(paths: list[str | Path]) -> tuple[list[tuple[str, Path]], list[Skipped]]:
+    """``("jsonl" | "wandb", folder)`` for every run under ``paths``.
+
+    A folder with ``metrics.jsonl`` is a run and is not searched further (its
+    checkpoints and wandb folder belong to it); wandb offline folders count only
+    outside such runs. A folder with a ``config.yaml`` but no metrics is reported.
+    """
+    found: list[tuple[str, Path]] = []
+    skipped: list[Skipped] = []
+    for root in map(Path, paths):
+        if not root.exists():
+            skipped.append(Skipped(str(root), "does not exist"))
+            continue
+        for folder, subfolders, files in os.walk(root):
+            here = Path(folder)
+            if METRICS_FILE in files:
+                found.append(("jsonl", here))
+                subfolders[:] = []
+            elif wandb_runs.is_offline_run_dir(here):
+                found.append(("wandb", here))
+                subfolders[:] = []
+            elif CONFIG_FILE in files and here.name not in ("files",) and not _in_checkpoint(here):
+                skipped.append(Skipped(str(here), f"{CONFIG_FILE} but no {METRICS_FILE} yet"))
+            subfolders.sort()
+    return found, skipped
+
+
+def _in_checkpoint(folder: Path) -> bool:
+    return any(part.startswith(("iter_", "checkpoint")) for part in folder.parts)
+
+
+def build_table(rows: list[dict]) -> pd.DataFrame:
+    table = pd.DataFrame(rows, columns=COLUMNS)
+    if table.empty:
+        return table
+    # A size label per model shape, from its smallest variant's count: variants of one
+    # shape differ by ~0.1% parameters and must land in the same size group.
+    labels = table.groupby("shape")["params_total"].transform("min").map(humanize_count)
+    table["size"] = labels
+    return table.sort_values(
+        ["params_total", "variant", "seed", "run", "split", "step"]
+    ).reset_index(drop=True)
+
+
+def ingest(paths: list[str | Path], wandb_project: str | None = None) -> Ingested:
+    """Every run under ``paths`` (and, optionally, a wandb project through the API)."""
+    found, skipped = find_runs(paths)
+    rows: list[dict] = []
+    warnings: list[str] = []
+    readers = {"jsonl": read_run_dir, "wandb": read_wandb_dir}
+    # (where, how to read it): reading is deferred so one bad run is caught and reported
+    records: list[tuple[str, Callable[[], RunRecord]]] = [
+        (str(folder), functools.partial(readers[kind], folder)) for kind, folder in found
+    ]
+    if wandb_project:
+        try:
+            for run in wandb_runs.read_api_runs(wandb_project):
+                records.append(
+                    (run["path"], functools.partial(record_from_wandb, run, run["path"]))
+                )
+        except Exception as error:  # no key, no network: say so, keep the local runs
+            skipped.append(Skipped(f"wandb:{wandb_project}", str(error)))
+    seen_names: dict[str, str] = {}
+    for path, read in records:
+        try:
+            record = read()
+            run_rows, problems = record_rows(record)
+        except (RunError, OSError) as error:
+            skipped.append(Skipped(path, str(error)))
+            continue
+        name = run_rows[0]["run"]
+        if name in seen_names:
+            skipped.append(Skipped(path, f"duplicate run name '{name}' (also {seen_names[name]})"))
+            continue
+        seen_names[name] = path
+        rows.extend(run_rows)
+        warnings.extend(problems)
+    return Ingested(build_table(rows), skipped, warnings)
+
+
+# ---------------------------------------------------------------------------------------
+# views of the table
+# ---------------------------------------------------------------------------------------
+
+
+def run_summary(table: pd.DataFrame) -> pd.DataFrame:
+    """One row per run: counts, tokens seen, last validation loss, throughput, status."""
+    if table.empty:
+        return pd.DataFrame()
+    valid = table[table["split"] == "valid"].sort_values("step")
+    train = table[table["split"] == "train"]
+    last_valid = valid.groupby("run").tail(1).set_index("run")
+    first = table.groupby("run").first()
+    summary = pd.DataFrame(
+        {
+            "variant": first["variant"],
+            "size": first["size"],
+            "seed": first["seed"],
+            "params_total": first["params_total"],
+            "params_non_embedding": first["params_non_embedding"],
+            "tokens": table.groupby("run")["tokens"].max(),
+            "steps": table.groupby("run")["step"].max(),
+            "final_val_loss": last_valid["loss"],
+            "final_val_ppl": last_valid["loss"].map(math.exp),
+            "final_eval": last_valid["final"],
+            "tokens_per_s": train.groupby("run")["tokens_per_s"].median(),
+            "finished": first["finished"],
+        }
+    )
+    summary.index.name = "run"
+    return (
+        summary.reset_index()
+        .sort_values(["params_total", "variant", "seed"])
+        .reset_index(drop=True)
+    )
+
+
+def fit_points(table: pd.DataFrame, points: str = "all", min_fraction: float = 0.2) -> pd.DataFrame:
+    """Validation points for the fits.
+
+    ``final``: each finished run's last evaluation (Chinchilla's approach 3 proper; needs
+    several token budgets per size). ``all``: every evaluation past ``min_fraction`` of the
+    run's tokens, so that one budget per size still spans the D axis (intermediate
+    points of a cosine schedule sit slightly above a run tuned for that D).
+    """
+    valid = table[table["split"] == "valid"].copy()
+    if valid.empty:
+        return valid
+    if points == "final":
+        valid = valid[valid["finished"]]
+        return valid.sort_values("step").groupby("run").tail(1).reset_index(drop=True)
+    if points != "all":
+        raise ValueError(f"points must be 'all' or 'final', got {points!r}")
+    longest = valid.groupby("run")["tokens"].transform("max")
+    return valid[valid["tokens"] >= min_fraction * longest].reset_index(drop=True)

@@ -1,0 +1,186 @@
+"""PNG figures of the report (matplotlib, Agg backend: no display needed).
+
+Every figure has labelled axes with units: tokens and FLOPs on log axes, loss in nats
+per token, sizes in parameters. One colour per attention variant across all figures.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
+
+from cqk_megatron.analysis.ingest import humanize_count  # noqa: E402
+from cqk_megatron.config import VARIANTS  # noqa: E402
+
+_PALETTE = plt.get_cmap("tab10").colors
+VARIANT_COLORS = {name: _PALETTE[i % len(_PALETTE)] for i, name in enumerate(VARIANTS)}
+LOSS_LABEL = "validation loss (nats/token)"
+
+
+def variant_color(variant: str):
+    return VARIANT_COLORS.get(variant, _PALETTE[hash(variant) % len(_PALETTE)])
+
+
+def save(fig, path: Path) -> Path:
+    """Write the PNG through a temporary name (no half-written image on a crash)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".png", delete=False) as handle:
+        fig.savefig(handle.name, format="png", dpi=120)
+    os.replace(handle.name, path)
+    plt.close(fig)
+    return path
+
+
+def _log_count_axis(ax, axis: str = "x") -> None:
+    """Log scale with plain labels (200K, 1M, 3B) on major ticks only: the default minor
+    labels (2x10^5, 3x10^5, ...) overlap on short ranges."""
+    target = ax.xaxis if axis == "x" else ax.yaxis
+    (ax.set_xscale if axis == "x" else ax.set_yscale)("log")
+    target.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    target.set_major_formatter(FuncFormatter(lambda value, _: humanize_count(value)))
+    target.set_minor_formatter(NullFormatter())
+
+
+def _log_flops_axis(ax) -> None:
+    ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def _grid(count: int, width: float = 4.6, height: float = 3.6):
+    cols = min(count, 3)
+    rows = math.ceil(count / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    for ax in axes.flat[count:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat[:count])
+
+
+def loss_curves(table: pd.DataFrame, path: Path) -> Path:
+    """One panel per model size: training (thin) and validation (markers) loss vs tokens."""
+    sizes = table.groupby("size")["params_total"].min().sort_values().index.tolist()
+    fig, axes = _grid(len(sizes))
+    for ax, size in zip(axes, sizes, strict=True):
+        here = table[table["size"] == size]
+        labelled = set()
+        for _, rows in here.groupby("run"):
+            variant = rows["variant"].iloc[0]
+            color = variant_color(variant)
+            train = rows[rows["split"] == "train"].sort_values("tokens")
+            if len(train):
+                window = max(1, len(train) // 20)
+                smooth = train["loss"].rolling(window, min_periods=1).mean()
+                ax.plot(train["tokens"], smooth, color=color, alpha=0.35, lw=1)
+            valid = rows[rows["split"] == "valid"].sort_values("tokens")
+            if len(valid):
+                label = variant if variant not in labelled else None
+                labelled.add(variant)
+                ax.plot(
+                    valid["tokens"], valid["loss"], "o-", color=color, ms=3.5, lw=1.4, label=label
+                )
+        non_embedding = here["params_non_embedding"].min()
+        ax.set_title(f"{size} parameters ({humanize_count(non_embedding)} non-embedding)")
+        _log_count_axis(ax)
+        ax.set_xlabel("tokens seen")
+        ax.set_ylabel("loss (nats/token)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8, title="validation (dots), train (thin)", title_fontsize=7)
+    fig.suptitle("Loss curves per model size and attention variant")
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def compute_frontier(points: pd.DataFrame, compute_fits: dict, path: Path) -> Path:
+    """Validation loss vs training FLOPs, points and the fitted ``L(C)`` per variant."""
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for variant, rows in points.groupby("variant"):
+        color = variant_color(variant)
+        ax.scatter(rows["flops"], rows["loss"], s=14, color=color, alpha=0.55)
+        fit = compute_fits.get(variant)
+        if fit is not None:
+            grid = np.geomspace(rows["flops"].min() / 2, rows["flops"].max() * 4, 100)
+            label = f"{variant}: {fit.E:.2f} + {fit.A:.3g}·C^-{fit.a:.3f}"
+            ax.plot(grid, fit.predict(grid), color=color, lw=1.8, label=label)
+        else:
+            ax.plot([], [], "o", color=color, label=f"{variant} (no fit)")
+    _log_flops_axis(ax)
+    ax.set_xlabel("training compute C (FLOPs)")
+    ax.set_ylabel(LOSS_LABEL)
+    ax.set_title("Loss vs compute: points and fitted frontier L(C) = E + A·C^-a")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def chinchilla_fits(points: pd.DataFrame, fits: dict, path: Path, n_column: str) -> Path:
+    """One panel per variant: points by size and the fitted L(N, D) curve of each size."""
+    variants = [v for v in points["variant"].unique()]
+    fig, axes = _grid(len(variants))
+    cmap = plt.get_cmap("viridis")
+    for ax, variant in zip(axes, variants, strict=True):
+        rows = points[points["variant"] == variant]
+        sizes = sorted(rows[n_column].unique())
+        fit = fits.get(variant)
+        for i, n in enumerate(sizes):
+            color = cmap(i / max(len(sizes) - 1, 1))
+            here = rows[rows[n_column] == n]
+            ax.scatter(
+                here["tokens"], here["loss"], s=14, color=color, label=f"N={humanize_count(n)}"
+            )
+            if fit is not None:
+                grid = np.geomspace(here["tokens"].min() / 2, here["tokens"].max() * 4, 60)
+                ax.plot(grid, fit.predict(n, grid), color=color, lw=1.2)
+        title = (
+            variant
+            if fit is None
+            else (f"{variant}: α={fit.alpha:.2f}, β={fit.beta:.2f}, E={fit.E:.2f}")
+        )
+        ax.set_title(title, fontsize=10)
+        _log_count_axis(ax)
+        ax.set_xlabel("tokens D")
+        ax.set_ylabel(LOSS_LABEL)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.suptitle("Fitted L(N, D) = E + A/N^α + B/D^β (curves) against validation points")
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def multiplier_vs_size(multipliers: dict, path: Path, tokens_per_param: float) -> Path:
+    """Data-efficiency multiplier over standard attention vs size, with bootstrap bars."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for offset, (variant, frame) in enumerate(multipliers.items()):
+        color = variant_color(variant)
+        x = frame["params"].to_numpy() * (1 + 0.04 * offset)  # dodge overlapping bars
+        y = frame["multiplier"].to_numpy()
+        finite = np.isfinite(y)
+        # an infinite bound (standard never gets there) is drawn as a bar to the edge
+        low = np.where(np.isfinite(frame["low"]), frame["low"], y)
+        high = np.where(np.isfinite(frame["high"]), frame["high"], y * 10)
+        x, y, low, high = x[finite], y[finite], low[finite], high[finite]
+        errors = np.vstack([np.clip(y - low, 0, None), np.clip(high - y, 0, None)])
+        ax.errorbar(x, y, yerr=errors, fmt="o-", color=color, capsize=3, label=variant)
+    ax.axhline(1.0, color="gray", lw=1, ls="--")
+    _log_count_axis(ax)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}×"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("model size N (parameters)")
+    ax.set_ylabel("tokens standard needs / tokens variant needs (×)")
+    ax.set_title(f"Data-efficiency multiplier over standard attention (D = {tokens_per_param:g}·N)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return save(fig, path)

@@ -1,0 +1,1 @@
+"""Evaluations beyond the training loss: synthetic recall (MQAR)."""
