@@ -35,7 +35,7 @@ setup(
             "protobuf>=4",
         ],
         "eval": ["lm-eval>=0.4.13", "accelerate>=1.0"],
-        "analysis": ["pandas>=2.0", "scipy>=1.10", "matplotlib>=3.7"],
+        "analysis": ["pandas>=2.0", "scipy>=1.11", "matplotlib>=3.7", "threadpoolctl>=3"],
         "dev": ["pytest>=8", "ruff>=0.6"],
     },
     entry_points={
