@@ -11,7 +11,9 @@ setup(
     version="0.1.0",
     description="Coupled QK dynamics and Differential Attention at scale on Megatron-Core",
     python_requires=">=3.10",
-    packages=find_packages(include=["cqk_megatron", "cqk_megatron.*", "data_tools", "data_tools.*"]),
+    packages=find_packages(
+        include=["cqk_megatron", "cqk_megatron.*", "data_tools", "data_tools.*", "launch"]
+    ),
     install_requires=[
         # torch is installed first and explicitly by scripts/install.sh (a CPU build here);
         # >=2.5 for scaled_dot_product_attention(enable_gqa=...).
@@ -23,6 +25,7 @@ setup(
         "sentencepiece>=0.2",
         "datasets>=3.0",
         "pyarrow>=15",
+        "submitit>=1.5.4,<1.6",  # launch/ uses submitit's sbatch renderer
     ],
     extras_require={
         "deepspeed": ["deepspeed>=0.16"],
@@ -51,6 +54,7 @@ setup(
             "cqk-demo-corpus=data_tools.demo_corpus:main",
             "cqk-data-bench=data_tools.bench:main",
             "cqk-analyze=cqk_megatron.analysis.cli:main",
+            "cqk-submit=launch.submit:main",
             "cqk-mqar=cqk_megatron.eval.mqar:main",
         ],
     },

@@ -1,0 +1,180 @@
+"""The submitted callable: rendezvous from submitit's job environment, then train.
+
+Every task of a job runs ``TrainingJob()`` (submitit unpickles it from the job folder).
+It reads its rank from ``submitit.JobEnvironment`` and exports the torchrun variables
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` = the first node, ``MASTER_PORT``
+= 20000 + job id mod 20000, as ``cqk_megatron.distributed`` derives it under plain
+``srun``), then calls the training loop in-process.
+
+Preemption and time limits go through the training loop's own signal path: Slurm sends
+USR1 ``signal_delay_s`` before the time limit (``#SBATCH --signal=USR1@N``) and SIGTERM on
+preemption or ``scontrol requeue``; every rank then saves one checkpoint collectively and
+``train`` returns ``EXIT_REQUEUE``. Rank 0 requeues the job if Slurm is not already ending
+it (a time limit, a wall-clock budget): ``scontrol requeue``, at most ``max_requeues``
+times. The tasks then exit with ``EXIT_REQUEUE`` and no result, as submitit expects of a
+job that will run again; the requeued job resumes from the newest complete checkpoint.
+Under submitit's local executor rank 0 exits with its requeue code instead (144), and the
+local controller starts the tasks again. A run that has finished is never trained again.
+
+A signal that arrives before the training loop has installed its handler (during
+start-up) reaches submitit's handler instead, which calls ``checkpoint()`` below and
+requeues: nothing was trained yet, so resubmitting the same callable loses nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import submitit
+from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE
+
+from cqk_megatron.config import RunConfig, from_dict
+from launch import run_dir as runs
+from launch import slurm_state
+
+EXIT_REQUEUE = 75  # cqk_megatron.training.preemption.EXIT_REQUEUE, without importing torch
+
+
+def rendezvous_port(job_id: str) -> int:
+    """The port every task derives from the job id alone (no communication needed)."""
+    digits = "".join(ch for ch in str(job_id) if ch.isdigit()) or "0"
+    return 20000 + int(digits) % 20000
+
+
+def rendezvous(env: submitit.JobEnvironment) -> dict[str, str]:
+    """torchrun's variables for this task, from submitit's view of the job."""
+    # An array task has its own numeric SLURM_JOB_ID: distinct ports for distinct tasks.
+    job_id = os.environ.get("SLURM_JOB_ID") or env.job_id
+    local = env.cluster == "local"
+    variables = {
+        "RANK": str(env.global_rank),
+        "LOCAL_RANK": str(env.local_rank),
+        "WORLD_SIZE": str(env.num_tasks),
+        "LOCAL_WORLD_SIZE": str(env.num_tasks // max(env.num_nodes, 1)),
+        "NODE_RANK": str(env.node),
+        "MASTER_ADDR": "127.0.0.1" if local else env.hostnames[0],
+        "MASTER_PORT": str(rendezvous_port(job_id)),
+    }
+    os.environ.update(variables)
+    return variables
+
+
+def protect_checkpoint_writer() -> None:
+    """Start Megatron's checkpoint-writer helper process immune to Slurm's stop signals.
+
+    Megatron's filesystem writer sends its results through a queue served by a process it
+    starts with multiprocessing's *spawn* method, once, at the first save. Slurm signals
+    every process of a job step: USR1 before the time limit, TERM on requeue and
+    preemption. A freshly spawned interpreter dies of either, so the very save the signal
+    asks for then fails with BrokenPipeError (seen on this cluster). Starting that process
+    here with both signals ignored (an ignored disposition survives exec) lets it outlive
+    them; Slurm's SIGKILL at the end of the job still ends it.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        filesystem_async._get_write_results_queue()  # private; megatron-core is pinned
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class TrainingJob(submitit.helpers.Checkpointable):
+    """Train one run (a resolved config) in every task of a job, resuming if it can."""
+
+    def __init__(self, config: dict, max_requeues: int = 10) -> None:
+        self.config = config
+        self.max_requeues = max_requeues
+
+    def run_config(self) -> RunConfig:
+        return from_dict(RunConfig, self.config, source="submitted config")
+
+    def __call__(self) -> int:
+        env = submitit.JobEnvironment()
+        variables = rendezvous(env)
+        config = self.run_config()
+        run_dir = Path(config.log.root) / config.name
+        rank0 = env.global_rank == 0
+        if runs.is_finished(run_dir, config.train.train_steps):
+            if rank0:
+                runs.append_event(run_dir, "skipped", job_id=env.job_id, reason="finished")
+            return 0
+        attempt = self._attempt(env, run_dir) if rank0 else 0  # rank 0 records and requeues
+        if rank0:
+            self._record_start(env, run_dir, variables, attempt)
+
+        from cqk_megatron.training.loop import train  # heavy: Megatron, DeepSpeed
+
+        protect_checkpoint_writer()
+        code = train(config, resume="auto")
+        # Training is over for this attempt: a late warning signal has nothing to save.
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        if code != EXIT_REQUEUE:
+            if rank0:
+                runs.append_event(run_dir, "finished", job_id=env.job_id, exit=code)
+            return code
+        exit_code = EXIT_REQUEUE
+        if rank0:
+            outcome, exit_code = self._requeue(env, attempt)
+            runs.append_event(run_dir, "stopped", job_id=env.job_id, exit=code, requeue=outcome)
+            print(f"checkpoint saved; requeue: {outcome}", flush=True)
+        # No result pickle: to submitit the job is not over while it is requeued.
+        sys.exit(exit_code)
+
+    def checkpoint(self, *args, **kwargs) -> submitit.helpers.DelayedSubmission:
+        """submitit's requeue hook: the run's state is its checkpoints on disk, so the
+        same callable resumes it."""
+        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
+
+    def _record_start(self, env, run_dir: Path, variables: dict[str, str], attempt: int) -> None:
+        paths = env.paths
+        runs.append_event(
+            run_dir,
+            "started",
+            job_id=env.job_id,
+            cluster=env.cluster,
+            attempt=attempt,
+            host=socket.gethostname(),
+            hosts=list(env.hostnames),
+            rendezvous=variables,
+            log={"stdout": str(paths.stdout), "stderr": str(paths.stderr)},
+            slurm={k: v for k, v in sorted(os.environ.items()) if k.startswith("SLURM_")},
+        )
+
+    @staticmethod
+    def _attempt(env, run_dir: Path) -> int:
+        """1 for the first run of this job, 2 after one requeue, ..."""
+        if env.cluster == "slurm":
+            return int(os.environ.get("SLURM_RESTART_COUNT") or 0) + 1
+        starts = [
+            e
+            for e in runs.events(run_dir)
+            if e["event"] == "started" and e.get("job_id") == env.job_id
+        ]
+        return len(starts) + 1
+
+    def _requeue(self, env, attempt: int) -> tuple[str, int]:
+        """Requeue this job unless Slurm is already ending it: (what happened, exit code)."""
+        if attempt - 1 >= self.max_requeues:
+            return f"refused: requeued {attempt - 1} times already (max_requeues)", EXIT_REQUEUE
+        if env.cluster == "local":
+            # submitit's local controller starts the tasks again when one exits with this.
+            return "requeued", LOCAL_REQUEUE_RETURN_CODE
+        job_id = os.environ.get("SLURM_JOB_ID", env.job_id)
+        # The controller's live view (accounting may lag behind a requeue in progress).
+        state = slurm_state.controller_state(job_id)
+        if state != "RUNNING":
+            # scontrol requeue, preemption or scancel: Slurm decides what comes next.
+            return f"left to Slurm (job state {state})", EXIT_REQUEUE
+        out = subprocess.run(
+            ["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60
+        )
+        if out.returncode != 0:
+            return f"failed: scontrol requeue {job_id}: {out.stderr.strip()}", EXIT_REQUEUE
+        return "requeued", EXIT_REQUEUE

@@ -1,0 +1,246 @@
+"""What a job asks the cluster for: cluster profiles, resources and their sbatch form.
+
+A cluster profile (``configs/clusters/*.yaml``) gives defaults for one cluster: whether
+its nodes have GPUs, partition, account, time, the shell lines that prepare a job
+(``setup``), environment variables (``env``) and so on. Resources are resolved from, in
+order of precedence: command-line options, the sweep's per-size ``resources``/``layout``,
+the profile, and the defaults below. On GPU nodes there is one task per GPU; on CPU nodes
+``tasks_per_node`` says how many processes each node runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cqk_megatron.config import ConfigError
+
+CLUSTERS = ("slurm", "local")
+# Resource keys a sweep's layout carries for information only (checked by the sweep).
+SWEEP_INFO_KEYS = {"tensor_parallel", "pipeline_parallel", "data_parallel", "world_size"}
+
+
+@dataclass
+class Resources:
+    """One job's request. ``None`` leaves the choice to the cluster's defaults."""
+
+    nodes: int | None = None  # None: parallel.world_size / tasks per node, else 1
+    gpus_per_node: int = 0  # one task per GPU; 0 on CPU nodes
+    tasks_per_node: int = 1  # CPU nodes only
+    cpus_per_task: int | None = None
+    mem: str | None = None  # Slurm syntax per node: 64G, 500000M, 0 (all of it)
+    time: str = "01:00:00"  # Slurm syntax: minutes, HH:MM:SS, D-HH:MM:SS
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    exclusive: bool = False
+    job_name: str | None = None
+    slurm_args: dict[str, str] = field(default_factory=dict)  # any other #SBATCH option
+    srun_args: list[str] = field(default_factory=list)
+    signal_delay_s: int = 120  # the warning signal (USR1) comes this long before the limit
+    max_requeues: int = 10  # the job requeues itself at most this many times
+    array_parallelism: int = 16  # sweeps: array tasks running at once
+
+    @property
+    def tasks(self) -> int:
+        """Tasks (processes) per node."""
+        return self.gpus_per_node if self.gpus_per_node > 0 else self.tasks_per_node
+
+    @property
+    def world_size(self) -> int:
+        return (self.nodes or 1) * self.tasks
+
+
+@dataclass
+class ClusterProfile:
+    """Defaults and job preparation for one cluster (``configs/clusters/NAME.yaml``)."""
+
+    source: str = "built-in defaults"
+    cluster: str | None = None  # slurm | local; None: the command line must say
+    gpus: bool = False  # nodes have GPUs (one task per GPU) or not (tasks_per_node)
+    python: str | None = None  # the job's python; None: the submitting interpreter
+    runs_root: str | None = None  # log.root for runs submitted with this profile
+    setup: list[str] = field(default_factory=list)  # shell lines run before srun
+    env: dict[str, str] = field(default_factory=dict)  # exported before srun
+    resources: Resources = field(default_factory=Resources)
+
+
+_PROFILE_KEYS = {f.name for f in dataclasses.fields(ClusterProfile)} - {"source", "resources"}
+_RESOURCE_KEYS = {f.name for f in dataclasses.fields(Resources)}
+
+
+def _check_types(values: dict, where: str) -> None:
+    ints = (
+        "nodes",
+        "gpus_per_node",
+        "tasks_per_node",
+        "cpus_per_task",
+        "signal_delay_s",
+        "max_requeues",
+        "array_parallelism",
+    )
+    for key in ints:
+        value = values.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ConfigError(f"{where}: '{key}' must be a whole number, got {value!r}")
+        if value is not None and value < (0 if key == "gpus_per_node" else 1):
+            raise ConfigError(f"{where}: '{key}' must be at least 1, got {value}")
+    if "exclusive" in values and not isinstance(values["exclusive"], bool):
+        raise ConfigError(f"{where}: 'exclusive' must be true or false")
+    if "slurm_args" in values and not isinstance(values["slurm_args"], dict):
+        raise ConfigError(f"{where}: 'slurm_args' must map sbatch option names to values")
+    if "srun_args" in values and not isinstance(values["srun_args"], list):
+        raise ConfigError(f"{where}: 'srun_args' must be a list of srun arguments")
+    if values.get("time") is not None:
+        time_minutes(values["time"], where)
+
+
+def merge_resources(base: Resources, values: dict[str, Any], where: str) -> Resources:
+    """``base`` with ``values`` (resource keys, ``None`` meaning unset) laid over it."""
+    unknown = set(values) - _RESOURCE_KEYS
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown resource keys {sorted(unknown)}; known: {sorted(_RESOURCE_KEYS)}"
+        )
+    _check_types({k: v for k, v in values.items() if v is not None}, where)
+    updates = {k: v for k, v in values.items() if v is not None}
+    if "time" in updates:
+        updates["time"] = str(updates["time"])
+    if "mem" in updates:
+        updates["mem"] = str(updates["mem"])
+    if "slurm_args" in updates:
+        updates["slurm_args"] = {
+            **base.slurm_args,
+            **{str(k): str(v) for k, v in updates["slurm_args"].items()},
+        }
+    return dataclasses.replace(base, **updates)
+
+
+def load_profile(path: str | Path | None) -> ClusterProfile:
+    """Read a cluster profile; ``None`` gives the built-in defaults."""
+    if path is None:
+        return ClusterProfile()
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"cluster profile '{path}' does not exist (see configs/clusters/)")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {error}") from error
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of profile keys")
+    profile_values = {k: data.pop(k) for k in list(data) if k in _PROFILE_KEYS}
+    cluster = profile_values.get("cluster")
+    if cluster is not None and cluster not in CLUSTERS:
+        raise ConfigError(f"{path}: cluster={cluster!r} is unknown; use one of {list(CLUSTERS)}")
+    if not isinstance(profile_values.get("setup", []), list):
+        raise ConfigError(f"{path}: 'setup' must be a list of shell lines")
+    if not isinstance(profile_values.get("env", {}), dict):
+        raise ConfigError(f"{path}: 'env' must map variable names to values")
+    profile_values["env"] = {str(k): str(v) for k, v in profile_values.get("env", {}).items()}
+    resources = merge_resources(Resources(), data, str(path))
+    return ClusterProfile(source=str(path), resources=resources, **profile_values)
+
+
+_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+
+
+def time_minutes(value: str | int, where: str = "time") -> int:
+    """Slurm's time syntax in whole minutes (rounded up): 90, 1:30:00, 2-00:00:00."""
+    text = str(value).strip()
+    match = _TIME.match(text)
+    if not match:
+        raise ConfigError(
+            f"{where}: time={value!r} is not Slurm's syntax; use minutes (90), HH:MM:SS "
+            "(01:30:00) or D-HH:MM:SS (2-00:00:00)"
+        )
+    days, a, b, c = (int(x) if x else None for x in match.groups())
+    if days is not None:  # D-HH[:MM[:SS]]
+        seconds = days * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
+    elif c is not None:  # HH:MM:SS
+        seconds = a * 3600 + b * 60 + c
+    elif b is not None:  # MM:SS
+        seconds = a * 60 + b
+    else:  # MM
+        seconds = a * 60
+    minutes = -(-seconds // 60)
+    if minutes < 1:
+        raise ConfigError(f"{where}: time={value!r} must be at least one minute")
+    return minutes
+
+
+def parse_key_values(items: list[str], option: str) -> dict[str, str]:
+    """``["key=value", ...]`` from a repeated command-line option."""
+    pairs = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{option} {item!r} must look like key=value, e.g. mail-type=END")
+        pairs[key.strip()] = value
+    return pairs
+
+
+def job_environment(profile: ClusterProfile, resources: Resources) -> dict[str, str]:
+    """Variables every task needs, the profile's last (it may override them)."""
+    env = {}
+    if resources.gpus_per_node == 0:
+        env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's CPU accelerator: no GPU on the node
+        # One rank per core: torch's default (every core per process) oversubscribes.
+        env["OMP_NUM_THREADS"] = str(resources.cpus_per_task or 1)
+    env["SUBMITIT_PREEMPT_SIGNAL"] = "USR1"  # the signal the training loop checkpoints on
+    env.update(profile.env)
+    return env
+
+
+def setup_lines(profile: ClusterProfile, resources: Resources, repo: Path) -> list[str]:
+    """Shell lines before ``srun``: the profile's, then exports (so the job imports this
+    checkout's ``launch`` and ``cqk_megatron`` whatever is installed)."""
+    lines = list(profile.setup)
+    lines.append(f"export PYTHONPATH={shlex.quote(str(repo))}${{PYTHONPATH:+:$PYTHONPATH}}")
+    for key, value in job_environment(profile, resources).items():
+        lines.append(f"export {key}={shlex.quote(value)}")
+    return lines
+
+
+def sbatch_parameters(
+    profile: ClusterProfile, resources: Resources, repo: Path, job_name: str
+) -> dict[str, Any]:
+    """submitit ``SlurmExecutor`` parameters (the names of its ``update_parameters``)."""
+    r = resources
+    params: dict[str, Any] = {
+        "job_name": r.job_name or job_name,
+        "nodes": r.nodes or 1,
+        "ntasks_per_node": r.tasks,
+        "time": time_minutes(r.time),
+        "signal_delay_s": r.signal_delay_s,
+        "setup": setup_lines(profile, r, repo),
+        "array_parallelism": r.array_parallelism,
+    }
+    if r.gpus_per_node > 0:
+        params["gpus_per_node"] = r.gpus_per_node
+    optional = {
+        "cpus_per_task": r.cpus_per_task,
+        "mem": r.mem,
+        "partition": r.partition,
+        "account": r.account,
+        "qos": r.qos,
+        "constraint": r.constraint,
+    }
+    params.update({k: v for k, v in optional.items() if v is not None})
+    if r.exclusive:
+        params["exclusive"] = True
+    if r.srun_args:
+        params["srun_args"] = list(r.srun_args)
+    # USR1 (not submitit's default USR2) is the signal the training loop saves on; requeue
+    # is explicit so that clusters with JobRequeue=0 still let the job requeue itself.
+    extra = {"signal": f"USR1@{r.signal_delay_s}", "requeue": True}
+    extra.update(r.slurm_args)
+    params["additional_parameters"] = extra
+    return params

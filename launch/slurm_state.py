@@ -1,0 +1,119 @@
+"""Job states, from Slurm's accounting when it has one, else from the controller.
+
+``sacct`` needs the accounting daemon (slurmdbd); clusters without it answer "accounting
+storage is disabled", and submitit then reports every job as UNKNOWN. ``scontrol show
+job`` answers from slurmctld's memory instead, which keeps a job for ``MinJobAge``
+seconds after it ends (300 by default); after that the honest answer is ``UNKNOWN``.
+Local jobs (submitit's local executor) are processes: RUNNING while their controller
+lives.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+# States after which a job will not run again by itself.
+FINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "SPECIAL_EXIT",
+    "REVOKED",
+    "FINISHED",
+    "INTERRUPTED",
+}
+# States of a job that is queued, running or on its way back to the queue.
+ACTIVE_STATES = {
+    "PENDING",
+    "CONFIGURING",
+    "RUNNING",
+    "COMPLETING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "RESIZING",
+    "SUSPENDED",
+    "STOPPED",
+    "SIGNALING",
+    "STAGE_OUT",
+    "RESV_DEL_HOLD",
+    "PREEMPTED",
+}
+
+
+def _run(command: list[str]) -> str | None:
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def _from_sacct(job_ids: list[str]) -> dict[str, str] | None:
+    command = ["sacct", "--noheader", "--parsable2", "--allocations", "-o", "JobID,State"]
+    for job_id in job_ids:
+        command += ["-j", job_id]
+    out = _run(command)
+    if out is None:
+        return None
+    states = {}
+    for line in out.splitlines():
+        job_id, _, state = line.partition("|")
+        if job_id in job_ids:
+            states[job_id] = state.split()[0] if state else "UNKNOWN"  # "CANCELLED by 0"
+    return states
+
+
+def controller_state(job_id: str) -> str:
+    """The job's state in slurmctld's memory (``UNKNOWN`` once it has forgotten it)."""
+    out = _run(["scontrol", "show", "job", "--oneliner", job_id])
+    if not out:
+        return "UNKNOWN"
+    for line in out.splitlines():  # an array's parent lists every task; take this one
+        fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
+        array = f"{fields.get('ArrayJobId')}_{fields.get('ArrayTaskId')}"
+        if fields.get("JobId") == job_id or array == job_id or len(out.splitlines()) == 1:
+            return fields.get("JobState", "UNKNOWN")
+    return "UNKNOWN"
+
+
+def slurm_states(job_ids: list[str]) -> dict[str, str]:
+    """``{job id: state}`` for Slurm job ids (``123`` or array tasks ``123_4``)."""
+    states = _from_sacct(job_ids) or {}
+    for job_id in job_ids:
+        if job_id not in states:
+            states[job_id] = controller_state(job_id)
+    return states
+
+
+def local_state(job_id: str) -> str:
+    """A local job's id is its controller's pid: RUNNING while that process lives."""
+    try:
+        pid = int(job_id)
+    except ValueError:
+        return "UNKNOWN"
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    try:
+        alive = b"submitit.local._local" in cmdline.read_bytes()
+        if alive:
+            os.kill(pid, 0)
+    except (OSError, ProcessLookupError):
+        alive = False
+    return "RUNNING" if alive else "FINISHED"
+
+
+def job_state(job_id: str, cluster: str) -> str:
+    if cluster == "local":
+        return local_state(job_id)
+    return slurm_states([job_id])[job_id]
+
+
+def is_active(state: str) -> bool:
+    return state.split()[0] in ACTIVE_STATES

@@ -1,0 +1,86 @@
+"""``python launch/submit.py status RUN_DIR...``: where a run stands.
+
+For each run folder: the latest job and its state (Slurm's, or the local process's), the
+attempt it is on, the latest step, training and validation loss, the newest complete
+checkpoint, whether the run finished, and the tail of its rank-0 log.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from launch import run_dir as runs
+from launch import slurm_state
+
+
+def _tail(path: Path, lines: int) -> list[str]:
+    if not path.is_file():
+        return []
+    with path.open("rb") as file:
+        file.seek(0, 2)
+        size = file.tell()
+        file.seek(max(0, size - 64 * 1024))
+        text = file.read().decode(errors="replace")
+    return text.splitlines()[-lines:]
+
+
+def describe(run_dir: Path, log_lines: int = 10) -> str:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return f"{run_dir}: no such run folder"
+    out = [f"run        {run_dir.resolve()}"]
+    history = runs.events(run_dir)
+    submitted = runs.last_submission(run_dir)
+    if submitted is None:
+        out.append("job        none submitted by launch/submit.py (no jobs.jsonl)")
+    else:
+        job_id, cluster = str(submitted["job_id"]), submitted["cluster"]
+        state = slurm_state.job_state(job_id, cluster)
+        starts = [e for e in history if e["event"] == "started" and e.get("job_id") == job_id]
+        where = f" on {starts[-1].get('host')}" if starts else ""
+        attempt = f", attempt {starts[-1].get('attempt')}" if starts else ", not started yet"
+        out.append(f"job        {job_id} ({cluster}): {state}{attempt}{where}")
+        stops = [e for e in history if e["event"] == "stopped" and e.get("job_id") == job_id]
+        if stops:
+            out.append(
+                f"last stop  exit {stops[-1].get('exit')}, requeue: {stops[-1].get('requeue')}"
+            )
+    summary = runs.summary(run_dir)
+    train = runs.latest_train_record(run_dir)
+    valid = runs.latest_valid_record(run_dir)
+    if summary is not None:
+        out.append(f"finished   yes: {summary.get('steps')} steps, {summary.get('tokens')} tokens")
+    else:
+        out.append("finished   no")
+    if train is not None:
+        out.append(
+            f"progress   step {train['step']}, loss {train['loss']:.4f}, lr {train['lr']:.3g}"
+        )
+    if valid is not None:
+        out.append(f"validation step {valid['step']}, loss {valid['val_loss']:.4f}")
+    checkpoint = runs.latest_checkpoint(run_dir)
+    out.append(f"checkpoint {checkpoint or 'none yet'}")
+    logs = [e["log"] for e in history if e["event"] == "started" and e.get("log")]
+    if logs:
+        for stream in ("stdout", "stderr"):
+            path = Path(logs[-1][stream])
+            tail = _tail(path, log_lines)
+            out.append(f"log tail   {path} ({len(tail)} lines)")
+            out.extend(f"  | {line}" for line in tail)
+    return "\n".join(out)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="submit.py status", description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", help="run folders (log.root/name)")
+    parser.add_argument("--lines", type=int, default=10, help="log lines to show per stream")
+    args = parser.parse_args(argv)
+    missing = 0
+    for i, run in enumerate(args.runs):
+        if i:
+            print()
+        text = describe(Path(run), args.lines)
+        missing += text.endswith("no such run folder")
+        print(text)
+    return 1 if missing else 0

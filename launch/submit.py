@@ -1,0 +1,337 @@
+"""Submit training runs and sweeps with submitit, to Slurm or on this machine.
+
+    python launch/submit.py --config configs/runs/tiny_cpu.yaml --cluster local --tasks 2
+    python launch/submit.py --config configs/runs/1b_4x8.yaml \\
+        --profile configs/clusters/example_h100.yaml --cluster slurm [--dry-run]
+    python launch/submit.py --sweep configs/sweeps/ladder.yaml --profile ... --cluster slurm
+    python launch/submit.py status RUN_DIR [RUN_DIR ...]
+
+Trailing ``section.key=value`` arguments override the run config (every run of a sweep).
+``--dry-run`` prints the resolved config, the parallel layout and the sbatch script, and
+submits nothing. Runs that finished are skipped; runs with a job still queued or running
+are skipped; the others are submitted and resume from their newest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+# Run as a script, the repository root is not on sys.path; the job side imports
+# ``launch.job`` by that name, so the launcher must too.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import yaml  # noqa: E402
+
+from cqk_megatron.config import ConfigError, to_dict  # noqa: E402
+from launch import run_dir as runs  # noqa: E402
+from launch import slurm_state  # noqa: E402
+from launch.plan import RunPlan, plan_run, plan_sweep  # noqa: E402
+from launch.resources import CLUSTERS, load_profile, parse_key_values  # noqa: E402
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="launch/submit.py",
+        description=__doc__.split("\n\n")[0],
+        epilog="Also: launch/submit.py status RUN_DIR... (job state, progress, log tail).",
+    )
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--config", help="run config YAML (configs/runs/...)")
+    what.add_argument(
+        "--sweep", help="sweep YAML (configs/sweeps/...): one job array per resource set"
+    )
+    parser.add_argument("overrides", nargs="*", help="section.key=value config overrides")
+    parser.add_argument(
+        "--cluster",
+        choices=CLUSTERS,
+        help="slurm, or local (this machine); required unless the profile names one",
+    )
+    parser.add_argument(
+        "--profile", help="cluster profile YAML (configs/clusters/...) with defaults"
+    )
+    r = parser.add_argument_group("resources (override the profile and the sweep)")
+    r.add_argument("--nodes", type=int)
+    r.add_argument("--gpus-per-node", type=int, help="GPUs per node; one task per GPU")
+    r.add_argument("--tasks", type=int, help="tasks (processes) per node on CPU nodes")
+    r.add_argument("--cpus-per-task", type=int)
+    r.add_argument("--mem", help="memory per node, Slurm syntax (64G; 0 = all)")
+    r.add_argument("--partition")
+    r.add_argument("--account")
+    r.add_argument("--qos")
+    r.add_argument("--time", help="time limit per job: minutes, HH:MM:SS or D-HH:MM:SS")
+    r.add_argument("--constraint")
+    r.add_argument("--exclusive", action="store_true", default=None, help="whole nodes")
+    r.add_argument("--job-name")
+    r.add_argument(
+        "--slurm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other sbatch option, e.g. --slurm-arg mail-type=END (repeatable)",
+    )
+    r.add_argument(
+        "--signal-delay",
+        type=int,
+        dest="signal_delay_s",
+        help="seconds before the time limit that USR1 asks the job to checkpoint",
+    )
+    r.add_argument("--max-requeues", type=int, help="times a job may requeue itself")
+    r.add_argument("--array-parallelism", type=int, help="sweep jobs running at once")
+    parser.add_argument("--dry-run", action="store_true", help="print, submit nothing")
+    wait = parser.add_mutually_exclusive_group()
+    wait.add_argument(
+        "--wait",
+        action="store_true",
+        default=None,
+        help="wait for the jobs to end (the default with --cluster local)",
+    )
+    wait.add_argument("--no-wait", action="store_false", dest="wait")
+    return parser.parse_intermixed_args(argv)  # overrides may come between options
+
+
+def cli_resources(args: argparse.Namespace, gpu_profile: bool) -> dict:
+    if args.tasks is not None and args.gpus_per_node:
+        raise ConfigError("give --gpus-per-node (one task per GPU) or --tasks (CPU), not both")
+    if args.tasks is not None and gpu_profile:
+        raise ConfigError("this profile's nodes have GPUs: one task per GPU, use --gpus-per-node")
+    values = {
+        "nodes": args.nodes,
+        "gpus_per_node": args.gpus_per_node,
+        "tasks_per_node": args.tasks,
+        "cpus_per_task": args.cpus_per_task,
+        "mem": args.mem,
+        "partition": args.partition,
+        "account": args.account,
+        "qos": args.qos,
+        "time": args.time,
+        "constraint": args.constraint,
+        "exclusive": args.exclusive,
+        "job_name": args.job_name,
+        "signal_delay_s": args.signal_delay_s,
+        "max_requeues": args.max_requeues,
+        "array_parallelism": args.array_parallelism,
+    }
+    if args.tasks is not None:
+        values["gpus_per_node"] = 0
+    if args.slurm_arg:
+        values["slurm_args"] = parse_key_values(args.slurm_arg, "--slurm-arg")
+    return values
+
+
+# -- dry run ---------------------------------------------------------------------------------
+
+
+def dry_run(plans: list[RunPlan], groups: list[list[RunPlan]], profile, cluster: str, sweep) -> str:
+    from launch.executors import sbatch_script
+
+    out = []
+    for plan in plans:
+        out.append(f"==> run {plan.name}: {plan.run_dir}")
+        out.append(f"==> layout: {plan.layout()}")
+        if sweep is None:
+            out.append("==> resolved config")
+            out.append(yaml.safe_dump(to_dict(plan.config), sort_keys=False).rstrip())
+    if cluster == "local":
+        out.append("==> local executor: no sbatch script (the tasks run on this machine)")
+        return "\n".join(out) + "\n"
+    for group in groups:
+        folder = submitit_folder(group, sweep)
+        names = ", ".join(p.name for p in group)
+        kind = f"job array of {len(group)}" if sweep is not None else "job"
+        out.append(f"==> sbatch script ({kind}: {names}; submitit folder {folder})")
+        out.append(
+            sbatch_script(
+                folder, profile, group[0].resources, job_name(group, sweep), len(group)
+            ).rstrip()
+        )
+    return "\n".join(out) + "\n"
+
+
+# -- submission ------------------------------------------------------------------------------
+
+
+def submitit_folder(group: list[RunPlan], sweep) -> Path:
+    if sweep is None:
+        return group[0].run_dir / "submitit"
+    return Path(group[0].config.log.root) / "submitit"
+
+
+def job_name(group: list[RunPlan], sweep) -> str:
+    """A single run's name, or the sweep's ``name`` (which prefixes its runs' names)."""
+    if sweep is None:
+        return group[0].name
+    return (yaml.safe_load(Path(sweep).read_text()) or {}).get("name") or Path(sweep).stem
+
+
+def triage(plan: RunPlan) -> str | None:
+    """Why ``plan`` must not be submitted now (finished, or a job of it is active)."""
+    if runs.is_finished(plan.run_dir, plan.config.train.train_steps):
+        return "finished"
+    last = runs.last_submission(plan.run_dir)
+    if last is not None:
+        state = slurm_state.job_state(str(last["job_id"]), last["cluster"])
+        if slurm_state.is_active(state):
+            return f"job {last['job_id']} is {state}"
+    return None
+
+
+def group_by_resources(plans: list[RunPlan], profile, sweep) -> list[list[RunPlan]]:
+    """Runs with identical sbatch settings share one job array."""
+    from launch.executors import REPO
+    from launch.resources import sbatch_parameters
+
+    groups: dict[str, list[RunPlan]] = {}
+    for plan in plans:
+        key = repr(sorted(sbatch_parameters(profile, plan.resources, REPO, "").items()))
+        key += str(plan.config.log.root)
+        groups.setdefault(key, []).append(plan)
+    return list(groups.values())
+
+
+def record_submission(plan: RunPlan, job, cluster: str, array: bool, argv: list[str]) -> None:
+    runs.append_event(
+        plan.run_dir,
+        "submitted",
+        job_id=job.job_id,
+        cluster=cluster,
+        array=array,
+        submitit_folder=str(job.paths.folder),
+        resources=vars(plan.resources),
+        command=["launch/submit.py", *argv],
+    )
+    print(f"submitted {plan.name}: job {job.job_id} ({cluster}) -> {plan.run_dir}", flush=True)
+
+
+def submit_group(group: list[RunPlan], profile, cluster: str, sweep, argv: list[str]) -> list:
+    """Submit runs that share resources: one Slurm job, or one job array for several."""
+    from launch.executors import local_executor, slurm_executor
+    from launch.job import TrainingJob
+
+    resources = group[0].resources
+    for plan in group:
+        runs.write_config(plan.run_dir, plan.config)
+    callables = [TrainingJob(to_dict(p.config), resources.max_requeues) for p in group]
+    if cluster == "local":
+        # No job arrays here: at most array_parallelism runs at once on this machine.
+        jobs = []
+        for plan, job_callable in zip(group, callables, strict=True):
+            while sum(not job.done() for job in jobs) >= resources.array_parallelism:
+                time.sleep(2)
+            executor = local_executor(plan.run_dir / "submitit", profile, plan.resources)
+            jobs.append(executor.submit(job_callable))
+            record_submission(plan, jobs[-1], cluster, False, argv)
+        return jobs
+    folder = submitit_folder(group, sweep)
+    executor = slurm_executor(folder, profile, resources, job_name(group, sweep))
+    if len(group) == 1:
+        jobs = [executor.submit(callables[0])]
+    else:
+        with executor.batch():
+            jobs = [executor.submit(c) for c in callables]
+    for plan, job in zip(group, jobs, strict=True):
+        record_submission(plan, job, cluster, len(group) > 1, argv)
+    return jobs
+
+
+def wait_for(plans: list[RunPlan], jobs: list, cluster: str, poll_s: float = 5.0) -> None:
+    """Until every job has ended; prints progress now and then."""
+    pending = dict(zip([p.name for p in plans], zip(plans, jobs, strict=True), strict=True))
+    last_print = 0.0
+    while pending:
+        for name, (_, job) in list(pending.items()):
+            # A local job's own process handle is the surest word on it.
+            state = job.state if cluster == "local" else slurm_state.job_state(job.job_id, cluster)
+            if not slurm_state.is_active(state):
+                print(f"{name}: job {job.job_id} ended ({state})", flush=True)
+                del pending[name]
+        if pending and time.monotonic() - last_print > 30:
+            last_print = time.monotonic()
+            for name, (plan, _) in pending.items():
+                record = runs.latest_train_record(plan.run_dir)
+                progress = (
+                    f"step {record['step']}, loss {record['loss']:.4f}" if record else "starting"
+                )
+                print(f"{name}: {progress}", flush=True)
+        if pending:
+            time.sleep(poll_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["status"]:
+        from launch.status import main as status_main
+
+        return status_main(argv[1:])
+    args = parse_args(argv)
+    try:
+        profile = load_profile(args.profile)
+        cluster = args.cluster or profile.cluster
+        if cluster is None:
+            raise ConfigError(
+                "say where to run: --cluster slurm or --cluster local (or 'cluster:' in the "
+                "profile); the launcher does not guess from what is installed"
+            )
+        resources = cli_resources(args, profile.gpus)
+        if args.sweep:
+            plans = plan_sweep(args.sweep, args.overrides, profile, resources, cluster)
+        else:
+            plans = [plan_run(args.config, args.overrides, profile, resources, cluster)]
+        groups = group_by_resources(plans, profile, args.sweep)
+        if args.dry_run:
+            sys.stdout.write(dry_run(plans, groups, profile, cluster, args.sweep))
+            return 0
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+    submitted_plans, jobs = [], []
+    for group in groups:
+        todo = []
+        for plan in group:
+            reason = triage(plan)
+            if reason is None:
+                todo.append(plan)
+            else:
+                print(f"skipped {plan.name}: {reason} ({plan.run_dir})", flush=True)
+        if todo:
+            if cluster == "slurm" and "SLURM_CONF" not in os.environ:
+                print(
+                    "note: SLURM_CONF is not set; sbatch uses its default configuration",
+                    file=sys.stderr,
+                )
+            try:
+                jobs += submit_group(todo, profile, cluster, args.sweep, argv)
+            except (RuntimeError, OSError) as error:  # sbatch's refusal, no srun, ...
+                names = ", ".join(p.name for p in todo)
+                print(f"error: submitting {names} failed: {error}", file=sys.stderr)
+                return 1
+            submitted_plans += todo
+    if not submitted_plans:
+        print("nothing submitted")
+        return (
+            0 if all(runs.is_finished(p.run_dir, p.config.train.train_steps) for p in plans) else 1
+        )
+    wait = args.wait if args.wait is not None else cluster == "local"
+    if wait:
+        wait_for(submitted_plans, jobs, cluster)
+        unfinished = [
+            p.name for p in plans if not runs.is_finished(p.run_dir, p.config.train.train_steps)
+        ]
+        if unfinished:
+            from launch.status import describe
+
+            for plan in plans:
+                if plan.name in unfinished:
+                    print(describe(plan.run_dir), file=sys.stderr)
+            print(f"not finished: {', '.join(unfinished)}", file=sys.stderr)
+            return 1
+        print("all runs finished")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
