@@ -118,7 +118,7 @@ class DeepSpeedEngine:
         self.engine.train()
         skipped_before = self.engine.skipped_steps
         if self.pipelined:
-            loss_sum = self._pipelined_backward(micro_batches)
+            loss_sum = self._schedule_loss_sum(micro_batches, forward_only=False)
             self.engine.allreduce_gradients()
             self.engine.step()
         else:
@@ -130,13 +130,15 @@ class DeepSpeedEngine:
                 self.engine.step()
         grad_norm = self.engine.get_global_grad_norm()
         return StepResult(
-            loss=self._global_mean_loss(loss_sum),
+            loss=self._global_mean_loss(loss_sum, len(micro_batches)),
             grad_norm=float("nan") if grad_norm is None else float(grad_norm),
             skipped=self.engine.skipped_steps > skipped_before,
         )
 
-    def _pipelined_backward(self, micro_batches) -> torch.Tensor:
-        outputs = self._run_schedule(micro_batches, forward_only=False)
+    def _schedule_loss_sum(self, micro_batches, forward_only: bool) -> torch.Tensor:
+        """Megatron's schedule over the micro-batches; the sum of their losses (0 off the
+        last pipeline stage)."""
+        outputs = self._run_schedule(micro_batches, forward_only=forward_only)
         return sum((o["loss"].double() for o in outputs), torch.zeros((), dtype=torch.float64))
 
     def _run_schedule(self, micro_batches, forward_only: bool) -> list[dict]:
@@ -161,14 +163,14 @@ class DeepSpeedEngine:
             forward_only=forward_only,
         )
 
-    def _global_mean_loss(self, loss_sum: torch.Tensor) -> float:
+    def _global_mean_loss(self, loss_sum: torch.Tensor, num_micro_batches: int) -> float:
         """Mean micro-batch loss over the data-parallel ranks (and from the last stage)."""
         total = loss_sum.reshape(1).clone()
         # Non-last pipeline stages hold 0; summing over the whole world counts each
         # data-parallel replica's last stage once per tensor-parallel rank.
         dist.all_reduce(total)
         tp = ps.get_tensor_model_parallel_world_size()
-        return total.item() / (self.num_micro_batches * self.dp_size * tp)
+        return total.item() / (num_micro_batches * self.dp_size * tp)
 
     # -- evaluation --------------------------------------------------------------------
 
@@ -176,19 +178,13 @@ class DeepSpeedEngine:
     def eval_loss(self, micro_batches: list[dict[str, torch.Tensor]]) -> float:
         self.engine.eval()
         if self.pipelined:
-            outputs = self._run_schedule(micro_batches, forward_only=True)
-            loss_sum = sum(
-                (o["loss"].double() for o in outputs), torch.zeros((), dtype=torch.float64)
-            )
+            loss_sum = self._schedule_loss_sum(micro_batches, forward_only=True)
         else:
             loss_sum = torch.zeros((), dtype=torch.float64)
             for batch in micro_batches:
                 per_token = self.engine(**_model_inputs(batch))
                 loss_sum += _lm_loss(per_token, batch["loss_mask"]).double()
-        total = loss_sum.reshape(1).clone()
-        dist.all_reduce(total)
-        tp = ps.get_tensor_model_parallel_world_size()
-        return total.item() / (len(micro_batches) * self.dp_size * tp)
+        return self._global_mean_loss(loss_sum, len(micro_batches))
 
 
 def _model_inputs(batch: dict[str, torch.Tensor]) -> dict:
