@@ -5,6 +5,8 @@ Megatron hard-codes CUDA in a few spots that matter on a CPU/gloo run:
 RoPE frequencies and for the sequence-parallel gather buffers; ``torch.cuda.synchronize()``
 after ``batch_isend_irecv``; and the schedules' token counter made with
 ``device="cuda"``; and the distributed checkpoint writer's synchronize and flag tensors.
+DeepSpeed's CPU accelerator, for its part, JIT-builds a shared-memory all-reduce op at every
+start (see ``skip_deepspeed_shm_op``).
 Instead of patching ``torch`` for everyone, each of those modules gets
 its own view of ``torch`` in which these calls mean CPU; every other attribute is the
 real ``torch``. Nothing changes when CUDA is
@@ -81,3 +83,24 @@ def uninstall() -> None:
 
     for name in _PATCHED_MODULES:
         importlib.import_module(name).torch = torch
+
+
+def skip_deepspeed_shm_op() -> None:
+    """Stop DeepSpeed's CPU backend from JIT-building its shared-memory all-reduce op.
+
+    ``deepspeed.comm.torch.TorchBackend`` loads ``deepspeed_shm_comm`` through
+    ``torch.utils.cpp_extension`` at every start, and that load takes a lock file in
+    ``~/.cache/torch_extensions``. A rank killed while holding it (a Slurm requeue, a time
+    limit, Ctrl-C during the first build) leaves the file behind, and every later DeepSpeed
+    start on the machine waits on it forever. The op only serves ``inference_all_reduce``
+    when ``LOCAL_SIZE`` is set, which training never uses: gradients go through gloo. Without
+    it the first start is also ~30 s faster and needs no C++ compiler. No-op with CUDA.
+    """
+    if not needed():
+        return
+    import importlib
+
+    # importlib, not ``import deepspeed.comm.torch as ...``: deepspeed.comm's namespace has
+    # an attribute ``torch`` (the real torch) that the import statement would resolve to.
+    backend = importlib.import_module("deepspeed.comm.torch")
+    backend.build_shm_op = lambda: None

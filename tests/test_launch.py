@@ -58,9 +58,25 @@ OUR_JOBS: list[str] = []  # cancelled at the end, so a failed test leaves the cl
 
 
 def submit(*args: str, timeout: float = JOB_TIMEOUT_S) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*SUBMIT, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
-    )
+    try:
+        return subprocess.run(
+            [*SUBMIT, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as error:
+        raise AssertionError(f"{error}\n{log_tails(args)}") from None
+
+
+def log_tails(args: tuple[str, ...], lines: int = 30) -> str:
+    """The end of every submitit log of the run named in ``args``: why a job hung."""
+    settings = dict(a.split("=", 1) for a in args if a.startswith(("log.root=", "name=")))
+    if set(settings) != {"log.root", "name"}:
+        return "(no run folder in the arguments)"
+    folder = Path(settings["log.root"], settings["name"])
+    tails = []
+    for log in sorted(folder.glob("submitit/**/*_log.*")):
+        text = log.read_text(errors="replace").splitlines()[-lines:]
+        tails.append(f"--- {log}\n" + "\n".join(text))
+    return "\n".join(tails) or f"(no submitit logs under {folder})"
 
 
 def job_id_of(out: subprocess.CompletedProcess) -> str:
