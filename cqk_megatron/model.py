@@ -54,6 +54,11 @@ def transformer_config(config: RunConfig) -> TransformerConfig:
         apply_rope_fusion=False,
         cross_entropy_loss_fusion=False,
         deallocate_pipeline_outputs=False,
+        # gloo matches a pair of ranks' sends and receives in posting order, and a batched
+        # exchange posts both directions to the same peer when PP=2 (interleaved 1F1B):
+        # activations and gradients would swap. Megatron's unbatched path sends each
+        # direction through its own group. NCCL keeps the batched default.
+        batch_p2p_comm=on_gpu,
     )
 
 
@@ -87,6 +92,44 @@ def build_model(
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+class ModelChunks(torch.nn.ModuleList):
+    """This rank's model chunks under interleaved 1F1B (``parallel.virtual_pipeline``).
+
+    Chunk ``i`` holds the layers of virtual stage ``i``. Being one module, DeepSpeed and the
+    parameter count see one set of parameters; the schedule gets the list of chunks and the
+    checkpoint one sub-dict per chunk (``model0``, ``model1``, ... as in Megatron-LM).
+    """
+
+
+def build_rank_model(config: RunConfig) -> GPTModel | ModelChunks:
+    """Everything this rank trains: one ``GPTModel``, or one chunk per virtual stage."""
+    chunks = config.parallel.virtual_pipeline
+    if chunks is None:
+        return build_model(config)
+    return ModelChunks(build_model(config, vp_stage=stage) for stage in range(chunks))
+
+
+def model_chunks(model: torch.nn.Module) -> list[GPTModel]:
+    return list(model) if isinstance(model, ModelChunks) else [model]
+
+
+def sharded_state_dict(model: torch.nn.Module) -> dict:
+    """The model's state for ``dist_checkpointing``. Tensors are keyed by their global
+    names and layer numbers, so a checkpoint loads under any TP/PP/virtual layout."""
+    if isinstance(model, ModelChunks):
+        return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(model)}
+    return model.sharded_state_dict()
+
+
+def load_sharded_state(model: torch.nn.Module, state: dict) -> None:
+    """Load what ``dist_checkpointing.load(sharded_state_dict(model))`` returned."""
+    if isinstance(model, ModelChunks):
+        for i, chunk in enumerate(model):
+            chunk.load_state_dict(state[f"model{i}"])
+    else:
+        model.load_state_dict(state)
 
 
 def count_parameters(model: torch.nn.Module) -> int:

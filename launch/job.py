@@ -64,27 +64,6 @@ def rendezvous(env: submitit.JobEnvironment) -> dict[str, str]:
     return variables
 
 
-def protect_checkpoint_writer() -> None:
-    """Start Megatron's checkpoint-writer helper process immune to Slurm's stop signals.
-
-    Megatron's filesystem writer sends its results through a queue served by a process it
-    starts with multiprocessing's *spawn* method, once, at the first save. Slurm signals
-    every process of a job step: USR1 before the time limit, TERM on requeue and
-    preemption. A freshly spawned interpreter dies of either, so the very save the signal
-    asks for then fails with BrokenPipeError (seen on this cluster). Starting that process
-    here with both signals ignored (an ignored disposition survives exec) lets it outlive
-    them; Slurm's SIGKILL at the end of the job still ends it.
-    """
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGUSR1, signal.SIGTERM)}
-    try:
-        filesystem_async._get_write_results_queue()  # private; megatron-core is pinned
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 class TrainingJob(submitit.helpers.Checkpointable):
     """Train one run (a resolved config) in every task of a job, resuming if it can."""
 
@@ -111,7 +90,6 @@ class TrainingJob(submitit.helpers.Checkpointable):
 
         from cqk_megatron.training.loop import train  # heavy: Megatron, DeepSpeed
 
-        protect_checkpoint_writer()
         code = train(config, resume="auto")
         # Training is over for this attempt: a late warning signal has nothing to save.
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)

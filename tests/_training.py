@@ -66,8 +66,9 @@ def train_runs(rank, world_size, port, root, runs) -> None:
                 handle.write(outcome.replace("\n", " ") + "\n")
 
 
-def save_initial_weights(rank, world_size, port, root, overrides) -> None:
-    """Build the TP=1 model from the seed and save it as a weights-only checkpoint."""
+def save_initial_weights(rank, world_size, port, root, inits) -> None:
+    """For each ``(name, overrides)``: build the TP=1 model from the seed and save it as a
+    weights-only checkpoint ``root/name`` (the same start for every layout)."""
     set_rank_env(rank, world_size, port)
     import torch
 
@@ -75,8 +76,9 @@ def save_initial_weights(rank, world_size, port, root, overrides) -> None:
     from cqk_megatron.model import build_model
     from cqk_megatron.training import checkpoint
 
-    config = config_for(root, "init", overrides)
     init_process_group()
-    init_model_parallel(config)
-    torch.manual_seed(config.seed)
-    checkpoint.save_weights(Path(root, "init"), build_model(config), config)
+    for name, overrides in inits:
+        config = config_for(root, name, overrides)
+        init_model_parallel(config)
+        torch.manual_seed(config.seed)
+        checkpoint.save_weights(Path(root, name), build_model(config), config)

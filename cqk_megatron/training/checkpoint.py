@@ -32,6 +32,7 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 
 from cqk_megatron.config import RunConfig, save_config
+from cqk_megatron.model import load_sharded_state, sharded_state_dict
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -171,7 +172,7 @@ def save(checkpoints: Path, engine, model, config: RunConfig, state: TrainerStat
         (staging / "trainer").mkdir()
     dist.barrier()
 
-    dist_checkpointing.save(model.sharded_state_dict(), str(staging / "model"))
+    dist_checkpointing.save(sharded_state_dict(model), str(staging / "model"))
     stage = ps.get_pipeline_model_parallel_rank()
     engine_dir = staging / "engine" / f"pp{stage}"
     engine.engine.save_checkpoint(str(engine_dir), tag="ds", save_latest=False)
@@ -213,8 +214,8 @@ def load_model_weights(folder: Path, model) -> None:
     Call before the engine is built: ZeRO keeps its own fp32 master copy of the weights.
     """
     verify(folder)
-    state = dist_checkpointing.load(model.sharded_state_dict(), str(folder / "model"))
-    model.load_state_dict(state)
+    state = dist_checkpointing.load(sharded_state_dict(model), str(folder / "model"))
+    load_sharded_state(model, state)
 
 
 def same_layout(folder: Path, config: RunConfig) -> bool:
@@ -246,7 +247,7 @@ def save_weights(folder: Path, model, config: RunConfig) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         (staging / "model").mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(model.sharded_state_dict(), str(staging / "model"))
+    dist_checkpointing.save(sharded_state_dict(model), str(staging / "model"))
     dist.barrier()
     if rank == 0:
         save_config(config, staging / "config.yaml")

@@ -6,7 +6,8 @@ given Megatron's groups through ``MegatronMpu``. Two ways to drive a step:
 
 - PP=1: DeepSpeed owns gradient accumulation: ``engine.backward`` then ``engine.step``
   per micro-batch (ZeRO-2/3 reduce inside each backward, so this is the only way).
-- PP>1: Megatron's 1F1B schedule runs every micro-batch of the global batch (it calls
+- PP>1: Megatron's 1F1B schedule (interleaved over the model chunks of
+  ``parallel.virtual_pipeline``) runs every micro-batch of the global batch (it calls
   backward itself), then ``engine.allreduce_gradients()`` and ``engine.step()`` with
   DeepSpeed's accumulation set to 1. Only ZeRO-1 allows that (``validate`` says so).
 
@@ -24,7 +25,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from cqk_megatron import cpu_bridge
 from cqk_megatron.config import RunConfig
+from cqk_megatron.model import model_chunks
 from cqk_megatron.training.mpu import MegatronMpu
 
 
@@ -57,7 +60,12 @@ def deepspeed_config(config: RunConfig, gradient_accumulation_steps: int) -> dic
         "wall_clock_breakdown": False,
     }
     if t.offload_optimizer:
-        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        on_gpu = torch.cuda.is_available()
+        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
+        # On a CPU run the model is already in host memory: torch's AdamW steps the
+        # offloaded master weights (no JIT-built cpu_adam op), the same math as without
+        # offload, so a test can compare the curves exactly.
+        ds["zero_force_ds_cpu_optimizer"] = on_gpu
     return ds
 
 
@@ -77,7 +85,7 @@ def make_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Opt
     t = config.train
     kwargs = {"lr": t.lr, "betas": (t.adam_beta1, t.adam_beta2), "eps": t.adam_eps}
     groups = param_groups(model, t.weight_decay)
-    if t.offload_optimizer:
+    if t.offload_optimizer and torch.cuda.is_available():
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
@@ -93,6 +101,7 @@ class DeepSpeedEngine:
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
         import deepspeed
 
+        cpu_bridge.skip_deepspeed_shm_op()
         self.config = config
         self.dp_size = ps.get_data_parallel_world_size()
         self.pipelined = ps.get_pipeline_model_parallel_world_size() > 1
@@ -153,10 +162,15 @@ class DeepSpeedEngine:
             return output, loss_func
 
         m = self.config.model
+        chunks = model_chunks(self.model)
+        # Interleaved 1F1B pulls each micro-batch once per chunk, so each gets an iterator.
+        interleaved = len(chunks) > 1
         return get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter(micro_batches),
-            model=self.model,
+            data_iterator=[iter(micro_batches) for _ in chunks]
+            if interleaved
+            else iter(micro_batches),
+            model=chunks if interleaved else self.model,
             num_microbatches=len(micro_batches),
             seq_length=m.seq_length,
             micro_batch_size=self.config.train.micro_batch_size,

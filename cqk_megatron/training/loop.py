@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import resource
@@ -16,14 +17,18 @@ from megatron.core import parallel_state as ps
 
 from cqk_megatron.config import RunConfig, save_config, validate
 from cqk_megatron.distributed import init_model_parallel, init_process_group
-from cqk_megatron.model import build_model
+from cqk_megatron.model import build_rank_model
 from cqk_megatron.perf.flops import flops_per_token, mfu, peak_flops
 from cqk_megatron.perf.plan import check_fits, gpu_memory_bytes
 from cqk_megatron.training import checkpoint
 from cqk_megatron.training.engine import DeepSpeedEngine
 from cqk_megatron.training.lr_schedule import learning_rate
 from cqk_megatron.training.metrics import MetricsLogger
-from cqk_megatron.training.preemption import EXIT_REQUEUE, StopRequest
+from cqk_megatron.training.preemption import (
+    EXIT_REQUEUE,
+    StopRequest,
+    protect_checkpoint_writer,
+)
 from cqk_megatron.training.sampler import fetch, micro_batch_indices
 
 
@@ -104,7 +109,7 @@ def train(config: RunConfig, resume: str = "auto", datasets=None) -> int:
     if gpu_memory:  # refuse, with the numbers, a layout that cannot fit before building it
         check_fits(config, world, gpu_memory).require()
     seed_everything(config.seed)
-    model = build_model(config)
+    model = build_rank_model(config)
     state, folder = checkpoint.TrainerState(), None
     if resume == "auto":
         folder, refused = checkpoint.find_resumable(checkpoints)
@@ -145,6 +150,7 @@ def train(config: RunConfig, resume: str = "auto", datasets=None) -> int:
     peak = peak_flops()
     logger = MetricsLogger(run_dir, config, enabled=rank == 0)
     logger.set_start(state.step)
+    protect_checkpoint_writer()  # before any save, and before our handlers are installed
     stop = StopRequest(t.wall_clock_budget_s)
     last_saved = state.step
     try:
@@ -215,12 +221,24 @@ def train(config: RunConfig, resume: str = "auto", datasets=None) -> int:
                 "flops_per_token": train_flops_per_token,
                 "tokens": state.tokens,
                 "steps": state.step,
+                "first_batch_sha256": first_batch_fingerprint(train_data, t.global_batch_size),
             }
         )
         return 0
     finally:
         stop.restore()
         logger.close()
+
+
+def first_batch_fingerprint(train_data, global_batch_size: int) -> str:
+    """sha256 of the first global batch's tokens: runs that claim the same data order
+    (a variant comparison, a layout change) can be checked to have seen the same batch."""
+    indices = micro_batch_indices(0, global_batch_size, global_batch_size, 0, 1)
+    digest = hashlib.sha256()
+    for idx in indices:
+        tokens = fetch(train_data, idx)["tokens"].to(torch.int64).contiguous()
+        digest.update(tokens.numpy().tobytes())
+    return digest.hexdigest()
 
 
 def log_validation(logger, engine, valid_data, config, state, dp_rank, dp, final=False) -> None:

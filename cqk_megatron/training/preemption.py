@@ -45,3 +45,25 @@ class StopRequest:
         flag = torch.tensor([1.0 if self.local_reason() else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+def protect_checkpoint_writer() -> None:
+    """Start Megatron's checkpoint-writer helper process immune to Slurm's stop signals.
+
+    Megatron's filesystem writer sends its results through a queue served by a process it
+    starts with multiprocessing's *spawn* method, once, at the first save. Slurm signals
+    every process of a job step: USR1 before the time limit, TERM on requeue and
+    preemption. A freshly spawned interpreter dies of either, so the very save the signal
+    asks for then fails with BrokenPipeError (seen on a real Slurm cluster, and with
+    ``kill -TERM -<pgid>``). Starting that process before the first save with both signals
+    ignored (an ignored disposition survives exec) lets it outlive them; Slurm's SIGKILL at
+    the end of the job still ends it.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        filesystem_async._get_write_results_queue()  # private; megatron-core is pinned
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
