@@ -100,6 +100,11 @@ class AttentionConfig:
     position: str = "pre_rope"  # pre_rope | post_rope
     invertible_layers: int = 2
     invertible_scale_bound: float = 2.0
+    # how the coupling runs: eager (the fused form of attention/fast_coupling.py, run
+    # eagerly; the parameters are coupling.py's) | compiled (the same under torch.compile,
+    # the natural choice on GPU); both compute coupling.py's function
+    coupling_impl: str = "eager"
+    recompute_coupling: bool = False  # recompute the coupling in backward, store only q, k
 
     @property
     def variant(self) -> str:
@@ -378,6 +383,7 @@ def validate(config: RunConfig, world_size: int | None = None) -> RunConfig:
     choice(a.coupling, COUPLINGS, "attention.coupling")
     choice(a.scoring, SCORINGS, "attention.scoring")
     choice(a.position, ("pre_rope", "post_rope"), "attention.position")
+    choice(a.coupling_impl, ("eager", "compiled"), "attention.coupling_impl")
     choice(m.normalization, ("RMSNorm", "LayerNorm"), "model.normalization")
     choice(t.precision, ("fp32", "bf16", "fp64"), "train.precision")
     choice(config.backend, ("local", "transformer_engine"), "backend")

@@ -90,7 +90,12 @@ def gpt_layer_spec(
     submodules.core_attention = SCORING_CLASSES[attention.scoring]
     attention_spec = ModuleSpec(
         module=QKSelfAttention,
-        params={**self_attention.params, "coupling_position": attention.position},
+        params={
+            **self_attention.params,
+            "coupling_position": attention.position,
+            "coupling_impl": attention.coupling_impl,
+            "recompute_coupling": attention.recompute_coupling,
+        },
         submodules=submodules,
     )
     return dataclasses.replace(

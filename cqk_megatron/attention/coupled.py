@@ -5,6 +5,11 @@
 on the tensors that ``get_query_key_value_tensors`` returns, so cached keys at inference
 are coupled keys; after RoPE it runs in a pre-hook of the core attention, on the rotated
 tensors. Without a coupling the module is exactly ``SelfAttention``.
+
+How the coupling runs is ``fast_coupling.run_coupling``'s business: its fused form,
+eagerly or through ``torch.compile`` (``coupling_impl``), optionally recomputed in the
+backward (``recompute_coupling``). The parameters stay those of the ``coupling.py``
+module in ``self.coupling``, so checkpoints and exports do not depend on either choice.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from cqk_megatron.attention.fast_coupling import RUN_IMPLS, has_fused_form, run_coupling
 from cqk_megatron.attention.tp_grads import sum_partial_grads_across_tp
 
 COUPLING_POSITIONS = ("pre_rope", "post_rope")
@@ -33,12 +39,21 @@ class QKSelfAttention(SelfAttention):
         layer_number: int,
         attn_mask_type: AttnMaskType = AttnMaskType.causal,
         coupling_position: str = "pre_rope",
+        coupling_impl: str = "eager",
+        recompute_coupling: bool = False,
         **kwargs,
     ) -> None:
         super().__init__(config, submodules, layer_number, attn_mask_type, **kwargs)
         if coupling_position not in COUPLING_POSITIONS:
             raise ValueError(f"coupling_position must be one of {COUPLING_POSITIONS}")
+        if coupling_impl not in RUN_IMPLS:
+            raise ValueError(
+                f"attention.coupling_impl={coupling_impl!r} is unknown; "
+                f"choose one of {list(RUN_IMPLS)}"
+            )
         self.coupling_position = coupling_position
+        self.coupling_impl = coupling_impl
+        self.recompute_coupling = recompute_coupling
         self.coupling = None
         if submodules.coupling is not None:
             self.coupling = build_module(
@@ -46,12 +61,22 @@ class QKSelfAttention(SelfAttention):
             ).to(dtype=config.params_dtype)
             # f and dt are whole on every TP rank, each rank applies them to its heads
             sum_partial_grads_across_tp(self.coupling, self.tp_group)
+            if coupling_impl == "compiled" and not has_fused_form(self.coupling):
+                raise ValueError(
+                    f"attention.coupling_impl=compiled: {type(self.coupling).__name__} has no "
+                    "fused form in cqk_megatron/attention/fast_coupling.py; use eager"
+                )
             if coupling_position == "post_rope":
                 self.core_attention.register_forward_pre_hook(self._couple_rotated_qk)
 
+    def couple(self, query, key):
+        return run_coupling(
+            self.coupling, query, key, impl=self.coupling_impl, recompute=self.recompute_coupling
+        )
+
     def _couple_rotated_qk(self, _module, args):
         query, key, *rest = args
-        return (*self.coupling(query, key), *rest)
+        return (*self.couple(query, key), *rest)
 
     def get_query_key_value_tensors(
         self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True
@@ -64,4 +89,4 @@ class QKSelfAttention(SelfAttention):
         if not split_qkv:
             raise NotImplementedError("QK coupling needs split q/k; disable fused_single_qkv_rope")
         query, key, *rest = outputs
-        return (*self.coupling(query, key), *rest)
+        return (*self.couple(query, key), *rest)

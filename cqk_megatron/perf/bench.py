@@ -19,6 +19,13 @@ per-round ratio), model FLOPs per token and MFU (GPU), and memory:
   allocated before it (activations, gradients, temporaries).
 
 ``--attention-only`` times one ``QKSelfAttention`` layer instead of the model.
+
+A variant name may carry tags that choose how its coupling runs, so that the ways
+of running one coupling are timed side by side: ``coupled@compiled`` sets
+``attention.coupling_impl=compiled``, ``coupled@eager`` the default fused eager form,
+``coupled@reference`` the plain modules of ``coupling.py`` (a benchmark-only choice),
+and ``@recompute`` sets ``attention.recompute_coupling=true`` (e.g.
+``coupled@compiled@recompute``). An untagged name takes the config's settings.
 On GPU the model is built in bf16 (``train.precision=bf16``) unless ``--precision``
 says otherwise; on CPU in the config's precision (fp32 by default).
 """
@@ -64,15 +71,43 @@ def load_bench_config(spec: str, overrides: list[str] | None = None) -> RunConfi
     return load_config(spec, overrides)
 
 
+VARIANT_TAGS = ("eager", "compiled", "reference", "recompute")
+
+
+def split_variant(variant: str) -> tuple[str, list[str]]:
+    """``"coupled@compiled@recompute"`` -> ``("coupled", ["compiled", "recompute"])``."""
+    name, *tags = variant.split("@")
+    if name not in VARIANTS:
+        raise ValueError(f"unknown variant {name!r}; choose from {list(VARIANTS)}")
+    unknown = [tag for tag in tags if tag not in VARIANT_TAGS]
+    impls = [tag for tag in tags if tag != "recompute"]
+    if unknown or len(impls) > 1:
+        raise ValueError(
+            f"variant {variant!r}: tags are one of eager/compiled/reference and/or "
+            f"recompute, as in coupled@compiled@recompute"
+        )
+    return name, tags
+
+
 def variant_of(config: RunConfig, variant: str) -> RunConfig:
-    """``config`` with ``variant``'s (coupling, scoring), on one process."""
-    coupling, scoring = VARIANTS[variant]
+    """``config`` with ``variant``'s (coupling, scoring) and tags, on one process."""
+    name, tags = split_variant(variant)
+    coupling, scoring = VARIANTS[name]
     attention = dataclasses.replace(config.attention, coupling=coupling, scoring=scoring)
+    for impl in ("eager", "compiled"):
+        if impl in tags:
+            attention = dataclasses.replace(attention, coupling_impl=impl)
+    if "recompute" in tags:
+        attention = dataclasses.replace(attention, recompute_coupling=True)
     parallel = dataclasses.replace(
         config.parallel, tensor_parallel=1, pipeline_parallel=1, virtual_pipeline=None
     )
     parallel = dataclasses.replace(parallel, sequence_parallel=False, world_size=1)
-    return validate(dataclasses.replace(config, attention=attention, parallel=parallel))
+    config = validate(dataclasses.replace(config, attention=attention, parallel=parallel))
+    if "reference" in tags:  # not a config choice, hence set past validation
+        attention = dataclasses.replace(config.attention, coupling_impl="reference")
+        config = dataclasses.replace(config, attention=attention)
+    return config
 
 
 def init_world(config: RunConfig) -> torch.device:
@@ -254,7 +289,7 @@ def run_benchmark(
                     work.step_bytes.pop()
         log(f"round {round_index + 1 - warmup}/{rounds}" if round_index >= warmup else "warm-up")
 
-    baseline = next((w for w in works if w.variant == "standard"), works[0])
+    baseline = next((w for w in works if split_variant(w.variant)[0] == "standard"), works[0])
     peak = peak_flops() if device.type == "cuda" else None
     precision = config.train.precision
     rows = []
@@ -270,7 +305,11 @@ def run_benchmark(
         else:
             flops = flops_per_token(vconfig, training=True, seq_length=seq)
             act = activation_estimate(
-                vconfig, micro_batch, seq, sdpa_kernel=sdpa_kernel_for(vconfig, device)
+                vconfig,
+                micro_batch,
+                seq,
+                recompute_coupling=vconfig.attention.recompute_coupling,
+                sdpa_kernel=sdpa_kernel_for(vconfig, device),
             )
             estimate = (
                 vconfig.model.num_layers * act.layer_bytes + act.embedding_bytes + act.output_bytes
@@ -279,6 +318,8 @@ def run_benchmark(
         rows.append(
             {
                 "variant": work.variant,
+                "coupling_impl": vconfig.attention.coupling_impl,
+                "recompute_coupling": vconfig.attention.recompute_coupling,
                 "parameters": work.parameters,
                 "step_ms": 1000 * median,
                 "step_ms_all": [1000 * t for t in work.times],
@@ -325,12 +366,12 @@ def format_report(result: dict) -> str:
         f"micro-batch {meta['micro_batch']} x seq {meta['seq']}, {meta['precision']} on "
         f"{meta['device']} ({meta['threads']} threads); {step}, {meta['rounds']} interleaved "
         f"rounds after {meta['warmup']} warm-up; {meta['clock']} clock",
-        f"{'variant':<24}{'step ms':>10}{'tokens/s':>11}{'ratio':>8}{'GFLOP/tok':>11}"
+        f"{'variant':<28}{'step ms':>10}{'tokens/s':>11}{'ratio':>8}{'GFLOP/tok':>11}"
         f"{'MFU':>7}{'act MiB':>9}{'est MiB':>9}{'step MiB':>10}",
     ]
     for row in rows:
         lines.append(
-            f"{row['variant']:<24}{row['step_ms']:>10.1f}{row['tokens_per_s']:>11.0f}"
+            f"{row['variant']:<28}{row['step_ms']:>10.1f}{row['tokens_per_s']:>11.0f}"
             f"{row['ratio']:>8.3f}{row['gflop_per_token']:>11.3f}"
             f"{_cell(row['mfu'] and 100 * row['mfu'], '.1f'):>7}"
             f"{row['activation_mib']:>9.1f}{_cell(row['activation_estimate_mib'], '.1f'):>9}"
@@ -360,7 +401,12 @@ def write_json(result: dict, path: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="tiny", help="tiny (default) or a YAML path")
-    parser.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma-separated names")
+    parser.add_argument(
+        "--variants",
+        default=DEFAULT_VARIANTS,
+        help="comma-separated names, each optionally tagged @eager, @compiled, @reference, "
+        "@recompute (e.g. standard,coupled,coupled@compiled)",
+    )
     parser.add_argument("--steps", type=int, default=5, help="timed rounds (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds (default 1)")
     parser.add_argument("--micro-batch", type=int, default=None, help="default: config's")
@@ -384,9 +430,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> RunConfig:
     variants = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown or not variants:
-        parser.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    if not variants:
+        parser.error(f"--variants: none given; choose from {list(VARIANTS)}")
+    for variant in variants:
+        try:
+            split_variant(variant)
+        except ValueError as error:
+            parser.error(f"--variants: {error}")
     args.variant_list = variants
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be at least 1 and --warmup at least 0")

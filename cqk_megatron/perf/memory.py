@@ -172,6 +172,9 @@ class ActivationTerm:
 
 
 def _coupling_terms(config: RunConfig) -> dict[str, ActivationTerm]:
+    """What the coupling keeps, as ``attention/fast_coupling.py`` runs it (eager or
+    compiled): the mean over a query group is taken before ``f``'s output layer, leapfrog
+    steps share their kicks, ``k`` is broadcast over the group instead of copied."""
     m, a = config.model, config.attention
     d, hq, hkv = m.head_dim, m.num_attention_heads, m.kv_heads
     hidden = a.coupling_hidden or d
@@ -179,22 +182,28 @@ def _coupling_terms(config: RunConfig) -> dict[str, ActivationTerm]:
     def mlp(rows: int, width: int) -> float:  # input, fc1 output (SiLU's input), SiLU output
         return rows * (d + 2 * width)
 
-    kick, drift = hkv * d, hq * d  # the operands of the dt products
+    # one kick group_mean(f(q)): fc1's output on the query heads, the (group-meaned) SiLU
+    # output on the key heads (fc2's input), and the kick itself (dt's gradient needs it)
+    kick = hq * hidden + hkv * hidden + hkv * d
+    new_qk = hq * d + hkv * d  # a step's output, the next step's input
     if a.coupling == "none":
         per_call = 0.0
     elif a.coupling == "euler":
-        per_call = a.steps * (mlp(hq, hidden) + kick + drift)
+        per_call = hq * d + a.steps * kick + (a.steps - 1) * new_qk
     elif a.coupling == "hamiltonian":
-        per_call = a.steps * (2 * mlp(hq, hidden) + 2 * kick + drift)
+        per_call = hq * d + (a.steps + 1) * kick + a.steps * new_qk
     elif a.coupling == "mlp_only":
         h_q, h_k = hidden // 2, hidden - hidden // 2
         per_call = a.steps * (mlp(hq, h_q) + hq * d + mlp(hkv, h_k) + hkv * d)
     elif a.coupling == "invertible":
-        # per layer: two nets; tanh-bounded scales of q and k; exp(s1), exp(mean s2);
-        # k before its update; q before its update only in the first layer (later it is
-        # the previous layer's k-net input, already kept)
-        per_layer = 2 * mlp(hq, hidden) + 2 * hq * d + hq * d + 2 * hkv * d
-        per_call = a.invertible_layers * per_layer + hq * d
+        # per layer: the q-net on the key heads (fc1 output, SiLU output), its bounded
+        # scale and exp on the key heads; q' (the k-net's input); the k-net's fc1 and SiLU
+        # outputs on the query heads, the group-meaned SiLU output (t2's input, the same
+        # tensor without GQA); the bounded s2 on the query heads and exp(mean s2)
+        meaned = hkv * hidden if hq != hkv else 0
+        per_layer = 2 * hkv * hidden + 2 * hkv * d + hq * d + 2 * hq * hidden + meaned
+        per_layer += hq * d + hkv * d
+        per_call = hq * d + a.invertible_layers * per_layer + (a.invertible_layers - 1) * hkv * d
     else:
         raise ValueError(f"attention.coupling={a.coupling!r} has no activation formula")
     return {"coupling": ActivationTerm(per_call, group="coupling")} if per_call else {}

@@ -1,7 +1,7 @@
 """GPU check: bf16 training steps of the 350M and 1B configs on one H100/H200.
 
     python tests/gpu/check.py [--configs configs/models/350m.yaml,configs/models/1b.yaml]
-        [--variants standard,coupled,differential] [--steps 10] [--warmup 3]
+        [--variants standard,coupled,coupled@compiled,differential] [--steps 10] [--warmup 3]
         [--micro-batch 8,4] [--seq 2048] [--budget-s 540] [--out gpu_check.json]
         [--dry-run] [--allow-cpu]
 
@@ -46,7 +46,7 @@ REQUIRED_FLASH_VARIANTS = ("standard", "coupled")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated YAML paths")
-    parser.add_argument("--variants", default="standard,coupled,differential")
+    parser.add_argument("--variants", default="standard,coupled,coupled@compiled,differential")
     parser.add_argument("--steps", type=int, default=10, help="timed rounds per config")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds per config")
     parser.add_argument(
@@ -62,15 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from cqk_megatron.config import VARIANTS
+    from cqk_megatron.perf.bench import split_variant
 
     parser = build_parser()
     args = parser.parse_args(argv)
     args.config_list = [c for c in args.configs.split(",") if c]
     args.variant_list = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in args.variant_list if v not in VARIANTS]
-    if unknown:
-        parser.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    for variant in args.variant_list:
+        try:
+            split_variant(variant)  # a variant name, optionally @compiled/@recompute tagged
+        except ValueError as error:
+            parser.error(f"--variants: {error}")
     if "standard" not in args.variant_list:
         parser.error("--variants must include standard, the baseline of every ratio")
     try:
