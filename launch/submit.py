@@ -90,6 +90,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="wait for the jobs to end (the default with --cluster local)",
     )
     wait.add_argument("--no-wait", action="store_false", dest="wait")
+    parser.add_argument(
+        "--progress",
+        choices=("auto", "bar", "lines"),
+        default="auto",
+        help="while waiting: a progress bar per run (the default on a terminal) or a line "
+        "per run every 30 s",
+    )
     return parser.parse_intermixed_args(argv)  # overrides may come between options
 
 
@@ -237,27 +244,55 @@ def submit_group(group: list[RunPlan], profile, cluster: str, sweep, argv: list[
     return jobs
 
 
-def wait_for(plans: list[RunPlan], jobs: list, cluster: str, poll_s: float = 5.0) -> None:
-    """Until every job has ended; prints progress now and then."""
+def wait_for(plans: list[RunPlan], jobs: list, cluster: str, progress: str = "auto") -> None:
+    """Until every job has ended. The jobs write to their own log files, so progress is
+    read from each run's metrics: a bar per run on a terminal (``progress="bar"``), else a
+    line per run every 30 s (``"lines"``)."""
+    if progress == "auto":
+        progress = "bar" if sys.stdout.isatty() else "lines"
     pending = dict(zip([p.name for p in plans], zip(plans, jobs, strict=True), strict=True))
+    bars = _progress_bars(plans) if progress == "bar" else {}
     last_print = 0.0
     while pending:
         for name, (_, job) in list(pending.items()):
             # A local job's own process handle is the surest word on it.
             state = job.state if cluster == "local" else slurm_state.job_state(job.job_id, cluster)
             if not slurm_state.is_active(state):
+                _update_bar(bars, pending[name][0])
+                if name in bars:
+                    bars.pop(name).close()
                 print(f"{name}: job {job.job_id} ended ({state})", flush=True)
                 del pending[name]
-        if pending and time.monotonic() - last_print > 30:
+        for plan, _ in pending.values():
+            _update_bar(bars, plan)
+        if not bars and pending and time.monotonic() - last_print > 30:
             last_print = time.monotonic()
             for name, (plan, _) in pending.items():
                 record = runs.latest_train_record(plan.run_dir)
-                progress = (
+                progress_text = (
                     f"step {record['step']}, loss {record['loss']:.4f}" if record else "starting"
                 )
-                print(f"{name}: {progress}", flush=True)
+                print(f"{name}: {progress_text}", flush=True)
         if pending:
-            time.sleep(poll_s)
+            time.sleep(1.0 if bars else 5.0)
+
+
+def _progress_bars(plans: list[RunPlan]) -> dict:
+    from tqdm import tqdm
+
+    return {
+        plan.name: tqdm(total=plan.config.train.train_steps, desc=plan.name, unit="step")
+        for plan in plans
+    }
+
+
+def _update_bar(bars: dict, plan: RunPlan) -> None:
+    bar = bars.get(plan.name)
+    record = runs.latest_train_record(plan.run_dir) if bar is not None else None
+    if record is None:
+        return
+    bar.n = record["step"]
+    bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -317,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     wait = args.wait if args.wait is not None else cluster == "local"
     if wait:
-        wait_for(submitted_plans, jobs, cluster)
+        wait_for(submitted_plans, jobs, cluster, args.progress)
         unfinished = [
             p.name for p in plans if not runs.is_finished(p.run_dir, p.config.train.train_steps)
         ]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's main job, from nothing to a report, on CPU:
 #   install -> embedded corpus + tokenizer + indexed dataset -> train standard and coupled
-#   (2 processes each, same data, seed and settings) -> validation perplexity ->
+#   (each a 2-task job through launch/submit.py --cluster local: same data, seed and
+#   settings) -> validation perplexity ->
 #   export the coupled model to Hugging Face and sample from it -> analysis report.
 # Interrupt it (Ctrl-C) and run it again: finished stages are skipped, training resumes
 # from its last complete checkpoint.
@@ -27,13 +28,13 @@ for variant in standard coupled; do
     echo "== 2/5 $name: already trained ($run)"
     continue
   fi
-  echo "== 2/5 training $name: 2 processes (data parallel, DeepSpeed ZeRO-1), $STEPS steps"
-  "$PY" -m torch.distributed.run --nproc-per-node 2 --master-port "${DEMO_PORT:-29733}" \
-    -m cqk_megatron.train --config configs/runs/demo.yaml \
+  echo "== 2/5 training $name: launch/submit.py --cluster local, 2 tasks (data parallel,"
+  echo "   DeepSpeed ZeRO-1), $STEPS steps; job logs in $run/submitit/"
+  "$PY" launch/submit.py --cluster local --profile configs/clusters/local.yaml --tasks 2 \
+    --config configs/runs/demo.yaml \
     "name=$name" "attention.coupling=$([ "$variant" = coupled ] && echo hamiltonian || echo none)" \
     "train.train_steps=$STEPS" "train.eval_interval=$(( STEPS / 3 > 0 ? STEPS / 3 : 1 ))" \
-    "train.save_interval=$(( STEPS / 3 > 0 ? STEPS / 3 : 1 ))" \
-    "log.root=$OUT/runs" "log.progress_bar=auto" \
+    "train.save_interval=$(( STEPS / 3 > 0 ? STEPS / 3 : 1 ))" "log.root=$OUT/runs" \
     "data.prefixes=[$OUT/data/demo_text_document]" "data.tokenizer=$OUT/data/tokenizer.model"
 done
 

@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _multiproc import free_port
-
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -21,7 +19,6 @@ def run_demo(out: Path) -> subprocess.CompletedProcess:
         "DEMO_OUT": str(out),
         "DEMO_STEPS": "6",
         "DEMO_SKIP_INSTALL": "1",
-        "DEMO_PORT": str(free_port()),
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     }
     return subprocess.run(
@@ -70,6 +67,10 @@ def test_demo_end_to_end(tmp_path):
     png = out / "report" / "figures" / "loss_curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Done. Where everything is" in result.stdout
+    # trained as jobs of the launcher: its job records and per-task logs are in the run
+    events = (out / "runs" / "demo-coupled" / "jobs.jsonl").read_text()
+    assert '"event": "started"' in events and '"event": "finished"' in events
+    assert list((out / "runs" / "demo-coupled" / "submitit").glob("*_1_log.out"))
 
     again = run_demo(out)  # finished stages are skipped, nothing is retrained
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
