@@ -149,10 +149,13 @@ class TrainConfig:
     lr_schedule: str = "cosine"
     warmup_steps: int = 10
     wsd_decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly
-    # data-parallel engine: deepspeed (ZeRO) | megatron (distributed optimizer, GPU only)
+    # data-parallel engine: deepspeed (ZeRO) | megatron (Megatron-Core DDP + distributed
+    # optimizer, CPU and GPU)
     engine: str = "deepspeed"
     zero_stage: int = 1
     offload_optimizer: bool = False
+    # train.engine=megatron: reduce-scatter gradients bucket by bucket during the backward
+    overlap_grad_reduce: bool = False
     # evaluation and checkpoints (in optimizer steps)
     eval_interval: int = 50
     eval_iters: int = 4  # global batches of the validation split per evaluation
@@ -485,10 +488,25 @@ def validate(config: RunConfig, world_size: int | None = None) -> RunConfig:
         )
     if t.engine == "megatron":
         check(
-            _cuda_available(),
-            "train.engine=megatron (Megatron's distributed optimizer) allocates its buffers on "
-            "CUDA and needs reduce-scatter, which gloo lacks; use train.engine=deepspeed on CPU",
+            t.precision in ("fp32", "bf16"),
+            f"train.precision={t.precision!r} with train.engine=megatron: Megatron's distributed "
+            "optimizer takes fp32 or bf16 parameters; use train.precision=fp32 or bf16 (or "
+            "train.engine=deepspeed for fp64 checks)",
         )
+        check(
+            not t.offload_optimizer,
+            "train.offload_optimizer=true is DeepSpeed's optimizer offload; with "
+            "train.engine=megatron set it to false, or use train.engine=deepspeed",
+        )
+    check(
+        not t.overlap_grad_reduce or t.engine == "megatron",
+        "train.overlap_grad_reduce=true applies to train.engine=megatron only; set it to false",
+    )
+    check(
+        not (t.overlap_grad_reduce and pp > 1 and not _cuda_available()),
+        f"train.overlap_grad_reduce=true with parallel.pipeline_parallel={pp} hangs on CPU "
+        "(gloo); set train.overlap_grad_reduce=false on CPU",
+    )
     if p.sequence_parallel:
         check(
             m.seq_length % tp == 0,

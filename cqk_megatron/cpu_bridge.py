@@ -15,6 +15,9 @@ available. ``install()`` is idempotent; ``uninstall()`` restores the modules.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib
 import types
 
 import torch
@@ -28,6 +31,12 @@ _PATCHED_MODULES = (
     "megatron.core.utils",  # the global memory buffer used by those gathers
     "megatron.core.dist_checkpointing.strategies.filesystem_async",  # synchronize on save
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",  # "cuda" flag tensors
+    # Megatron's DDP and distributed optimizer (train.engine=megatron):
+    "megatron.core.distributed.param_and_grad_buffer",  # the param and grad buffers
+    "megatron.core.optimizer.optimizer",  # found-inf flag, unit loss scale
+    "megatron.core.optimizer.distrib_optimizer",  # optimizer-state shards made on load
+    "megatron.core.optimizer.clip_grads",  # norm and clipping scratch tensors
+    "megatron.core.optimizer.grad_scaler",  # the loss scale
 )
 
 
@@ -70,19 +79,68 @@ def install() -> None:
     """Give Megatron's pipeline modules the CPU view of ``torch`` (no-op with CUDA)."""
     if not needed():
         return
-    import importlib
-
     for name in _PATCHED_MODULES:
         module = importlib.import_module(name)
         if not isinstance(module.torch, _CpuTorch):
             module.torch = _CpuTorch()
+    for owner, attribute in _type_name_checkers():
+        function = getattr(owner, attribute)
+        if not hasattr(function, "_cpu_bridge_original"):
+            setattr(owner, attribute, _with_cuda_type_names(function))
 
 
 def uninstall() -> None:
-    import importlib
-
     for name in _PATCHED_MODULES:
         importlib.import_module(name).torch = torch
+    for owner, attribute in _type_name_checkers():
+        function = getattr(owner, attribute)
+        setattr(owner, attribute, getattr(function, "_cpu_bridge_original", function))
+
+
+# The distributed optimizer sorts parameters, and gradient clipping checks gradients, by
+# their type *name* ('torch.cuda.FloatTensor', 'torch.cuda.BFloat16Tensor'), a method of the
+# tensor that no module-level view can answer. While these two run, a CPU tensor's
+# ``.type()`` gives the CUDA name of its dtype; they run on the training thread only.
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+def _type_name_checkers() -> list[tuple[object, str]]:
+    """(owner, attribute) of each Megatron function that compares ``.type()`` names."""
+    distrib_optimizer = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
+    return [
+        (distrib_optimizer.DistributedOptimizer, "__init__"),
+        (optimizer, "clip_grad_by_total_norm_fp32"),  # the name optimizer.py calls
+    ]
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    real_type = torch.Tensor.type
+
+    def type_as_on_cuda(self, dtype=None, non_blocking=False, **kwargs):
+        name = real_type(self, dtype, non_blocking, **kwargs)
+        return _CUDA_TYPE_NAMES.get(name, name) if dtype is None else name
+
+    torch.Tensor.type = type_as_on_cuda
+    try:
+        yield
+    finally:
+        torch.Tensor.type = real_type
+
+
+def _with_cuda_type_names(function):
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        with _cuda_type_names():
+            return function(*args, **kwargs)
+
+    wrapper._cpu_bridge_original = function
+    return wrapper
 
 
 def skip_deepspeed_shm_op() -> None:
@@ -98,8 +156,6 @@ def skip_deepspeed_shm_op() -> None:
     """
     if not needed():
         return
-    import importlib
-
     # importlib, not ``import deepspeed.comm.torch as ...``: deepspeed.comm's namespace has
     # an attribute ``torch`` (the real torch) that the import statement would resolve to.
     backend = importlib.import_module("deepspeed.comm.torch")

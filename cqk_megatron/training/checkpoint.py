@@ -4,7 +4,8 @@ Layout of ``RUN/checkpoints/iter_0000100/``:
 
 - ``model/``: the weights in Megatron's distributed format (``torch_dist``), loadable
   under any TP/PP layout;
-- ``engine/pp<stage>/``: DeepSpeed's optimizer and engine state for this layout;
+- ``engine/``: the engine's optimizer state for this layout (DeepSpeed: one checkpoint per
+  pipeline stage, ``engine/pp<stage>/ds``; Megatron: one distributed checkpoint);
 - ``trainer/rank<r>.pt``: step, consumed samples, skipped-step counter, RNG states;
 - ``config.yaml`` (the resolved run config) and ``layout.json``;
 - ``manifest.json``: every file's size (and sha256), written last.
@@ -173,9 +174,7 @@ def save(checkpoints: Path, engine, model, config: RunConfig, state: TrainerStat
     dist.barrier()
 
     dist_checkpointing.save(sharded_state_dict(model), str(staging / "model"))
-    stage = ps.get_pipeline_model_parallel_rank()
-    engine_dir = staging / "engine" / f"pp{stage}"
-    engine.engine.save_checkpoint(str(engine_dir), tag="ds", save_latest=False)
+    engine.save_state(staging / "engine")
     trainer_file = staging / "trainer" / f"rank{rank}.pt"
     torch.save({"state": asdict(state), "rng": _rng_state()}, trainer_file)
     dist.barrier()
@@ -230,10 +229,7 @@ def load_trainer_state(folder: Path, rank: int = 0) -> tuple[TrainerState, dict]
 
 def load_exact(folder: Path, engine) -> TrainerState:
     """Collective, same layout: weights, optimizer, RNG and trainer state, bit for bit."""
-    stage = ps.get_pipeline_model_parallel_rank()
-    engine.engine.load_checkpoint(
-        str(folder / "engine" / f"pp{stage}"), tag="ds", load_lr_scheduler_states=False
-    )
+    engine.load_state(folder / "engine", folder / "model")
     state, rng = load_trainer_state(folder, dist.get_rank())
     _set_rng_state(rng)
     return state

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -185,6 +186,22 @@ class DeepSpeedEngine:
         dist.all_reduce(total)
         tp = ps.get_tensor_model_parallel_world_size()
         return total.item() / (num_micro_batches * self.dp_size * tp)
+
+    # -- exact resume ------------------------------------------------------------------
+
+    def save_state(self, folder: Path) -> None:
+        """Collective: DeepSpeed's engine state (weights, ZeRO optimizer) under ``folder``,
+        one DeepSpeed checkpoint per pipeline stage."""
+        stage = ps.get_pipeline_model_parallel_rank()
+        self.engine.save_checkpoint(str(folder / f"pp{stage}"), tag="ds", save_latest=False)
+
+    def load_state(self, folder: Path, model_folder: Path) -> None:
+        """Collective, same layout. DeepSpeed's checkpoint holds the weights too, so
+        ``model_folder`` (the layout-free weights) is not read."""
+        stage = ps.get_pipeline_model_parallel_rank()
+        self.engine.load_checkpoint(
+            str(folder / f"pp{stage}"), tag="ds", load_lr_scheduler_states=False
+        )
 
     # -- evaluation --------------------------------------------------------------------
 

@@ -48,6 +48,15 @@ def seed_everything(seed: int) -> None:
         model_parallel_cuda_manual_seed(seed)
 
 
+def make_engine(model: torch.nn.Module, config: RunConfig):
+    """The data-parallel engine that ``train.engine`` names."""
+    if config.train.engine == "megatron":
+        from cqk_megatron.training.megatron_engine import MegatronEngine
+
+        return MegatronEngine(model, config)
+    return DeepSpeedEngine(model, config)
+
+
 def run_dir_of(config: RunConfig) -> Path:
     return Path(config.log.root) / config.name
 
@@ -128,7 +137,7 @@ def train(config: RunConfig, resume: str = "auto", datasets=None) -> int:
     elif folder is None and config.train.init_from:
         checkpoint.load_model_weights(Path(config.train.init_from), model)
     params_total, params_non_embedding = count_model_parameters(model)
-    engine = DeepSpeedEngine(model, config)
+    engine = make_engine(model, config)
     if exact:
         state = checkpoint.load_exact(folder, engine)
     if folder is not None and rank == 0:

@@ -1,0 +1,249 @@
+"""Megatron-Core's own data-parallel engine: its DistributedDataParallel and distributed
+optimizer around this rank's Megatron model (``train.engine=megatron``).
+
+Wired the way Megatron-LM's ``training.py`` wires them (``setup_model_and_optimizer`` and
+``train_step``):
+
+- ``DistributedDataParallel`` keeps a contiguous fp32 gradient buffer (``main_grad``) that
+  accumulates every micro-batch; ``finalize_model_grads`` (called by the schedule after
+  the last backward) reduce-scatters it over the data-parallel group and all-reduces the
+  tied embedding between the first and last pipeline stages. ``no_sync`` is handed to
+  the schedule only when the reduction overlaps the backward, as Megatron-LM does.
+- ``get_megatron_optimizer`` builds the distributed optimizer: AdamW whose fp32 master
+  weights and moments are sharded over the data-parallel ranks; after the step each rank
+  all-gathers the updated parameters. Transformer Engine's or Apex's fused Adam is used
+  when installed, ``torch.optim.AdamW`` otherwise (Megatron's own fallback).
+- Every step, PP=1 included, runs through ``get_forward_backward_func()``.
+- A constant loss scale of 1 turns on Megatron's non-finite gradient check (multiplying
+  by 1 changes no bit): a step with a NaN/inf gradient anywhere is skipped on every rank.
+
+Exact resume saves the optimizer's ``sharded_state_dict`` (``dp_reshardable``: each rank
+writes its own shard, no gathering) with ``dist_checkpointing``; the weights come from the
+checkpoint's model folder.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
+from megatron.core.optimizer_param_scheduler import ParamGroupOverride
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from cqk_megatron.config import RunConfig
+from cqk_megatron.model import load_sharded_state, model_chunks, sharded_state_dict
+from cqk_megatron.training.engine import StepResult, _forward, _lm_loss
+
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def optimizer_config(config: RunConfig) -> OptimizerConfig:
+    t = config.train
+    return OptimizerConfig(
+        optimizer="adam",
+        decoupled_weight_decay=True,  # AdamW
+        lr=t.lr,
+        min_lr=t.min_lr,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        adam_eps=t.adam_eps,
+        clip_grad=t.clip_grad,
+        bf16=t.precision == "bf16",
+        params_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32,
+        use_distributed_optimizer=True,
+        # A unit scale: exact, and it makes the optimizer check gradients for NaN/inf and
+        # skip the step (bf16 without a scaler would step on them).
+        loss_scale=1.0,
+    )
+
+
+def no_weight_decay_overrides() -> dict[ParamKey, ParamGroupOverride]:
+    """The same rule as the DeepSpeed engine's ``param_groups``: no decay on vectors and
+    scalars (norms, dt, lambda). Megatron's default (1-D and ``*.bias``) would decay 0-D."""
+    vectors_and_scalars = ParamPredicate(name="dim_below_2", fn=lambda param: param.dim() < 2)
+    return {ParamKey(predicate=vectors_and_scalars): ParamGroupOverride(wd_mult=0.0)}
+
+
+class MegatronEngine:
+    def __init__(self, model: torch.nn.Module, config: RunConfig) -> None:
+        self.config = config
+        self.model = model
+        self.dp_size = ps.get_data_parallel_world_size()
+        t = config.train
+        overlap = t.overlap_grad_reduce
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=overlap,
+            use_distributed_optimizer=True,
+            check_for_nan_in_grad=False,  # it raises; the optimizer's check skips instead
+        )
+        # One DDP per virtual-pipeline chunk; only the first is bucketed (Megatron-LM's
+        # choice: later chunks' gradients are ready at once, at the end of the step).
+        self.chunks = [
+            DistributedDataParallel(
+                config=chunk.config,
+                ddp_config=ddp_config,
+                module=chunk,
+                disable_bucketing=index > 0,
+            )
+            for index, chunk in enumerate(model_chunks(model))
+        ]
+        for chunk in self.chunks:  # every replica starts from data-parallel rank 0's weights
+            chunk.broadcast_params()
+        self.optimizer = get_megatron_optimizer(
+            optimizer_config(config), self.chunks, config_overrides=no_weight_decay_overrides()
+        )
+        # The chunks share one TransformerConfig, which the schedule reads these from.
+        model_config = self.chunks[0].config
+        model_config.grad_scale_func = self.optimizer.scale_loss
+        model_config.finalize_model_grads_func = finalize_model_grads
+        no_sync = [chunk.no_sync for chunk in self.chunks]
+        model_config.no_sync_func = (
+            (no_sync[0] if len(no_sync) == 1 else no_sync) if overlap else None
+        )
+        self.set_lr(t.lr)
+
+    # -- training ----------------------------------------------------------------------
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate, and the weight decay each group's ``wd_mult`` allows
+        (Megatron's ``OptimizerParamScheduler`` does the same; the loop owns the schedule)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+            group["weight_decay"] = self.config.train.weight_decay * group.get("wd_mult", 1.0)
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
+        for chunk in self.chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss_sum = self._schedule_loss_sum(micro_batches, forward_only=False)
+        updated, grad_norm, _ = self.optimizer.step()
+        if updated and self.config.train.clip_grad == 0:
+            grad_norm = self.optimizer.get_grad_norm()  # the step only measures it to clip
+        return StepResult(
+            loss=self._global_mean_loss(loss_sum, len(micro_batches)),
+            grad_norm=float(grad_norm) if updated else math.nan,
+            skipped=not updated,
+        )
+
+    def _schedule_loss_sum(self, micro_batches, forward_only: bool) -> torch.Tensor:
+        """Megatron's schedule over the micro-batches; the sum of their losses (0 off the
+        last pipeline stage)."""
+
+        def forward_step(data_iterator, model):
+            batch = next(data_iterator)
+            output = _forward(model, batch)
+
+            def loss_func(per_token_loss):
+                loss = _lm_loss(per_token_loss, batch["loss_mask"])
+                return loss, {"loss": loss.detach().clone()}  # the schedule divides in place
+
+            return output, loss_func
+
+        # Interleaved 1F1B pulls each micro-batch once per chunk: one iterator per chunk.
+        iterators = [iter(micro_batches) for _ in self.chunks]
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(iterators) > 1 else iterators[0],
+            model=self.chunks,
+            num_microbatches=len(micro_batches),
+            seq_length=self.config.model.seq_length,
+            micro_batch_size=self.config.train.micro_batch_size,
+            forward_only=forward_only,
+        )
+        return sum((o["loss"].double() for o in outputs), torch.zeros((), dtype=torch.float64))
+
+    def _global_mean_loss(self, loss_sum: torch.Tensor, num_micro_batches: int) -> float:
+        """Mean micro-batch loss over the data-parallel ranks (and from the last stage)."""
+        total = loss_sum.reshape(1).clone()
+        # Non-last pipeline stages hold 0; summing over the whole world counts each
+        # data-parallel replica's last stage once per tensor-parallel rank.
+        dist.all_reduce(total)
+        tp = ps.get_tensor_model_parallel_world_size()
+        return total.item() / (num_micro_batches * self.dp_size * tp)
+
+    # -- evaluation --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: list[dict[str, torch.Tensor]]) -> float:
+        for chunk in self.chunks:
+            chunk.eval()
+        loss_sum = self._schedule_loss_sum(micro_batches, forward_only=True)
+        return self._global_mean_loss(loss_sum, len(micro_batches))
+
+    # -- exact resume ------------------------------------------------------------------
+
+    def save_state(self, folder: Path) -> None:
+        """Collective: the optimizer (fp32 master weights, moments, step counts, param
+        groups) as a distributed checkpoint in ``folder``, each rank writing its shard."""
+        folder.mkdir(parents=True, exist_ok=True)
+        state = self.optimizer.sharded_state_dict(
+            sharded_state_dict(self.model), is_loading=False, metadata=OPTIMIZER_SHARDING
+        )
+        dist_checkpointing.save({"optimizer": state}, str(folder))
+
+    @torch.no_grad()  # with fp32 weights the master shards are views of the parameters
+    def load_state(self, folder: Path, model_folder: Path) -> None:
+        """Collective, same layout: weights from ``model_folder``, then the optimizer from
+        ``folder`` (its fp32 master weights replace those made from the loaded weights)."""
+        weights = dist_checkpointing.load(sharded_state_dict(self.model), str(model_folder))
+        load_sharded_state(self.model, weights)
+        torch_adams = _torch_adams(self.optimizer)
+        for adam in torch_adams:
+            _allocate_adam_state(adam)
+        sharded = self.optimizer.sharded_state_dict(
+            sharded_state_dict(self.model), is_loading=True, metadata=OPTIMIZER_SHARDING
+        )
+        loaded = dist_checkpointing.load({"optimizer": sharded}, str(folder))
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        for adam in torch_adams:
+            _restore_step_counts(adam)
+
+
+# Megatron's distributed optimizer over torch's AdamW (its fallback without Transformer
+# Engine or Apex) needs two repairs to load a checkpoint into a fresh optimizer:
+
+
+def _torch_adams(optimizer) -> list[torch.optim.AdamW]:
+    """The torch AdamW instances inside Megatron's (possibly chained) optimizer."""
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [p.optimizer for p in parts if isinstance(p.optimizer, torch.optim.AdamW)]
+
+
+def _allocate_adam_state(adam: torch.optim.AdamW) -> None:
+    """AdamW makes its state at its first step, but ``DistributedOptimizer.state_dict()``
+    (which ``sharded_state_dict`` calls) asserts that the states hold exactly one step
+    count, and a fresh optimizer's hold none. Zero state, as AdamW would make it; the
+    checkpoint's moments replace it (and ``_restore_step_counts`` the step)."""
+    for group in adam.param_groups:
+        for param in group["params"]:
+            if not adam.state[param]:
+                adam.state[param] = {
+                    "step": torch.zeros((), dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+                }
+
+
+def _restore_step_counts(adam: torch.optim.AdamW) -> None:
+    """After the load, every state's step is one shared tensor holding the placeholder's 0:
+    ``load_state_dict`` gives all states the same tensor, then copies the (unsaved) step of
+    the placeholder state into it. AdamW adds 1 to each state's step in place, so a shared
+    one would also count once per parameter. The count the checkpoint holds is in the
+    param groups (``DistributedOptimizer.state_dict`` puts it there): one tensor per state."""
+    for group in adam.param_groups:
+        for param in group["params"]:
+            adam.state[param]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
