@@ -56,6 +56,7 @@ setup(
             "cqk-analyze=cqk_megatron.analysis.cli:main",
             "cqk-submit=launch.submit:main",
             "cqk-mqar=cqk_megatron.eval.mqar:main",
+            "cqk-repro=cqk_megatron.repro.cli:main",
         ],
     },
 )

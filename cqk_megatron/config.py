@@ -198,6 +198,9 @@ class DataConfig:
     mock: bool = False
     num_workers: int = 0
     cache_dir: str | None = None  # Megatron's index cache; None: next to the run
+    # the dataset's shuffling seed; None: the run's seed. Fix it to compare model seeds on
+    # the same data order and the same validation windows.
+    seed: int | None = None
 
 
 @dataclass

@@ -154,7 +154,8 @@ def gpt_dataset_config(
     data = config.data
     blend = None if data.mock else (list(data.prefixes), weights or data.weights)
     return GPTDatasetConfig(
-        random_seed=config.seed,
+        # data.seed fixes the sample order and validation windows across model seeds
+        random_seed=config.seed if data.seed is None else data.seed,
         sequence_length=config.model.seq_length,
         blend=blend,
         split=data.split,

@@ -1,0 +1,132 @@
+"""``python -m cqk_megatron.repro``: the paper's attention comparison in one command.
+
+    python -m cqk_megatron.repro --preset cpu-tiny
+    python -m cqk_megatron.repro --preset paper-60m --data data/wikitext103/wt103_text_document \\
+        --tokens 80M --variants standard,hamiltonian [--seeds 0,1] [train.lr=8e-4 ...]
+
+Trains every variant x seed one after the other with the same data order, schedule and
+token budget, then writes ``OUT/comparison.md`` (+ ``.csv``, ``.json``) and
+``OUT/loss_vs_tokens.png``. Run it again after an interruption: finished runs are
+skipped, a half-finished one resumes from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from cqk_megatron.repro.presets import (
+    PRESETS,
+    ReproError,
+    get_preset,
+    parse_seeds,
+    parse_tokens,
+    parse_variants,
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own errors: exit 2 with the usage line
+        self.print_usage(sys.stderr)
+        raise ReproError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m cqk_megatron.repro", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", required=True, help=f"one of: {', '.join(PRESETS)}")
+    parser.add_argument(
+        "--data",
+        help="indexed dataset prefix (P.bin/P.idx), a folder holding one, or a corpus file or "
+        "folder to tokenize; default: the embedded demo corpus, built into OUT/data",
+    )
+    parser.add_argument("--tokenizer", help="tokenizer of --data (default: recorded with it)")
+    parser.add_argument("--tokens", help="training tokens per run, e.g. 80M (default: preset's)")
+    parser.add_argument(
+        "--variants",
+        help="comma-separated: standard, hamiltonian (= coupled), euler (= coupled_euler), "
+        "mlp_only, invertible, differential, coupled_differential, ... (default: preset's)",
+    )
+    parser.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1 (default: 0)")
+    parser.add_argument("--out", help="output folder (default: runs/repro/PRESET)")
+    parser.add_argument("--nproc", type=int, default=1, help="processes per run (default 1)")
+    parser.add_argument("--quiet", action="store_true", help="training output to logs only")
+    parser.add_argument("overrides", nargs="*", help="section.key=value for every run")
+    return parser
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def run(argv: list[str] | None = None) -> int:
+    from cqk_megatron.repro.data import resolve_data
+    from cqk_megatron.repro.plan import build_plan, check_overrides
+    from cqk_megatron.repro.runner import check_same_settings, status, train_run
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    preset = get_preset(args.preset)
+    variants = parse_variants(args.variants, preset)
+    seeds = parse_seeds(args.seeds, preset)
+    tokens = parse_tokens(args.tokens, preset)
+    check_overrides(args.overrides)  # before any data is built
+    out = Path(args.out or f"runs/repro/{preset.name}").expanduser().resolve()
+    cuda = _cuda()
+    if preset.name.startswith("paper") and not cuda:
+        print(
+            f"note: preset {preset.name} on a machine without CUDA runs in fp32 on the CPU "
+            "and is very slow; cpu-tiny is the CPU-sized comparison",
+            file=sys.stderr,
+        )
+    data = resolve_data(args.data, args.tokenizer, preset, out)
+    plan = build_plan(preset, variants, seeds, tokens, data, out, args.nproc, args.overrides, cuda)
+    print(f"preset {preset.name}: {preset.description}")
+    print(f"data: {data.description}")
+    print(
+        f"budget: {plan.steps:,} steps x {plan.tokens_per_step:,} tokens = {plan.tokens:,} "
+        f"tokens per run (asked {tokens:,}); {len(plan.runs)} runs on {args.nproc} process(es)"
+    )
+    for planned in plan.runs:
+        check_same_settings(planned)  # before training anything: refuse early
+    for index, planned in enumerate(plan.runs, start=1):
+        state = status(planned)
+        where = f"[{index}/{len(plan.runs)}] {planned.name}"
+        if state == "done":
+            print(f"{where}: done, skipped ({planned.run_dir})", flush=True)
+            continue
+        verb = "resuming from its last checkpoint" if state == "resume" else "training"
+        print(f"{where}: {verb} -> {planned.run_dir}", flush=True)
+        train_run(planned, plan, echo=not args.quiet)
+
+    from cqk_megatron.repro.table import variants_markdown, write_comparison
+
+    comparison = write_comparison(plan, ["python", "-m", "cqk_megatron.repro", *argv])
+    print()
+    print(variants_markdown(comparison.table))
+    for seed, same in sorted(comparison.same_data.items()):
+        if not same:
+            print(f"WARNING: the runs of seed {seed} did not see the same first batch")
+    print(
+        "\nWhere everything is:\n"
+        f"  comparison       {comparison.markdown} (+ {comparison.csv.name}, "
+        f"{comparison.json.name})\n"
+        f"  loss vs tokens   {comparison.plot}\n"
+        f"  runs             {out / 'runs'}/<name>/ (config.yaml, metrics.jsonl, train.log, "
+        "checkpoints)\n"
+        f"  data             {data.prefix} (tokenizer {data.tokenizer})"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(argv)
+    except ReproError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted: run the same command again to resume", file=sys.stderr)
+        return 130
