@@ -97,6 +97,48 @@ def make_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Opt
     return torch.optim.AdamW(groups, **kwargs)
 
 
+def schedule_loss_sum(
+    chunks: list[torch.nn.Module], micro_batches, config: RunConfig, forward_only: bool
+) -> torch.Tensor:
+    """Megatron's schedule (no pipelining, 1F1B or interleaved 1F1B, as parallel_state
+    says) over the micro-batches; the sum of their losses (0 off the last pipeline stage).
+    Both engines drive their steps through it."""
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = _forward(model, batch)
+
+        def loss_func(per_token_loss):
+            loss = _lm_loss(per_token_loss, batch["loss_mask"])
+            return loss, {"loss": loss.detach().clone()}  # the schedule divides in place
+
+        return output, loss_func
+
+    # Interleaved 1F1B pulls each micro-batch once per chunk: one iterator per chunk.
+    iterators = [iter(micro_batches) for _ in chunks]
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(iterators) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(micro_batches),
+        seq_length=config.model.seq_length,
+        micro_batch_size=config.train.micro_batch_size,
+        forward_only=forward_only,
+    )
+    return sum((o["loss"].double() for o in outputs), torch.zeros((), dtype=torch.float64))
+
+
+def global_mean_loss(loss_sum: torch.Tensor, num_micro_batches: int) -> float:
+    """Mean micro-batch loss over the data-parallel ranks (and from the last stage)."""
+    total = loss_sum.reshape(1).clone()
+    # Non-last pipeline stages hold 0; summing over the whole world counts each
+    # data-parallel replica's last stage once per tensor-parallel rank.
+    dist.all_reduce(total)
+    tp = ps.get_tensor_model_parallel_world_size()
+    dp = ps.get_data_parallel_world_size()
+    return total.item() / (num_micro_batches * dp * tp)
+
+
 class DeepSpeedEngine:
     def __init__(self, model: torch.nn.Module, config: RunConfig) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
@@ -128,7 +170,9 @@ class DeepSpeedEngine:
         self.engine.train()
         skipped_before = self.engine.skipped_steps
         if self.pipelined:
-            loss_sum = self._schedule_loss_sum(micro_batches, forward_only=False)
+            loss_sum = schedule_loss_sum(
+                model_chunks(self.model), micro_batches, self.config, forward_only=False
+            )
             self.engine.allreduce_gradients()
             self.engine.step()
         else:
@@ -140,52 +184,10 @@ class DeepSpeedEngine:
                 self.engine.step()
         grad_norm = self.engine.get_global_grad_norm()
         return StepResult(
-            loss=self._global_mean_loss(loss_sum, len(micro_batches)),
+            loss=global_mean_loss(loss_sum, len(micro_batches)),
             grad_norm=float("nan") if grad_norm is None else float(grad_norm),
             skipped=self.engine.skipped_steps > skipped_before,
         )
-
-    def _schedule_loss_sum(self, micro_batches, forward_only: bool) -> torch.Tensor:
-        """Megatron's schedule over the micro-batches; the sum of their losses (0 off the
-        last pipeline stage)."""
-        outputs = self._run_schedule(micro_batches, forward_only=forward_only)
-        return sum((o["loss"].double() for o in outputs), torch.zeros((), dtype=torch.float64))
-
-    def _run_schedule(self, micro_batches, forward_only: bool) -> list[dict]:
-        def forward_step(data_iterator, model):
-            batch = next(data_iterator)
-            output = _forward(model, batch)
-
-            def loss_func(per_token_loss):
-                loss = _lm_loss(per_token_loss, batch["loss_mask"])
-                return loss, {"loss": loss.detach().clone()}  # the schedule divides in place
-
-            return output, loss_func
-
-        m = self.config.model
-        chunks = model_chunks(self.model)
-        # Interleaved 1F1B pulls each micro-batch once per chunk, so each gets an iterator.
-        interleaved = len(chunks) > 1
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=[iter(micro_batches) for _ in chunks]
-            if interleaved
-            else iter(micro_batches),
-            model=chunks if interleaved else self.model,
-            num_microbatches=len(micro_batches),
-            seq_length=m.seq_length,
-            micro_batch_size=self.config.train.micro_batch_size,
-            forward_only=forward_only,
-        )
-
-    def _global_mean_loss(self, loss_sum: torch.Tensor, num_micro_batches: int) -> float:
-        """Mean micro-batch loss over the data-parallel ranks (and from the last stage)."""
-        total = loss_sum.reshape(1).clone()
-        # Non-last pipeline stages hold 0; summing over the whole world counts each
-        # data-parallel replica's last stage once per tensor-parallel rank.
-        dist.all_reduce(total)
-        tp = ps.get_tensor_model_parallel_world_size()
-        return total.item() / (num_micro_batches * self.dp_size * tp)
 
     # -- exact resume ------------------------------------------------------------------
 
@@ -209,13 +211,15 @@ class DeepSpeedEngine:
     def eval_loss(self, micro_batches: list[dict[str, torch.Tensor]]) -> float:
         self.engine.eval()
         if self.pipelined:
-            loss_sum = self._schedule_loss_sum(micro_batches, forward_only=True)
+            loss_sum = schedule_loss_sum(
+                model_chunks(self.model), micro_batches, self.config, forward_only=True
+            )
         else:
             loss_sum = torch.zeros((), dtype=torch.float64)
             for batch in micro_batches:
                 per_token = self.engine(**_model_inputs(batch))
                 loss_sum += _lm_loss(per_token, batch["loss_mask"]).double()
-        return self._global_mean_loss(loss_sum, len(micro_batches))
+        return global_mean_loss(loss_sum, len(micro_batches))
 
 
 def _model_inputs(batch: dict[str, torch.Tensor]) -> dict:

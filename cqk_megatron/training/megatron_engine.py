@@ -28,7 +28,6 @@ import math
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import (
@@ -39,11 +38,10 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.optimizer_param_scheduler import ParamGroupOverride
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from cqk_megatron.config import RunConfig
 from cqk_megatron.model import load_sharded_state, model_chunks, sharded_state_dict
-from cqk_megatron.training.engine import StepResult, _forward, _lm_loss
+from cqk_megatron.training.engine import StepResult, global_mean_loss, schedule_loss_sum
 
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 
@@ -129,51 +127,15 @@ class MegatronEngine:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss_sum = self._schedule_loss_sum(micro_batches, forward_only=False)
+        loss_sum = schedule_loss_sum(self.chunks, micro_batches, self.config, forward_only=False)
         updated, grad_norm, _ = self.optimizer.step()
         if updated and self.config.train.clip_grad == 0:
             grad_norm = self.optimizer.get_grad_norm()  # the step only measures it to clip
         return StepResult(
-            loss=self._global_mean_loss(loss_sum, len(micro_batches)),
+            loss=global_mean_loss(loss_sum, len(micro_batches)),
             grad_norm=float(grad_norm) if updated else math.nan,
             skipped=not updated,
         )
-
-    def _schedule_loss_sum(self, micro_batches, forward_only: bool) -> torch.Tensor:
-        """Megatron's schedule over the micro-batches; the sum of their losses (0 off the
-        last pipeline stage)."""
-
-        def forward_step(data_iterator, model):
-            batch = next(data_iterator)
-            output = _forward(model, batch)
-
-            def loss_func(per_token_loss):
-                loss = _lm_loss(per_token_loss, batch["loss_mask"])
-                return loss, {"loss": loss.detach().clone()}  # the schedule divides in place
-
-            return output, loss_func
-
-        # Interleaved 1F1B pulls each micro-batch once per chunk: one iterator per chunk.
-        iterators = [iter(micro_batches) for _ in self.chunks]
-        outputs = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iterators if len(iterators) > 1 else iterators[0],
-            model=self.chunks,
-            num_microbatches=len(micro_batches),
-            seq_length=self.config.model.seq_length,
-            micro_batch_size=self.config.train.micro_batch_size,
-            forward_only=forward_only,
-        )
-        return sum((o["loss"].double() for o in outputs), torch.zeros((), dtype=torch.float64))
-
-    def _global_mean_loss(self, loss_sum: torch.Tensor, num_micro_batches: int) -> float:
-        """Mean micro-batch loss over the data-parallel ranks (and from the last stage)."""
-        total = loss_sum.reshape(1).clone()
-        # Non-last pipeline stages hold 0; summing over the whole world counts each
-        # data-parallel replica's last stage once per tensor-parallel rank.
-        dist.all_reduce(total)
-        tp = ps.get_tensor_model_parallel_world_size()
-        return total.item() / (num_micro_batches * self.dp_size * tp)
 
     # -- evaluation --------------------------------------------------------------------
 
@@ -181,8 +143,8 @@ class MegatronEngine:
     def eval_loss(self, micro_batches: list[dict[str, torch.Tensor]]) -> float:
         for chunk in self.chunks:
             chunk.eval()
-        loss_sum = self._schedule_loss_sum(micro_batches, forward_only=True)
-        return self._global_mean_loss(loss_sum, len(micro_batches))
+        loss_sum = schedule_loss_sum(self.chunks, micro_batches, self.config, forward_only=True)
+        return global_mean_loss(loss_sum, len(micro_batches))
 
     # -- exact resume ------------------------------------------------------------------
 
