@@ -11,13 +11,12 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
 import yaml
 
+from cqk_megatron.atomic import write_text_atomically
 from cqk_megatron.config import RunConfig, to_dict
 
 JOBS = "jobs.jsonl"
@@ -26,15 +25,7 @@ METRICS = "metrics.jsonl"
 
 def write_atomically(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file renamed over it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w") as file:
-            file.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomically(path, text)
 
 
 def write_config(run_dir: Path, config: RunConfig) -> None:

@@ -7,8 +7,6 @@ per token, sizes in parameters. One colour per attention variant across all figu
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -20,6 +18,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 from cqk_megatron.analysis.ingest import humanize_count  # noqa: E402
+from cqk_megatron.atomic import atomic_path  # noqa: E402
 from cqk_megatron.config import VARIANTS  # noqa: E402
 
 _PALETTE = plt.get_cmap("tab10").colors
@@ -34,10 +33,8 @@ def variant_color(variant: str):
 def save(fig, path: Path) -> Path:
     """Write the PNG through a temporary name (no half-written image on a crash)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".png", delete=False) as handle:
-        fig.savefig(handle.name, format="png", dpi=120)
-    os.replace(handle.name, path)
+    with atomic_path(path) as temporary:
+        fig.savefig(temporary, format="png", dpi=120)
     plt.close(fig)
     return path
 

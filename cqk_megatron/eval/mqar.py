@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from cqk_megatron.atomic import atomic_path, write_text_atomically
 from cqk_megatron.config import VARIANTS, RunConfig, load_config, validate
 
 IGNORE_INDEX = -100
@@ -331,18 +331,8 @@ def plot_results(results: list[dict], path: Path) -> None:
 
 
 def _save_figure(fig, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".png", delete=False) as handle:
-        fig.savefig(handle.name, format="png")
-    os.replace(handle.name, path)
-
-
-def _write_text(path: Path, text: str) -> None:
-    """Write through a temporary name so a crash never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
+    with atomic_path(path) as temporary:
+        fig.savefig(temporary, format="png")
 
 
 def run_benchmark(
@@ -413,8 +403,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.out_dir:
         out = Path(args.out_dir)
         payload = {"options": asdict(options), "results": results}
-        _write_text(out / "mqar_results.json", json.dumps(payload, indent=2))
-        _write_text(out / "mqar_results.md", table + "\n")
+        write_text_atomically(out / "mqar_results.json", json.dumps(payload, indent=2))
+        write_text_atomically(out / "mqar_results.md", table + "\n")
         plot_results(results, out / "mqar_accuracy.png")
         print(f"wrote {out / 'mqar_results.json'}, mqar_results.md and mqar_accuracy.png")
 

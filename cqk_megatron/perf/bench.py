@@ -35,18 +35,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
+from cqk_megatron.atomic import write_text_atomically
 from cqk_megatron.config import VARIANTS, ConfigError, RunConfig, load_config, validate
 from cqk_megatron.perf.flops import flops_breakdown, flops_per_token, mfu, peak_flops
 from cqk_megatron.perf.measure import saved_activation_bytes
@@ -390,12 +388,7 @@ def format_report(result: dict) -> str:
 
 def write_json(result: dict, path: str) -> None:
     """Write atomically: a temporary file in the same folder, renamed at the end."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(result, handle, indent=2)
-    os.replace(temp, target)
+    write_text_atomically(path, json.dumps(result, indent=2))
 
 
 def build_parser() -> argparse.ArgumentParser:
