@@ -63,7 +63,8 @@ def discover(env: dict[str, str] | None = None) -> DistEnv:
             world_size=int(env["SLURM_NTASKS"]),
             master_addr=env.get("MASTER_ADDR")
             or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
-            master_port=int(env.get("MASTER_PORT", 20000 + job_id % 20000)),
+            # launch/job.py's rendezvous_port: below the kernel's ephemeral port range
+            master_port=int(env.get("MASTER_PORT", 20000 + job_id % 12000)),
         )
     return DistEnv(0, 0, 1, "127.0.0.1", int(env.get("MASTER_PORT", 29500)))
 

@@ -3,8 +3,9 @@
 Every task of a job runs ``TrainingJob()`` (submitit unpickles it from the job folder).
 It reads its rank from ``submitit.JobEnvironment`` and exports the torchrun variables
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` = the first node, ``MASTER_PORT``
-= 20000 + job id mod 20000, as ``cqk_megatron.distributed`` derives it under plain
-``srun``), then calls the training loop in-process.
+= 20000 + job id mod 12000, as ``cqk_megatron.distributed`` derives it under plain
+``srun``; a local job's port is chosen free by the launcher), then calls the training
+loop in-process.
 
 Preemption and time limits go through the training loop's own signal path: Slurm sends
 USR1 ``signal_delay_s`` before the time limit (``#SBATCH --signal=USR1@N``) and SIGTERM on
@@ -40,14 +41,43 @@ from launch import slurm_state
 EXIT_REQUEUE = 75  # cqk_megatron.training.preemption.EXIT_REQUEUE, without importing torch
 
 
+# Rendezvous ports stay below Linux's default ephemeral range (32768-60999): there the
+# kernel hands out ports to outgoing connections and to gloo's own listeners, and a derived
+# port that one of them holds made rank 0 fail with EADDRINUSE while rank 1 waited.
+PORT_BASE, PORT_SPAN = 20000, 12000
+
+
 def rendezvous_port(job_id: str) -> int:
     """The port every task derives from the job id alone (no communication needed)."""
     digits = "".join(ch for ch in str(job_id) if ch.isdigit()) or "0"
-    return 20000 + int(digits) % 20000
+    return PORT_BASE + int(digits) % PORT_SPAN
 
 
-def rendezvous(env: submitit.JobEnvironment) -> dict[str, str]:
-    """torchrun's variables for this task, from submitit's view of the job."""
+_HANDED_OUT: set[int] = set()
+
+
+def free_local_port(start: int | None = None) -> int:
+    """A port free on 127.0.0.1 now, from ``start`` upward in the rendezvous range, not
+    handed out before by this process: the launcher picks it for a local job, whose tasks
+    all run here (two local jobs at once get two ports)."""
+    start = PORT_BASE + os.getpid() % PORT_SPAN if start is None else start
+    for offset in range(PORT_SPAN):
+        port = PORT_BASE + (start - PORT_BASE + offset) % PORT_SPAN
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port in {PORT_BASE}-{PORT_BASE + PORT_SPAN - 1} on 127.0.0.1")
+
+
+def rendezvous(env: submitit.JobEnvironment, master_port: int | None = None) -> dict[str, str]:
+    """torchrun's variables for this task, from submitit's view of the job; ``master_port``
+    when the launcher chose one (local jobs), else derived from the job id."""
     # An array task has its own numeric SLURM_JOB_ID: distinct ports for distinct tasks.
     job_id = os.environ.get("SLURM_JOB_ID") or env.job_id
     local = env.cluster == "local"
@@ -58,7 +88,7 @@ def rendezvous(env: submitit.JobEnvironment) -> dict[str, str]:
         "LOCAL_WORLD_SIZE": str(env.num_tasks // max(env.num_nodes, 1)),
         "NODE_RANK": str(env.node),
         "MASTER_ADDR": "127.0.0.1" if local else env.hostnames[0],
-        "MASTER_PORT": str(rendezvous_port(job_id)),
+        "MASTER_PORT": str(master_port or rendezvous_port(job_id)),
     }
     os.environ.update(variables)
     return variables
@@ -67,16 +97,17 @@ def rendezvous(env: submitit.JobEnvironment) -> dict[str, str]:
 class TrainingJob(submitit.helpers.Checkpointable):
     """Train one run (a resolved config) in every task of a job, resuming if it can."""
 
-    def __init__(self, config: dict, max_requeues: int = 10) -> None:
+    def __init__(self, config: dict, max_requeues: int = 10, master_port: int | None = None):
         self.config = config
         self.max_requeues = max_requeues
+        self.master_port = master_port  # local jobs: chosen free by the launcher
 
     def run_config(self) -> RunConfig:
         return from_dict(RunConfig, self.config, source="submitted config")
 
     def __call__(self) -> int:
         env = submitit.JobEnvironment()
-        variables = rendezvous(env)
+        variables = rendezvous(env, self.master_port)
         config = self.run_config()
         run_dir = Path(config.log.root) / config.name
         rank0 = env.global_rank == 0

@@ -216,12 +216,19 @@ def record_submission(plan: RunPlan, job, cluster: str, array: bool, argv: list[
 def submit_group(group: list[RunPlan], profile, cluster: str, sweep, argv: list[str]) -> list:
     """Submit runs that share resources: one Slurm job, or one job array for several."""
     from launch.executors import local_executor, slurm_executor
-    from launch.job import TrainingJob
+    from launch.job import TrainingJob, free_local_port
 
     resources = group[0].resources
     for plan in group:
         runs.write_config(plan.run_dir, plan.config)
-    callables = [TrainingJob(to_dict(p.config), resources.max_requeues) for p in group]
+    if cluster == "local":
+        # Every task runs on this machine: a port checked free here now beats a derived one.
+        callables = [
+            TrainingJob(to_dict(p.config), resources.max_requeues, master_port=free_local_port())
+            for p in group
+        ]
+    else:
+        callables = [TrainingJob(to_dict(p.config), resources.max_requeues) for p in group]
     if cluster == "local":
         # No job arrays here: at most array_parallelism runs at once on this machine.
         jobs = []

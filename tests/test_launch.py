@@ -255,7 +255,7 @@ def test_two_task_job_on_slurm_writes_metrics_checkpoints_and_records(slurm, roo
     assert started["slurm"]["SLURM_NTASKS"] == "2"
     rendezvous = started["rendezvous"]
     assert rendezvous["WORLD_SIZE"] == "2" and rendezvous["RANK"] == "0"
-    assert rendezvous["MASTER_PORT"] == str(20000 + int(job_id) % 20000)
+    assert rendezvous["MASTER_PORT"] == str(20000 + int(job_id) % 12000)  # from the job id
     assert rendezvous["MASTER_ADDR"] == started["hosts"][0]
     for task in (0, 1):  # submitit's logs, one pair per task
         assert (run_dir / "submitit" / f"{job_id}_{task}_log.out").is_file()
@@ -538,7 +538,8 @@ def test_an_impossible_layout_is_refused_before_anything_is_submitted(tmp_path):
 def test_the_same_job_through_the_local_executor(reference):
     (started,) = events(reference, "started")
     assert started["cluster"] == "local" and started["rendezvous"]["WORLD_SIZE"] == "2"
-    assert started["rendezvous"]["MASTER_PORT"] == str(20000 + int(started["job_id"]) % 20000)
+    # a local job's port is chosen free by the launcher, below the ephemeral range
+    assert 20000 <= int(started["rendezvous"]["MASTER_PORT"]) < 32000
     assert events(reference, "finished")[0]["exit"] == 0
     assert [r["step"] for r in records(reference, "train")] == list(range(1, STEPS + 1))
     assert records(reference, "summary")[-1]["steps"] == STEPS
@@ -573,7 +574,40 @@ def test_exit_code_and_time_syntax_agree_with_the_engine_and_slurm():
         2880,
         1560,
     ]
-    assert rendezvous_port("45") == 20045 and rendezvous_port("20045") == 20045
+    assert rendezvous_port("45") == 20045 and rendezvous_port("12045") == 20045
+    # below Linux's ephemeral range, where outgoing connections and gloo's listeners live
+    assert all(20000 <= rendezvous_port(str(i)) < 32768 for i in range(0, 70000, 7))
+
+
+def test_plain_srun_derives_the_same_port_as_the_launcher():
+    from cqk_megatron.distributed import discover
+    from launch.job import rendezvous_port
+
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "31337"}
+    found = discover({**env, "SLURM_JOB_NODELIST": "node[3-4]"})
+    assert (found.rank, found.world_size, found.master_addr) == (1, 2, "node3")
+    assert found.master_port == rendezvous_port("31337") == 27337
+
+
+def test_a_local_job_gets_a_port_that_is_free_and_not_handed_out_twice():
+    import socket
+
+    from launch.job import free_local_port
+
+    with socket.socket() as busy:
+        for port in range(27000, 28000):  # occupy a port of the rendezvous range
+            try:
+                busy.bind(("127.0.0.1", port))
+                break
+            except OSError:
+                continue
+        busy.listen()
+        first = free_local_port(port)
+        assert first != port and 20000 <= first < 32000
+    second = free_local_port(first)
+    assert second != first  # two local jobs submitted together never share a port
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", second))  # and it is free
 
 
 def test_the_local_executor_requeues_a_stopped_run_and_it_ends_like_the_reference(root, reference):
