@@ -251,7 +251,9 @@ def submit_group(group: list[RunPlan], profile, cluster: str, sweep, argv: list[
     return jobs
 
 
-def wait_for(plans: list[RunPlan], jobs: list, cluster: str, progress: str = "auto") -> None:
+def wait_for(
+    plans: list[RunPlan], jobs: list, cluster: str, progress: str = "auto", poll_s: float = 5.0
+) -> None:
     """Until every job has ended. The jobs write to their own log files, so progress is
     read from each run's metrics: a bar per run on a terminal (``progress="bar"``), else a
     line per run every 30 s (``"lines"``)."""
@@ -281,7 +283,7 @@ def wait_for(plans: list[RunPlan], jobs: list, cluster: str, progress: str = "au
                 )
                 print(f"{name}: {progress_text}", flush=True)
         if pending:
-            time.sleep(1.0 if bars else 5.0)
+            time.sleep(poll_s)  # each poll reads every pending run's metrics file
 
 
 def _progress_bars(plans: list[RunPlan]) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -22,6 +23,17 @@ TINY = [
     "train.eval_iters=2",
     "log.wandb_mode=disabled",
 ]
+
+
+def records(root: Path, name: str, kind: str) -> list[dict]:
+    """The metrics records of one kind (train, valid, summary) of run ``root/name``."""
+    lines = (root / name / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def exits(root: Path, name: str) -> list[str]:
+    """What ``train_runs`` recorded for run ``name``: one exit code or error per attempt."""
+    return (root / f"{name}.exit").read_text().split("\n")[:-1]
 
 
 def set_rank_env(rank: int, world_size: int, port: int) -> None:

@@ -10,7 +10,6 @@ The ranks run the real loop, which picks the engine by ``train.engine``.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 import torch
 from _megatron_workers import initial_weights_then_train_runs
 from _multiproc import run_ranks
-from _training import TINY, synthetic_datasets, train_runs
+from _training import TINY, exits, records, synthetic_datasets, train_runs
 
 from cqk_megatron.config import ConfigError, load_config, validate
 from cqk_megatron.distributed import init_single_process
@@ -34,15 +33,6 @@ LAYOUTS = {
     "tp2": ["parallel.tensor_parallel=2"],
     "pp2": ["parallel.pipeline_parallel=2"],
 }
-
-
-def records(root: Path, name: str, kind: str) -> list[dict]:
-    lines = (root / name / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == kind]
-
-
-def exits(root: Path, name: str) -> list[str]:
-    return (root / f"{name}.exit").read_text().split("\n")[:-1]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from _multiproc import free_port, run_ranks
-from _training import save_initial_weights, train_runs
+from _training import exits, records, save_initial_weights, train_runs
 
 from cqk_megatron.config import VARIANTS
 from cqk_megatron.training import checkpoint
@@ -45,15 +45,6 @@ LAYOUTS_4L = {"pp2-vp2": ["parallel.pipeline_parallel=2", "parallel.virtual_pipe
 # Pipeline and data parallel together (4 ranks): 1F1B then DeepSpeed's ZeRO-1 reduction.
 LAYOUTS_4RANKS = {"pp2-dp2-zero1": ["parallel.pipeline_parallel=2", "train.zero_stage=1"]}
 VARIANT_STEPS = 60
-
-
-def records(root: Path, name: str, kind: str) -> list[dict]:
-    lines = (root / name / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == kind]
-
-
-def exits(root: Path, name: str) -> list[str]:
-    return (root / f"{name}.exit").read_text().split("\n")[:-1]
 
 
 @pytest.fixture(scope="module")

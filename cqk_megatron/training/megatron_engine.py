@@ -29,7 +29,6 @@ from pathlib import Path
 
 import torch
 from megatron.core import dist_checkpointing
-from megatron.core import parallel_state as ps
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -78,7 +77,6 @@ class MegatronEngine:
     def __init__(self, model: torch.nn.Module, config: RunConfig) -> None:
         self.config = config
         self.model = model
-        self.dp_size = ps.get_data_parallel_world_size()
         t = config.train
         overlap = t.overlap_grad_reduce
         ddp_config = DistributedDataParallelConfig(
