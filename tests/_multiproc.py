@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 
@@ -10,10 +11,24 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT_S = 900  # generous for a shared 2-core CI machine; a hang must not stall CI
 
 
+# Test rendezvous ports: below the kernel's ephemeral range (32768-60999), where gloo's own
+# connections take their local ports and could take a port that the OS handed out free a
+# moment ago, and below the launcher's range (launch/job.py: 20000-31999), so that tests
+# running beside a launched job do not collide with it.
+TEST_PORTS = range(10000, 20000)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free on 127.0.0.1 now, drawn at random from ``TEST_PORTS`` (test runs in
+    parallel rarely draw the same one, and a busy one is skipped)."""
+    for port in random.sample(TEST_PORTS, 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port among 200 tried in {TEST_PORTS}")
 
 
 def run_ranks(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
