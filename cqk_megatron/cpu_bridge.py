@@ -5,6 +5,8 @@ Megatron hard-codes CUDA in a few spots that matter on a CPU/gloo run:
 RoPE frequencies and for the sequence-parallel gather buffers; ``torch.cuda.synchronize()``
 after ``batch_isend_irecv``; and the schedules' token counter made with
 ``device="cuda"``; and the distributed checkpoint writer's synchronize and flag tensors.
+Activation recompute (``tensor_parallel.checkpoint``) saves and restores the CUDA generator
+and Megatron's CUDA RNG tracker around each recomputed forward (see ``_RNG_BRIDGE``).
 DeepSpeed's CPU accelerator, for its part, JIT-builds a shared-memory all-reduce op at every
 start (see ``skip_deepspeed_shm_op``).
 Instead of patching ``torch`` for everyone, each of those modules gets
@@ -75,6 +77,31 @@ def needed() -> bool:
     return not torch.cuda.is_available()
 
 
+# Megatron's recompute (``CheckpointFunction``: full and selective recompute) stores the CUDA
+# generator's state with ``_get_cuda_rng_state`` before the forward and puts it back with
+# ``_set_cuda_rng_state`` around the recomputation; on CPU there is no CUDA generator. The
+# CPU generator, the one dropout draws from on CPU, is saved and restored by the same code
+# through ``torch.get_rng_state``, so the recomputed forward draws the same numbers; the
+# CUDA state is an empty placeholder. (The tracker's states are empty on CPU: nothing seeds
+# it there.)
+_RNG_MODULE = "megatron.core.tensor_parallel.random"
+
+
+def _no_cuda_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _ignore_cuda_rng_state(*args, **kwargs) -> None:
+    return None
+
+
+_RNG_BRIDGE = {
+    "_get_cuda_rng_state": _no_cuda_rng_state,
+    "_set_cuda_rng_state": _ignore_cuda_rng_state,
+}
+_RNG_ORIGINALS: dict[str, object] = {}
+
+
 def install() -> None:
     """Give Megatron's pipeline modules the CPU view of ``torch`` (no-op with CUDA)."""
     if not needed():
@@ -87,6 +114,12 @@ def install() -> None:
         function = getattr(owner, attribute)
         if not hasattr(function, "_cpu_bridge_original"):
             setattr(owner, attribute, _with_cuda_type_names(function))
+    rng = importlib.import_module(_RNG_MODULE)
+    for name, replacement in _RNG_BRIDGE.items():
+        current = getattr(rng, name)
+        if current is not replacement:
+            _RNG_ORIGINALS[name] = current
+            setattr(rng, name, replacement)
 
 
 def uninstall() -> None:
@@ -95,6 +128,9 @@ def uninstall() -> None:
     for owner, attribute in _type_name_checkers():
         function = getattr(owner, attribute)
         setattr(owner, attribute, getattr(function, "_cpu_bridge_original", function))
+    rng = importlib.import_module(_RNG_MODULE)
+    for name, original in _RNG_ORIGINALS.items():
+        setattr(rng, name, original)
 
 
 # The distributed optimizer sorts parameters, and gradient clipping checks gradients, by
