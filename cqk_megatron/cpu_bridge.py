@@ -56,9 +56,12 @@ def _cpu_device(device):
 class _CpuTorch(types.ModuleType):
     """``torch`` with CUDA device requests in tensor factories mapped to CPU."""
 
-    def __init__(self) -> None:
+    def __init__(self, rng: bool = False) -> None:
         super().__init__("torch")
         self.cuda = _CpuCuda(current_device=lambda: "cpu", synchronize=lambda *a, **k: None)
+        if rng:  # the RNG tracker's module: the CPU generator stands in for the CUDA one
+            self.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+            self.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
 
     def __getattr__(self, name: str):
         return getattr(torch, name)
@@ -77,28 +80,25 @@ def needed() -> bool:
     return not torch.cuda.is_available()
 
 
-# Megatron's recompute (``CheckpointFunction``: full and selective recompute) stores the CUDA
-# generator's state with ``_get_cuda_rng_state`` before the forward and puts it back with
-# ``_set_cuda_rng_state`` around the recomputation; on CPU there is no CUDA generator. The
-# CPU generator, the one dropout draws from on CPU, is saved and restored by the same code
-# through ``torch.get_rng_state``, so the recomputed forward draws the same numbers; the
-# CUDA state is an empty placeholder. (The tracker's states are empty on CPU: nothing seeds
-# it there.)
+# Megatron's CUDA RNG tracker keeps named generator states ("model-parallel-rng", ...) and
+# swaps one in around work in a tensor-parallel region (``tracker.fork()``: the sequence-
+# parallel embedding and layers use it) and around a recomputed forward
+# (``CheckpointFunction``, full and selective recompute). On CPU its "CUDA" generator is
+# the CPU generator, the one dropout draws from there: the tracker's module reads and sets
+# it in place of the CUDA one, ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` included,
+# and ``distributed.seed_cuda_rng_tracker`` seeds it as on GPU.
 _RNG_MODULE = "megatron.core.tensor_parallel.random"
 
 
-def _no_cuda_rng_state(*args, **kwargs) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8)
+def _cpu_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.get_rng_state()
 
 
-def _ignore_cuda_rng_state(*args, **kwargs) -> None:
-    return None
+def _set_cpu_rng_state(new_state: torch.Tensor, *args, **kwargs) -> None:
+    torch.set_rng_state(new_state)
 
 
-_RNG_BRIDGE = {
-    "_get_cuda_rng_state": _no_cuda_rng_state,
-    "_set_cuda_rng_state": _ignore_cuda_rng_state,
-}
+_RNG_BRIDGE = {"_get_cuda_rng_state": _cpu_rng_state, "_set_cuda_rng_state": _set_cpu_rng_state}
 _RNG_ORIGINALS: dict[str, object] = {}
 
 
@@ -115,6 +115,8 @@ def install() -> None:
         if not hasattr(function, "_cpu_bridge_original"):
             setattr(owner, attribute, _with_cuda_type_names(function))
     rng = importlib.import_module(_RNG_MODULE)
+    if not isinstance(rng.torch, _CpuTorch):
+        rng.torch = _CpuTorch(rng=True)
     for name, replacement in _RNG_BRIDGE.items():
         current = getattr(rng, name)
         if current is not replacement:
@@ -129,6 +131,7 @@ def uninstall() -> None:
         function = getattr(owner, attribute)
         setattr(owner, attribute, getattr(function, "_cpu_bridge_original", function))
     rng = importlib.import_module(_RNG_MODULE)
+    rng.torch = torch
     for name, original in _RNG_ORIGINALS.items():
         setattr(rng, name, original)
 

@@ -128,8 +128,15 @@ def init_single_process(config: RunConfig | None = None) -> None:
 
 
 def seed_cuda_rng_tracker(seed: int) -> None:
-    """Seed Megatron's CUDA RNG tracker (GPU only: on CPU, layers initialise on the host)."""
-    if torch.cuda.is_available():
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    """Seed Megatron's CUDA RNG tracker, which its layers initialise their weights under on
+    GPU and which sequence parallelism and recompute swap states of. On CPU (through the
+    CPU bridge, installed by the two functions above) its states are CPU-generator states,
+    and seeding it leaves the CPU generator as it was."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    if torch.cuda.is_available():
         model_parallel_cuda_manual_seed(seed)
+        return
+    state = torch.get_rng_state()
+    model_parallel_cuda_manual_seed(seed)
+    torch.set_rng_state(state)
