@@ -102,7 +102,9 @@ def init_process_group(dist_env: DistEnv | None = None) -> DistEnv:
 
 
 def init_model_parallel(config: RunConfig) -> None:
-    """(Re)build Megatron's tensor/pipeline/data-parallel groups for ``config``."""
+    """(Re)build Megatron's tensor/pipeline/data-parallel groups for ``config``, and seed
+    the CUDA RNG tracker that goes with them (``config.seed``; the training loop seeds it
+    again per pipeline stage)."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     p = config.parallel
@@ -111,32 +113,33 @@ def init_model_parallel(config: RunConfig) -> None:
         pipeline_model_parallel_size=p.pipeline_parallel,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline,
     )
+    seed_cuda_rng_tracker(config.seed)
 
 
 def init_single_process(config: RunConfig | None = None) -> None:
     """A world of one (no network) with TP=PP=1 groups, for the tools that build a model
-    in one process (parameter counter, conversion, MQAR, benchmark): the same backend and
-    device as training, and on GPU Megatron's CUDA RNG tracker seeded, which its layers
-    initialise their weights under (``config.seed``)."""
+    in one process (parameter counter, conversion, MQAR, benchmark): the same backend,
+    device and seeded CUDA RNG tracker (which Megatron's layers initialise their weights
+    under on GPU) as training."""
     config = config or RunConfig()
     if not dist.is_initialized():
         bind()
         cpu_bridge.install()
         dist.init_process_group(backend(), store=dist.HashStore(), rank=0, world_size=1)
     init_model_parallel(config)
-    seed_cuda_rng_tracker(config.seed)
 
 
 def seed_cuda_rng_tracker(seed: int) -> None:
     """Seed Megatron's CUDA RNG tracker, which its layers initialise their weights under on
     GPU and which sequence parallelism and recompute swap states of. On CPU (through the
-    CPU bridge, installed by the two functions above) its states are CPU-generator states,
-    and seeding it leaves the CPU generator as it was."""
+    CPU bridge) its states are CPU-generator states, and seeding it leaves the CPU
+    generator as it was."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     if torch.cuda.is_available():
         model_parallel_cuda_manual_seed(seed)
         return
+    cpu_bridge.install()
     state = torch.get_rng_state()
     model_parallel_cuda_manual_seed(seed)
     torch.set_rng_state(state)

@@ -14,21 +14,32 @@ Two spawns: one rank (initial weights, both engines' references), two ranks (the
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
-from _gpu_path_workers import audited_train_runs
+import torch
+from _gpu_path_workers import audited_train_runs, sequence_parallel_equivalence
 from _multiproc import run_ranks
 from _training import exits, records
+
+import cqk_megatron.config as config_module
+from cqk_megatron.config import CONFIGS_DIR, VARIANTS, ConfigError, load_config, validate
+from cqk_megatron.perf.flops import peak_flops
 
 STEPS = 8
 COUPLED_DIFFERENTIAL = ["attention.coupling=hamiltonian", "attention.scoring=differential"]
 SP = ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"]
 MEGATRON = ["train.engine=megatron"]
 SELECTIVE = ["train.recompute=selective"]
-FULL_BLOCK = ["train.recompute=full", "train.recompute_method=block", "train.recompute_num_layers=1"]
+FULL_BLOCK = [
+    "train.recompute=full",
+    "train.recompute_method=block",
+    "train.recompute_num_layers=1",
+]
 FULL_UNIFORM = ["train.recompute=full", "train.recompute_method=uniform"]
 LOSS_TOLERANCE, NORM_TOLERANCE = 1e-5, 1e-4  # relative, a layout against the 1-rank run
 OWNERS = {"cqk_megatron/training/collectives.py", "cqk_megatron/attention/tp_grads.py"}
@@ -112,9 +123,7 @@ def test_a_second_sum_by_megatrons_finalize_is_seen(runs):
         ("mg-dp2-full", "ref-mg", LOSS_TOLERANCE, NORM_TOLERANCE),  # and another layout
     ],
 )
-def test_recompute_changes_no_number_of_a_run(
-    runs, run, reference, loss_tolerance, norm_tolerance
-):
+def test_recompute_changes_no_number_of_a_run(runs, run, reference, loss_tolerance, norm_tolerance):
     loss, norm = _worst(runs, run, reference)
     assert loss <= loss_tolerance and norm <= norm_tolerance, (loss, norm)
 
@@ -143,3 +152,95 @@ def test_the_audit_saw_the_loops_collectives(runs):
     assert seen.get(("collectives.py", "all_reduce"), 0) >= 3 * STEPS, seen
     assert seen.get(("collectives.py", "barrier"), 0) >= 3, seen
     assert seen.get(("tp_grads.py", "all_reduce"), 0) > 0, seen
+
+
+# -- sequence parallelism, every variant, at the model level -----------------------------
+
+EQUIVALENCE = [
+    "model.vocab_size=256",
+    "model.num_layers=4",
+    "model.hidden_size=64",
+    "model.seq_length=16",
+    "model.num_attention_heads=8",
+    "model.num_query_groups=4",
+    "train.precision=fp64",
+]
+
+
+def test_every_variant_under_tp2_with_sequence_parallelism_matches_tp1(tmp_path):
+    # tests/_equivalence.py's harness (3 SGD steps in fp64 through Megatron's schedule):
+    # losses, every first-step gradient (the norms' included) and every parameter after.
+    variants = list(VARIANTS)
+    run_ranks(sequence_parallel_equivalence, 2, 2, variants, EQUIVALENCE, str(tmp_path))
+    for rank in range(2):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for variant in variants:
+            result = results[variant]
+            assert result["loss"] <= 1e-6, (variant, result)
+            assert result["grad"] <= 1e-5 and result["param"] <= 1e-5, (variant, result)
+            assert len(result["losses"]) == 3
+
+
+# -- what a GPU node gets --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS_DIR.glob("runs/*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_run_config_starts_with_only_the_pinned_packages(path):
+    # validate() passes on its own world size, and nothing in it needs Apex or
+    # Transformer Engine (neither is pinned): the local spec, whose norms take SP
+    config = load_config(path)
+    validate(config, config.parallel.world_size)
+    assert config.backend == "local"
+    assert importlib.util.find_spec("apex") is None  # and neither is installed here
+    assert "transformer_engine" not in sys.modules
+
+
+def test_transformer_engine_is_refused_where_it_is_not_importable():
+    assert importlib.util.find_spec("transformer_engine") is None
+    with pytest.raises(ConfigError, match="Transformer Engine is not importable.*backend=local"):
+        validate(load_config(None, ["backend=transformer_engine"]))
+
+
+def test_transformer_engine_norms_under_sp_need_megatrons_engine(monkeypatch):
+    # TE is not installed here: its importability is answered yes (a mock, said so)
+    monkeypatch.setattr(config_module, "_transformer_engine_importable", lambda: True)
+    sp = ["backend=transformer_engine", "parallel.tensor_parallel=2", "model.seq_length=32"]
+    sp.append("parallel.sequence_parallel=true")
+    with pytest.raises(ConfigError, match="finalize_model_grads.*train.engine=megatron"):
+        validate(load_config(None, sp))
+    validate(load_config(None, [*sp, "train.engine=megatron"]))
+    validate(load_config(None, ["backend=transformer_engine"]))
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),  # SXM
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA H200", 989e12),  # SXM, what torch reports on the machines lent here
+        ("NVIDIA H200 NVL", 835e12),
+        ("NVIDIA GH200 480GB", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("Tesla V100-SXM2-32GB", None),  # unknown: no MFU rather than a wrong one
+    ],
+)
+def test_the_mfu_peak_of_each_gpu_name(name, peak):
+    assert peak_flops(name) == peak
+
+
+def test_on_gpu_the_optimizer_is_torchs_fused_adamw(monkeypatch):
+    # No GPU here: device() answers cuda (a mock); torch's fused AdamW also runs on CPU
+    # tensors, so the optimizer is built for real. No DeepSpeed op is JIT-compiled.
+    from cqk_megatron.training import engine
+
+    monkeypatch.setattr(engine, "device", lambda: torch.device("cuda", 0))
+    model = torch.nn.Linear(4, 4)
+    config = load_config(None, [])
+    optimizer = engine.make_optimizer(model, config)
+    assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["fused"] is True
+    offload = load_config(None, ["train.offload_optimizer=true", "train.zero_stage=2"])
+    monkeypatch.setattr(engine, "_prebuilt_deepspeed_op", lambda name: False)
+    host = engine.make_optimizer(model, offload)  # DeepSpeed's CPU Adam is not prebuilt
+    assert type(host) is torch.optim.AdamW and not host.defaults["fused"]
+    assert engine.deepspeed_config(offload, 1)["zero_force_ds_cpu_optimizer"] is False

@@ -281,30 +281,27 @@ def training_config(
 
 
 def layout_overrides(config: RunConfig) -> list[str]:
-    """The ``section.key=value`` overrides that set a ``training_config``'s layout."""
+    """The ``section.key=value`` overrides that set a ``training_config``'s layout, every key
+    spelled out, so that they apply whatever the run's YAML file sets."""
     p, t = config.parallel, config.train
+
+    def value(v) -> str:
+        return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
     overrides = [
         f"parallel.tensor_parallel={p.tensor_parallel}",
         f"parallel.pipeline_parallel={p.pipeline_parallel}",
-    ]
-    if p.virtual_pipeline:
-        overrides.append(f"parallel.virtual_pipeline={p.virtual_pipeline}")
-    if p.sequence_parallel:
-        overrides.append("parallel.sequence_parallel=true")
-    overrides.append(f"train.engine={t.engine}")
-    if t.engine == "deepspeed":
-        overrides.append(f"train.zero_stage={t.zero_stage}")
-    overrides += [
+        f"parallel.virtual_pipeline={value(p.virtual_pipeline)}",
+        f"parallel.sequence_parallel={value(p.sequence_parallel)}",
+        f"train.engine={t.engine}",
+        f"train.zero_stage={t.zero_stage}",
         f"train.micro_batch_size={t.micro_batch_size}",
         f"train.global_batch_size={t.global_batch_size}",
         f"train.recompute={t.recompute}",
+        f"train.recompute_method={t.recompute_method}",
+        f"train.recompute_num_layers={value(t.recompute_num_layers)}",
+        f"train.offload_optimizer={value(t.offload_optimizer)}",
     ]
-    if t.recompute == "full":
-        overrides.append(f"train.recompute_method={t.recompute_method}")
-        if t.recompute_num_layers is not None:
-            overrides.append(f"train.recompute_num_layers={t.recompute_num_layers}")
-    if t.offload_optimizer:
-        overrides.append("train.offload_optimizer=true")
     if config.attention.recompute_coupling:
         overrides.append("attention.recompute_coupling=true")
     return overrides
