@@ -19,8 +19,8 @@ both backends (``cpu:gloo,cuda:nccl``), and chose against it:
   thousands of ranks, for a handful of scalars per step;
 - a CPU tensor silently taking the gloo route costs a device sync and a host round trip
   where the value was just computed on the GPU (a loss sum), and it hides the very mistake
-  (a tensor made without ``device=``) that an NCCL-only group reports at once, on CPU as
-  well when the audit in the tests creates its group as ``cuda:gloo``.
+  (a tensor made without ``device=``) that an NCCL-only group reports at once (a group
+  created as ``cuda:gloo`` reproduces that refusal on CPU: ``tests/test_device.py``).
 
 So the few scalars the loop reduces (the loss, the stop flag, the parameter count) are
 made on the device; the price is one small GPU kernel each, next to a step's thousands.
