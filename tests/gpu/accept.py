@@ -61,7 +61,7 @@ class Stage:
 
 
 STAGES = (
-    Stage("env", 15, "torch, CUDA, GPU name and peak, megatron-core and DeepSpeed versions"),
+    Stage("env", 25, "torch, CUDA, GPU name and peak, megatron-core and DeepSpeed versions"),
     Stage("data", 60, "data tools: corpus -> SentencePiece tokenizer -> indexed .bin/.idx"),
     Stage(
         "train",
@@ -71,7 +71,7 @@ STAGES = (
     ),
     Stage("export", 60, "cqk-convert export of a GPU checkpoint; HF vs Megatron logits on GPU"),
     Stage("kernels", 40, "the SDPA kernel each variant runs (profiler): flash/cuDNN, not math"),
-    Stage("bench", 130, "cqk-bench 350M and 1B: tokens/s, MFU, ratios, memory vs planner"),
+    Stage("bench", 120, "cqk-bench 350M and 1B: tokens/s, MFU, ratios, memory vs planner"),
 )
 
 # The variants whose SDPA kernels are checked, one list (bench's variant syntax:
