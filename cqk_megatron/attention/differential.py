@@ -3,25 +3,208 @@
 Only the scoring changes: the projections keep the baseline's shapes, heads pair up
 inside each tensor-parallel rank (so heads per rank must be even), and the math is
 ``coupling.DifferentialScoring``, shared with the exported Hugging Face model.
+
+Each differential head needs two attention maps applied to a value of width
+``2 head_dim``. The ``paired`` form computes each map once (two calls with the wide
+value); the ``split`` form computes each map twice (four calls, one per ``head_dim``
+half of the value), for kernels that take only values as wide as queries. Which
+kernels take which widths (PyTorch source, ``aten/src/ATen/native/transformers/``):
+
+- CPU flash: ``sdp_utils_cpp.cpp`` ``check_head_dim_size_cpp`` requires q, k and v of the
+  same last dimension; anything else runs the math path, which materialises every
+  ``s x s`` map (faster than four flash calls at short sequences on CPU, slower at long).
+- CUDA flash (FlashAttention-2, and FA3 where enabled: the same gate):
+  ``cuda/sdp_utils.cpp`` ``check_head_dim_size_flash`` ("All head_dim sizes must be equal
+  and less than 256").
+- CUDA memory-efficient: ``check_head_dim_size_mem_efficient`` requires only
+  ``q.size(-1) == k.size(-1)`` and alignment of both widths: it takes ``2 head_dim``
+  values, at roughly half flash's speed on sm80+.
+- cuDNN: ``check_cudnn_tensor_shapes`` bounds ``d_qk`` and ``d_v`` separately (128; 256 on
+  sm90/sm100 with cuDNN > 9.22 and a frontend >= 1.24) and ``check_cudnn_d256_bprop_head_dim``
+  allows a backward for ``d_qk, d_v <= 128``, ``(192, 128)`` or ``(256, 256)``: with
+  ``head_dim <= 64`` the paired form's ``(d, 2d)`` runs forward and backward on cuDNN.
+- Transformer Engine: ``DotProductAttention(kv_channels=(k_channels, v_channels))``, as
+  Megatron-Core's multi-latent attention builds it.
+
+``attention.differential_kernel=auto`` takes ``paired`` where a fast kernel serves the
+wide value: with Transformer Engine on GPU, or where SDPA's own dispatcher
+(``torch._fused_sdp_choice``, the function ``scaled_dot_product_attention`` calls) picks
+flash or cuDNN for it; otherwise ``split`` (flash for four narrow calls beats the
+memory-efficient or math kernel for two wide ones). The choice is made once per layer at
+build and printed once per process on rank 0.
 """
 
 from __future__ import annotations
 
-import torch
+import copy
+from collections.abc import Callable
 
-from cqk_megatron.attention.sdpa import SDPACoreAttention
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.enums import AttnMaskType
+
+from cqk_megatron.attention.sdpa import SDPACoreAttention, sdpa_backend
 from cqk_megatron.attention.tp_grads import sum_partial_grads_across_tp
-from cqk_megatron.coupling import DifferentialScoring
+from cqk_megatron.coupling import DIFFERENTIAL_KERNELS, DifferentialScoring
+
+KERNEL_SETTINGS = ("auto", *DIFFERENTIAL_KERNELS)  # attention.differential_kernel
+FAST_WIDE_VALUE_BACKENDS = ("flash", "cudnn")  # SDPA kernels for which auto pairs
+PROBE_SEQ = 128  # probe length: past every kernel's minimum, a multiple of 64
+
+
+def choose_kernel(
+    setting: str, backend: str, device: torch.device, wide_value_backend: Callable[[], str]
+) -> tuple[str, str]:
+    """``(kernel, reason)`` for ``attention.differential_kernel=setting``.
+
+    ``wide_value_backend()`` names the SDPA kernel that would serve the paired form's
+    calls (queries ``head_dim``, values ``2 head_dim``); it is asked only under ``auto``.
+    """
+    if setting not in KERNEL_SETTINGS:
+        raise ValueError(
+            f"attention.differential_kernel={setting!r} is unknown; choose one of "
+            f"{list(KERNEL_SETTINGS)}"
+        )
+    if setting != "auto":
+        return setting, "attention.differential_kernel"
+    if backend == "transformer_engine" and device.type == "cuda":
+        return "paired", "Transformer Engine DotProductAttention, k_channels != v_channels"
+    served_by = wide_value_backend()
+    if served_by in FAST_WIDE_VALUE_BACKENDS:
+        return "paired", f"SDPA serves 2x-wide values with {served_by}"
+    return "split", f"SDPA would serve 2x-wide values with {served_by}, not flash or cuDNN"
+
+
+_REPORTED: set[str] = set()
+
+
+def report_kernel(kernel: str, reason: str) -> None:
+    """One line per process (rank 0) for each distinct choice: which form this run uses."""
+    line = f"differential attention: {kernel} form ({reason})"
+    if line in _REPORTED:
+        return
+    _REPORTED.add(line)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(line, flush=True)
+
+
+def _te_paired_attention(config, layer_number, attn_mask_type, softmax_scale, pg_collection):
+    """Transformer Engine's attention for the paired calls: ``H/2`` query heads and
+    ``Hk/2`` key/value heads (global counts; TE divides by TP), ``k_channels = d`` and
+    ``v_channels = 2d``, as Megatron-Core's MLA builds its ``TEDotProductAttention``.
+
+    Not run in CI (no GPU, no TE): a small branch kept apart for review.
+    """
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+    pairs = copy.copy(config)  # TE reads head counts from the config; the copy skips checks
+    pairs.num_attention_heads = config.num_attention_heads // 2
+    pairs.num_query_groups = config.num_query_groups // 2
+    return TEDotProductAttention(
+        pairs,
+        layer_number,
+        attn_mask_type,
+        attention_type="self",
+        softmax_scale=softmax_scale,
+        k_channels=config.kv_channels,
+        v_channels=2 * config.kv_channels,
+        pg_collection=pg_collection,
+    )
 
 
 class DifferentialCoreAttention(SDPACoreAttention):
-    def __init__(self, config, layer_number, attn_mask_type, *args, **kwargs) -> None:
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        *args,
+        differential_kernel: str = "auto",
+        backend: str = "local",
+        **kwargs,
+    ) -> None:
         super().__init__(config, layer_number, attn_mask_type, *args, **kwargs)
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+        self.kernel, reason = choose_kernel(
+            differential_kernel, backend, device, lambda: self.wide_value_backend(device)
+        )
+        report_kernel(self.kernel, reason)
         self.differential = DifferentialScoring(
-            self.head_dim, layer_index=self.layer_number - 1, eps=config.layernorm_epsilon
+            self.head_dim,
+            layer_index=self.layer_number - 1,
+            eps=config.layernorm_epsilon,
+            kernel=self.kernel,
         ).to(dtype=config.params_dtype)
         # lambda and subln are whole on every TP rank but each rank uses them on its heads
         sum_partial_grads_across_tp(self.differential, self.tp_group)
+        self.te_attention = None
+        if backend == "transformer_engine" and self.kernel == "paired" and device.type == "cuda":
+            self.te_attention = _te_paired_attention(
+                config,
+                layer_number,
+                attn_mask_type,
+                self.softmax_scale,
+                kwargs.get("pg_collection"),
+            )
+
+    @classmethod
+    def spec_params(cls, attention, backend: str) -> dict:
+        return {"differential_kernel": attention.differential_kernel, "backend": backend}
+
+    def wide_value_backend(self, device: torch.device) -> str:
+        """The SDPA kernel for one paired call of this layer (per-rank heads, training)."""
+        tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
+        pairs = self.config.num_attention_heads // tp // 2
+        kv_pairs = self.config.num_query_groups // tp // 2
+        d, dtype = self.head_dim, self.config.params_dtype
+
+        def probe(heads: int, width: int) -> torch.Tensor:
+            shape = (1, heads, PROBE_SEQ, width)
+            return torch.zeros(shape, device=device, dtype=dtype, requires_grad=True)
+
+        mask = None
+        if self.attn_mask_type != AttnMaskType.causal:
+            mask = torch.ones(PROBE_SEQ, PROBE_SEQ, device=device, dtype=torch.bool)
+        return sdpa_backend(
+            probe(pairs, d),
+            probe(kv_pairs, d),
+            probe(kv_pairs, 2 * d),
+            mask=mask,
+            dropout_p=self.dropout_p,
+            scale=self.softmax_scale,
+        )
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
+        if self.te_attention is None:
+            return super().forward(
+                query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+            )
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("packed sequences and attention bias are not supported")
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d]
+        mask_type = attn_mask_type or self.attn_mask_type
+
+        def attend_te(q_, k_, v_):  # SDPA layout in and out, TE's sbhd in between
+            sbhd = [x.permute(2, 0, 1, 3).contiguous() for x in (q_, k_, v_)]
+            out = self.te_attention(*sbhd, attention_mask, attn_mask_type=mask_type)
+            seq, batch = out.shape[:2]
+            return out.view(seq, batch, q_.shape[1], v_.shape[-1]).permute(1, 2, 0, 3)
+
+        context = self.differential(q, k, v, attend_te)
+        return context.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
     def score(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
