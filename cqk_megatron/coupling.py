@@ -340,17 +340,30 @@ class DifferentialScoring(nn.Module):
         ``2i, 2i+1``. Under GQA, differential query head ``i`` reads key/value pair
         ``i // (H / Hk)``, as ``attend`` does for its heads.
         """
+        return self.combine(*self.attend_maps(q, k, v, attend))
+
+    def attend_maps(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A1 v, A2 v)``, each ``[b, H/2, s, 2d]``, in the form ``self.kernel`` names."""
         q1, q2 = q[:, 0::2], q[:, 1::2]
         k1, k2 = k[:, 0::2], k[:, 1::2]
         if self.kernel == "paired":
             value = pair_values(v)
-            return self.combine(attend(q1, k1, value), attend(q2, k2, value))
+            return attend(q1, k1, value), attend(q2, k2, value)
         v_even, v_odd = v[:, 0::2], v[:, 1::2]
         out1 = torch.cat((attend(q1, k1, v_even), attend(q1, k1, v_odd)), dim=-1)
         out2 = torch.cat((attend(q2, k2, v_even), attend(q2, k2, v_odd)), dim=-1)
-        return self.combine(out1, out2)
+        return out1, out2
 
     def combine(self, out1: torch.Tensor, out2: torch.Tensor) -> torch.Tensor:
         """``(1 - lambda_init) RMSNorm(out1 - lambda out2)``; inputs ``[..., 2 head_dim]``."""
-        diff = out1 - self.lambda_full().type_as(out1) * out2
+        return self.normalize(out1 - self.lambda_full().type_as(out1) * out2)
+
+    def normalize(self, diff: torch.Tensor) -> torch.Tensor:
+        """``(1 - lambda_init) RMSNorm(diff)`` over the ``2 head_dim`` of a differential head."""
         return self.subln(diff) * (1 - self.lambda_init)

@@ -26,12 +26,24 @@ kernels take which widths (PyTorch source, ``aten/src/ATen/native/transformers/`
 - Transformer Engine: ``DotProductAttention(kv_channels=(k_channels, v_channels))``, as
   Megatron-Core's multi-latent attention builds it.
 
+On CPU, where no SDPA kernel but the math path takes the wide value, the paired form
+runs ``paired_maps`` (causal, no dropout): both maps of a differential head are
+materialised block by block of query rows, so the key blocks wholly in a query block's
+future are never computed (as flash skips them), and combined, ``A1 - lambda A2``, before
+one product with the wide value. It is the same function as the reference's two calls.
+
 ``attention.differential_kernel=auto`` takes ``paired`` where a fast kernel serves the
-wide value: with Transformer Engine on GPU, or where SDPA's own dispatcher
-(``torch._fused_sdp_choice``, the function ``scaled_dot_product_attention`` calls) picks
-flash or cuDNN for it; otherwise ``split`` (flash for four narrow calls beats the
-memory-efficient or math kernel for two wide ones). The choice is made once per layer at
-build and printed once per process on rank 0.
+wide value: with Transformer Engine on GPU; on GPU where SDPA's own dispatcher
+(``torch._fused_sdp_choice``, the gate ``scaled_dot_product_attention`` goes through)
+picks flash or cuDNN for it; on CPU where ``paired_maps`` applies (measured faster than
+four flash calls: README, Performance). Otherwise ``split``: flash for four narrow calls
+beats the memory-efficient or math kernel for two wide ones. The choice is made once per
+layer at build and printed once per process on rank 0.
+
+Megatron's layers run the reference forms' attention calls and the reference's
+``out1 - lambda out2`` unchanged, and its RMSNorm and ``(1 - lambda_init)`` as one fused
+``F.rms_norm`` (the weight scaled instead of the output): a pass over the output instead
+of eight, the same function.
 """
 
 from __future__ import annotations
@@ -41,24 +53,71 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 
 from cqk_megatron.attention.sdpa import SDPACoreAttention, sdpa_backend
 from cqk_megatron.attention.tp_grads import sum_partial_grads_across_tp
-from cqk_megatron.coupling import DIFFERENTIAL_KERNELS, DifferentialScoring
+from cqk_megatron.coupling import DIFFERENTIAL_KERNELS, DifferentialScoring, pair_values
 
 KERNEL_SETTINGS = ("auto", *DIFFERENTIAL_KERNELS)  # attention.differential_kernel
 FAST_WIDE_VALUE_BACKENDS = ("flash", "cudnn")  # SDPA kernels for which auto pairs
 PROBE_SEQ = 128  # probe length: past every kernel's minimum, a multiple of 64
+MAPS_BLOCK = 128  # query rows per block of paired_maps (fastest of 64..256 measured on CPU)
+
+
+def paired_maps(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lam: torch.Tensor,
+    scale: float,
+    block: int = MAPS_BLOCK,
+) -> torch.Tensor:
+    """Causal ``(A1 - lam A2) v`` of every differential head, maps computed once.
+
+    SDPA layout: ``q`` ``[b, H, s, d]``, ``k``, ``v`` ``[b, Hk, s, d]``; returns
+    ``[b, H/2, s, 2d]``, ``DifferentialScoring``'s ``out1 - lam out2``. Differential query
+    head ``i`` reads key/value pair ``i // (H / Hk)``, broadcast over its group. Query rows
+    go in blocks; a block reads only the keys up to its last row.
+    """
+    seq = q.shape[2]
+    kv_pairs, group = k.shape[1] // 2, q.shape[1] // k.shape[1]
+    queries = (q * scale).unflatten(1, (kv_pairs, group, 2))  # [b, Pk, g, map, s, d]
+    keys_t = k.unflatten(1, (kv_pairs, 1, 2)).transpose(-1, -2)  # [b, Pk, 1, map, d, s]
+    value = pair_values(v).unsqueeze(2)  # [b, Pk, 1, s, 2d]
+    lam = lam.type_as(q)
+    blocks = []
+    for start in range(0, seq, block):
+        end = min(start + block, seq)
+        scores = torch.matmul(queries[..., start:end, :], keys_t[..., :end])
+        future = torch.ones(end - start, end, dtype=torch.bool, device=q.device).triu(start + 1)
+        probs = torch.softmax(scores.masked_fill_(future, float("-inf")), dim=-1)
+        maps = probs[..., 0, :, :] - lam * probs[..., 1, :, :]  # [b, Pk, g, rows, end]
+        blocks.append(torch.matmul(maps, value[..., :end, :]))
+    return torch.cat(blocks, dim=-2).flatten(1, 2)
+
+
+def fused_normalize(scoring: DifferentialScoring, diff: torch.Tensor) -> torch.Tensor:
+    """``scoring.normalize(diff)`` as one ``F.rms_norm`` with ``(1 - lambda_init)`` folded
+    into the weight (a ``2 head_dim`` vector) instead of multiplying the output."""
+    weight = scoring.subln.weight * (1 - scoring.lambda_init)
+    return F.rms_norm(diff, (diff.shape[-1],), weight.to(diff.dtype), scoring.subln.eps)
 
 
 def choose_kernel(
-    setting: str, backend: str, device: torch.device, wide_value_backend: Callable[[], str]
+    setting: str,
+    backend: str,
+    device: torch.device,
+    wide_value_backend: Callable[[], str],
+    cpu_maps: bool = True,
 ) -> tuple[str, str]:
     """``(kernel, reason)`` for ``attention.differential_kernel=setting``.
 
     ``wide_value_backend()`` names the SDPA kernel that would serve the paired form's
     calls (queries ``head_dim``, values ``2 head_dim``); it is asked only under ``auto``.
+    ``cpu_maps``: whether ``paired_maps`` would run the paired form on CPU (causal
+    attention without dropout).
     """
     if setting not in KERNEL_SETTINGS:
         raise ValueError(
@@ -69,6 +128,8 @@ def choose_kernel(
         return setting, "attention.differential_kernel"
     if backend == "transformer_engine" and device.type == "cuda":
         return "paired", "Transformer Engine DotProductAttention, k_channels != v_channels"
+    if device.type == "cpu" and cpu_maps:
+        return "paired", "block-causal maps on CPU"
     served_by = wide_value_backend()
     if served_by in FAST_WIDE_VALUE_BACKENDS:
         return "paired", f"SDPA serves 2x-wide values with {served_by}"
@@ -129,8 +190,14 @@ class DifferentialCoreAttention(SDPACoreAttention):
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
+        self.maps = device.type == "cpu" and attn_mask_type == AttnMaskType.causal
+        self.maps = self.maps and self.dropout_p == 0.0
         self.kernel, reason = choose_kernel(
-            differential_kernel, backend, device, lambda: self.wide_value_backend(device)
+            differential_kernel,
+            backend,
+            device,
+            lambda: self.wide_value_backend(device),
+            cpu_maps=self.maps,
         )
         report_kernel(self.kernel, reason)
         self.differential = DifferentialScoring(
@@ -141,6 +208,7 @@ class DifferentialCoreAttention(SDPACoreAttention):
         ).to(dtype=config.params_dtype)
         # lambda and subln are whole on every TP rank but each rank uses them on its heads
         sum_partial_grads_across_tp(self.differential, self.tp_group)
+        self.last_path: str | None = None  # what the last forward ran: te, maps or sdpa
         self.te_attention = None
         if backend == "transformer_engine" and self.kernel == "paired" and device.type == "cuda":
             self.te_attention = _te_paired_attention(
@@ -194,6 +262,7 @@ class DifferentialCoreAttention(SDPACoreAttention):
             )
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("packed sequences and attention bias are not supported")
+        self.last_path = "te"
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d]
         mask_type = attn_mask_type or self.attn_mask_type
 
@@ -203,10 +272,22 @@ class DifferentialCoreAttention(SDPACoreAttention):
             seq, batch = out.shape[:2]
             return out.view(seq, batch, q_.shape[1], v_.shape[-1]).permute(1, 2, 0, 3)
 
-        context = self.differential(q, k, v, attend_te)
+        context = self.combine(*self.differential.attend_maps(q, k, v, attend_te))
         return context.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
     def score(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        return self.differential(q, k, v, lambda q_, k_, v_: self.attend(q_, k_, v_, mask))
+        scoring = self.differential
+        if self.kernel == "paired" and self.maps and mask is None and q.device.type == "cpu":
+            self.last_path = "maps"
+            lam = scoring.lambda_full()
+            return fused_normalize(scoring, paired_maps(q, k, v, lam, self.softmax_scale))
+        self.last_path = "sdpa"
+        maps = scoring.attend_maps(q, k, v, lambda q_, k_, v_: self.attend(q_, k_, v_, mask))
+        return self.combine(*maps)
+
+    def combine(self, out1: torch.Tensor, out2: torch.Tensor) -> torch.Tensor:
+        """The reference's ``combine``, its normalisation fused."""
+        diff = out1 - self.differential.lambda_full().type_as(out1) * out2
+        return fused_normalize(self.differential, diff)

@@ -146,9 +146,9 @@ def init_world(config: RunConfig) -> torch.device:
 
 def sdpa_kernel_for(kernels: list[str]) -> str:
     """Which SDPA path the planner should assume, from the kernels that ran: ``math``
-    (PyTorch's CPU flash kernel needs values as wide as queries, so the paired
-    differential form takes the math path on CPU) or ``fused``."""
-    return "math" if "math" in kernels else "fused"
+    where the ``s x s`` maps are kept (SDPA's math path; ``paired_maps``, which keeps
+    them block by block), else ``fused``."""
+    return "math" if {"math", "maps"} & set(kernels) else "fused"
 
 
 # The aten ops behind scaled_dot_product_attention, by the kernel each one is.
@@ -165,7 +165,7 @@ SDPA_OPS = {
 def attention_kernels(module: torch.nn.Module, forward: Callable[[], torch.Tensor]) -> dict:
     """Which differential form the model uses and which SDPA kernels one forward ran
     (observed with the profiler, not predicted); ``te`` where Transformer Engine's
-    attention runs the paired calls."""
+    attention runs the paired calls, ``maps`` where ``differential.paired_maps`` does."""
     from torch.profiler import ProfilerActivity, profile
 
     # with autograd on: a kernel's backward constraints take part in SDPA's choice
@@ -175,10 +175,10 @@ def attention_kernels(module: torch.nn.Module, forward: Callable[[], torch.Tenso
     kernels = {SDPA_OPS[e.key] for e in prof.key_averages() if e.key in SDPA_OPS}
     forms = set()
     for sub in module.modules():
-        if hasattr(sub, "differential") and hasattr(sub, "kernel"):
+        if hasattr(sub, "differential") and hasattr(sub, "last_path"):
             forms.add(sub.kernel)
-            if getattr(sub, "te_attention", None) is not None:
-                kernels.add("te")
+            if sub.last_path in ("te", "maps"):  # not SDPA: its own kernel
+                kernels.add(sub.last_path)
     return {"differential_kernel": "/".join(sorted(forms)) or None, "kernels": sorted(kernels)}
 
 
@@ -414,19 +414,18 @@ def format_report(result: dict) -> str:
         f"micro-batch {meta['micro_batch']} x seq {meta['seq']}, {meta['precision']} on "
         f"{meta['device']} ({meta['threads']} threads); {step}, {meta['rounds']} interleaved "
         f"rounds after {meta['warmup']} warm-up; {meta['clock']} clock",
-        f"{'variant':<28}{'attention':<16}{'step ms':>10}{'tokens/s':>11}{'ratio':>8}"
-        f"{'GFLOP/tok':>11}{'MFU':>7}{'act MiB':>9}{'est MiB':>9}{'step MiB':>10}",
+        f"{'variant':<28}{'step ms':>10}{'tokens/s':>11}{'ratio':>8}{'GFLOP/tok':>11}"
+        f"{'MFU':>7}{'act MiB':>9}{'est MiB':>9}{'step MiB':>10}  attention",
     ]
     for row in rows:
         kernels = "+".join(row["sdpa_kernels"]) or "-"
         form = row["differential_kernel"]
-        attention = f"{form}:{kernels}" if form else kernels
         lines.append(
-            f"{row['variant']:<28}{attention:<16}{row['step_ms']:>10.1f}{row['tokens_per_s']:>11.0f}"
+            f"{row['variant']:<28}{row['step_ms']:>10.1f}{row['tokens_per_s']:>11.0f}"
             f"{row['ratio']:>8.3f}{row['gflop_per_token']:>11.3f}"
             f"{_cell(row['mfu'] and 100 * row['mfu'], '.1f'):>7}"
             f"{row['activation_mib']:>9.1f}{_cell(row['activation_estimate_mib'], '.1f'):>9}"
-            f"{_cell(row['step_peak_mib'], '.0f'):>10}"
+            f"{_cell(row['step_peak_mib'], '.0f'):>10}  {f'{form}:{kernels}' if form else kernels}"
         )
     lines.append(
         f"ratio: median over rounds of step time / {meta['baseline']}'s in the same round; "
@@ -435,6 +434,10 @@ def format_report(result: dict) -> str:
     lines.append(
         "act MiB: saved-tensor bytes of one forward (measured); est MiB: the planner's "
         "estimate; step MiB (GPU): max_memory_allocated during a step above its start"
+    )
+    lines.append(
+        "attention: differential form (paired/split) and the kernels its attention ran on "
+        "(flash, cudnn, efficient, math: SDPA's; maps: paired_maps; te: Transformer Engine)"
     )
     return "\n".join(lines)
 
