@@ -87,14 +87,19 @@ def paired_maps(
     keys_t = k.unflatten(1, (kv_pairs, 1, 2)).transpose(-1, -2)  # [b, Pk, 1, map, d, s]
     value = pair_values(v).unsqueeze(2)  # [b, Pk, 1, s, 2d]
     lam = lam.type_as(q)
-    blocks = []
-    for start in range(0, seq, block):
-        end = min(start + block, seq)
-        scores = torch.matmul(queries[..., start:end, :], keys_t[..., :end])
+    blocks, start = [], 0
+    # split, not slices: one backward node gathers the blocks' gradients (a slice's makes a
+    # zero tensor of the whole input per block); the last block reads the keys unsliced
+    for rows in queries.split(block, dim=-2):
+        end = start + rows.shape[-2]
+        keys_block = keys_t if end == seq else keys_t[..., :end]
+        value_block = value if end == seq else value[..., :end, :]
+        scores = torch.matmul(rows, keys_block)  # [b, Pk, g, map, rows, end]
         future = torch.ones(end - start, end, dtype=torch.bool, device=q.device).triu(start + 1)
         probs = torch.softmax(scores.masked_fill_(future, float("-inf")), dim=-1)
-        maps = probs[..., 0, :, :] - lam * probs[..., 1, :, :]  # [b, Pk, g, rows, end]
-        blocks.append(torch.matmul(maps, value[..., :end, :]))
+        maps = torch.addcmul(probs[..., 0, :, :], probs[..., 1, :, :], -lam)  # A1 - lam A2
+        blocks.append(torch.matmul(maps, value_block))
+        start = end
     return torch.cat(blocks, dim=-2).flatten(1, 2)
 
 
