@@ -11,14 +11,16 @@ half of the value), for kernels that take only values as wide as queries. Which
 kernels take which widths (PyTorch source, ``aten/src/ATen/native/transformers/``):
 
 - CPU flash: ``sdp_utils_cpp.cpp`` ``check_head_dim_size_cpp`` requires q, k and v of the
-  same last dimension; anything else runs the math path, which materialises every
-  ``s x s`` map (faster than four flash calls at short sequences on CPU, slower at long).
+  same last dimension; anything else runs the math path, which materialises every full
+  ``s x s`` map (measured: slightly faster than four flash calls at 256 tokens, 1.5x slower
+  at 1024).
 - CUDA flash (FlashAttention-2, and FA3 where enabled: the same gate):
   ``cuda/sdp_utils.cpp`` ``check_head_dim_size_flash`` ("All head_dim sizes must be equal
   and less than 256").
 - CUDA memory-efficient: ``check_head_dim_size_mem_efficient`` requires only
   ``q.size(-1) == k.size(-1)`` and alignment of both widths: it takes ``2 head_dim``
-  values, at roughly half flash's speed on sm80+.
+  values, but is the slower kernel ("flash_attention V2 is universally faster than
+  efficient_attention and Math", the comment over ``priority_order`` in the same file).
 - cuDNN: ``check_cudnn_tensor_shapes`` bounds ``d_qk`` and ``d_v`` separately (128; 256 on
   sm90/sm100 with cuDNN > 9.22 and a frontend >= 1.24) and ``check_cudnn_d256_bprop_head_dim``
   allows a backward for ``d_qk, d_v <= 128``, ``(192, 128)`` or ``(256, 256)``: with
@@ -42,8 +44,8 @@ layer at build and printed once per process on rank 0.
 
 Megatron's layers run the reference forms' attention calls and the reference's
 ``out1 - lambda out2`` unchanged, and its RMSNorm and ``(1 - lambda_init)`` as one fused
-``F.rms_norm`` (the weight scaled instead of the output): a pass over the output instead
-of eight, the same function.
+``F.rms_norm`` with the weight scaled instead of the output: one kernel instead of six
+elementwise passes over the output, forward and backward, for the same function.
 """
 
 from __future__ import annotations
@@ -162,7 +164,14 @@ def _te_paired_attention(config, layer_number, attn_mask_type, softmax_scale, pg
     Not run in CI (no GPU, no TE): a small branch kept apart for review.
     """
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
+    from megatron.core.utils import is_te_min_version
 
+    if not is_te_min_version("1.10.0"):  # Megatron passes (k, v) channels from TE 1.10 on
+        raise RuntimeError(
+            "attention.differential_kernel=paired with backend=transformer_engine needs "
+            "Transformer Engine >= 1.10 (values wider than queries); upgrade it or set "
+            "attention.differential_kernel=split"
+        )
     pairs = copy.copy(config)  # TE reads head counts from the config; the copy skips checks
     pairs.num_attention_heads = config.num_attention_heads // 2
     pairs.num_query_groups = config.num_query_groups // 2
@@ -195,6 +204,7 @@ class DifferentialCoreAttention(SDPACoreAttention):
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
+        # paired_maps runs the paired form: CPU, causal, no dropout
         self.maps = device.type == "cpu" and attn_mask_type == AttnMaskType.causal
         self.maps = self.maps and self.dropout_p == 0.0
         self.kernel, reason = choose_kernel(
@@ -289,8 +299,8 @@ class DifferentialCoreAttention(SDPACoreAttention):
             lam = scoring.lambda_full()
             return fused_normalize(scoring, paired_maps(q, k, v, lam, self.softmax_scale))
         self.last_path = "sdpa"
-        maps = scoring.attend_maps(q, k, v, lambda q_, k_, v_: self.attend(q_, k_, v_, mask))
-        return self.combine(*maps)
+        outputs = scoring.attend_maps(q, k, v, lambda q_, k_, v_: self.attend(q_, k_, v_, mask))
+        return self.combine(*outputs)
 
     def combine(self, out1: torch.Tensor, out2: torch.Tensor) -> torch.Tensor:
         """The reference's ``combine``, its normalisation fused."""
