@@ -28,8 +28,9 @@ and ``@recompute`` sets ``attention.recompute_coupling=true`` (e.g.
 ``coupled@compiled@recompute``). On a variant with differential scoring, ``@paired`` and
 ``@split`` set ``attention.differential_kernel`` (e.g. ``differential@paired,
 differential@split``). An untagged name takes the config's settings. The ``attention``
-column names the differential form that ran and the SDPA kernel(s) its calls ran on
-(``flash``, ``cudnn``, ``efficient``, ``math``; ``te`` for Transformer Engine).
+column names the differential form that ran and the kernel(s) its attention ran on,
+observed in one profiled forward: SDPA's ``flash``, ``cudnn``, ``efficient`` or ``math``;
+``maps`` for ``attention/differential.py``'s ``paired_maps``; ``te`` for Transformer Engine.
 On GPU the model is built in bf16 (``train.precision=bf16``) unless ``--precision``
 says otherwise; on CPU in the config's precision (fp32 by default).
 """
