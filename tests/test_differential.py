@@ -374,3 +374,19 @@ def test_bench_runs_both_forms_side_by_side():
     assert rows["differential@split"]["sdpa_kernels"] == ["flash"]
     report = bench.format_report(result)
     assert "paired:maps" in report and "split:flash" in report
+
+
+def test_bench_reference_tag_runs_the_plain_module(monkeypatch):
+    """differential@split@reference: DifferentialScoring's own forward (four SDPA calls,
+    the unfused combination), the form measured as "before" in the README."""
+    config = bench.variant_of(bench.load_bench_config("tiny"), "differential@split@reference")
+    model = build_model(config)
+    cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
+    assert all(core.reference and core.kernel == "split" for core in cores)
+    called = []
+    monkeypatch.setattr(
+        DifferentialScoring, "normalize", lambda self, diff: called.append(1) or diff
+    )
+    tokens = torch.randint(0, 128, (1, 16))
+    model(tokens, torch.arange(16)[None], None)
+    assert len(called) == len(cores)

@@ -196,6 +196,7 @@ class DifferentialCoreAttention(SDPACoreAttention):
         *args,
         differential_kernel: str = "auto",
         backend: str = "local",
+        reference: bool = False,
         **kwargs,
     ) -> None:
         super().__init__(config, layer_number, attn_mask_type, *args, **kwargs)
@@ -223,6 +224,7 @@ class DifferentialCoreAttention(SDPACoreAttention):
         ).to(dtype=config.params_dtype)
         # lambda and subln are whole on every TP rank but each rank uses them on its heads
         sum_partial_grads_across_tp(self.differential, self.tp_group)
+        self.reference = reference  # run coupling.py's module as it is (benchmarks)
         self.last_path: str | None = None  # what the last forward ran: te, maps or sdpa
         self.te_attention = None
         if backend == "transformer_engine" and self.kernel == "paired" and device.type == "cuda":
@@ -236,7 +238,12 @@ class DifferentialCoreAttention(SDPACoreAttention):
 
     @classmethod
     def spec_params(cls, attention, backend: str) -> dict:
-        return {"differential_kernel": attention.differential_kernel, "backend": backend}
+        return {
+            "differential_kernel": attention.differential_kernel,
+            "backend": backend,
+            # cqk-bench's @reference (set past validation): coupling.py's modules as they are
+            "reference": attention.coupling_impl == "reference",
+        }
 
     def wide_value_backend(self, device: torch.device) -> str:
         """The SDPA kernel for one paired call of this layer (per-rank heads, training)."""
@@ -294,6 +301,9 @@ class DifferentialCoreAttention(SDPACoreAttention):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         scoring = self.differential
+        if self.reference:
+            self.last_path = "sdpa"
+            return scoring(q, k, v, lambda q_, k_, v_: self.attend(q_, k_, v_, mask))
         if self.kernel == "paired" and self.maps and mask is None and q.device.type == "cpu":
             self.last_path = "maps"
             lam = scoring.lambda_full()

@@ -23,7 +23,9 @@ per-round ratio), model FLOPs per token and MFU (GPU), and memory:
 A variant name may carry tags that choose how its coupling runs, so that the ways
 of running one coupling are timed side by side: ``coupled@compiled`` sets
 ``attention.coupling_impl=compiled``, ``coupled@eager`` the default fused eager form,
-``coupled@reference`` the plain modules of ``coupling.py`` (a benchmark-only choice),
+``coupled@reference`` the plain modules of ``coupling.py`` (a benchmark-only choice;
+for differential scoring too: ``differential@split@reference`` is the four calls and
+the plain combination of ``DifferentialScoring``, the form that ran before the paired one),
 and ``@recompute`` sets ``attention.recompute_coupling=true`` (e.g.
 ``coupled@compiled@recompute``). On a variant with differential scoring, ``@paired`` and
 ``@split`` set ``attention.differential_kernel`` (e.g. ``differential@paired,
