@@ -11,8 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-import torch.nn.functional as F
 
 from cqk_megatron.config import load_config, validate
 
@@ -82,18 +80,16 @@ def test_the_kernel_check_names_every_required_variant():
     assert {"differential@paired", "differential@split"} <= set(accept.KERNEL_VARIANTS)
 
 
-def test_sdpa_kernel_detection_reads_the_profiler():
-    # On CPU PyTorch runs its flash kernel where q, k and v have one head size, and the
-    # math path otherwise (differential attention's values are twice as wide).
-    q, k = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(2))
-    same = torch.randn(1, 2, 16, 8, requires_grad=True)
-    wide = torch.randn(1, 2, 16, 16, requires_grad=True)
+def test_the_kernel_check_reads_the_kernels_an_attention_layer_ran():
+    # On CPU PyTorch runs its flash kernel for standard attention (q, k, v of one width).
+    from cqk_megatron.perf.bench import init_world, load_bench_config
 
-    def step(v):
-        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-
-    assert accept.sdpa_kernels(step(same)) == ["flash"]
-    assert accept.sdpa_kernels(step(wide)) == ["math"]
+    config = load_bench_config("tiny", [*accept.cpu_sizes().kernel_model])
+    here = init_world(config)
+    found = accept.variant_kernels(config, "standard", 1, here)
+    assert found["kernels"] == ["flash"] and found["differential_kernel"] is None
+    paired = accept.variant_kernels(config, "differential@paired", 1, here)
+    assert paired["differential_kernel"] == "paired" and paired["kernels"]
 
 
 def test_a_stage_over_its_budget_is_stopped():

@@ -42,7 +42,6 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,15 +95,6 @@ BENCH = (("configs/models/350m.yaml", 8), ("configs/models/1b.yaml", 4))
 BENCH_VARIANTS = ("standard", "coupled", "differential")
 BENCH_SEQ = 2048
 ACTIVATION_ESTIMATE_RANGE = (0.75, 1.33)  # measured / planner, saved-tensor bytes
-# aten op names (profiler keys) -> the SDPA kernel they are
-SDPA_OPS = (
-    ("_scaled_dot_product_flash_attention", "flash"),  # CUDA, and ..._for_cpu on CPU
-    ("_flash_attention_forward", "flash"),
-    ("_scaled_dot_product_cudnn_attention", "cudnn"),
-    ("_scaled_dot_product_efficient_attention", "efficient"),
-    ("_efficient_attention_forward", "efficient"),
-    ("_scaled_dot_product_attention_math", "math"),
-)
 
 
 @dataclass
@@ -323,16 +313,23 @@ def metrics(run_dir: Path, kind: str) -> list[dict]:
     return [r for r in rows if r.get("kind") == kind]
 
 
-def sdpa_kernels(step: Callable[[], None], sync: Callable[[], None] = lambda: None) -> list[str]:
-    """The SDPA kernels (``flash``, ``cudnn``, ``efficient``, ``math``) that one call of
-    ``step`` ran, forward and backward, read off the profiler's aten op names."""
-    from torch.profiler import ProfilerActivity, profile
+def variant_kernels(config, variant: str, micro_batch: int, here) -> dict:
+    """Build ``variant``'s attention layer, warm it up (forward + backward: kernel choice,
+    cuDNN plans), then ``cqk_megatron.perf.bench.attention_kernels``: the differential
+    form it took and the kernels one profiled forward ran (SDPA's ``flash``, ``cudnn``,
+    ``efficient``, ``math``; ``maps`` or ``te`` where differential attention runs its own).
+    The backward runs on the forward's SDPA backend."""
+    import torch
 
-    with profile(activities=[ProfilerActivity.CPU]) as recorded:
-        step()
-        sync()
-    names = {event.key for event in recorded.key_averages()}
-    return sorted({kind for name in names for op, kind in SDPA_OPS if op in name})
+    from cqk_megatron.perf.bench import attention_kernels, build_workload
+
+    work = build_workload(config, variant, micro_batch, here, attention_only=True)
+    work.step()
+    if here.type == "cuda":
+        torch.cuda.synchronize(here)
+    found = attention_kernels(work.module, work.forward)
+    del work
+    return found
 
 
 # -- the command ---------------------------------------------------------------------------
@@ -596,18 +593,11 @@ class Acceptance:
     def kernels(self, budget: float) -> None:
         import torch
 
-        from cqk_megatron.device import device
-        from cqk_megatron.perf.bench import (
-            build_workload,
-            init_world,
-            load_bench_config,
-            split_variant,
-        )
+        from cqk_megatron.perf.bench import init_world, load_bench_config, split_variant
 
         overrides = [*self.sizes.kernel_model, f"train.precision={self.sizes.precision}"]
         config = load_bench_config("tiny", overrides)
         here = init_world(config)
-        sync = torch.cuda.synchronize if self.on_gpu else (lambda: None)
         found = {}
         for variant in KERNEL_VARIANTS:
             required = variant in FUSED_REQUIRED
@@ -616,26 +606,21 @@ class Acceptance:
             except ValueError as error:
                 self.report.check(
                     "kernels",
-                    f"{variant}",
+                    variant,
                     f"not in cqk-bench here ({error})",
                     "a bench variant",
                     False if required else None,
                 )
                 continue
-            work = build_workload(config, variant, 2, here, attention_only=True)
-            work.step()  # warm-up: kernel selection, cuDNN plans
-            sync()
-            kernels = sdpa_kernels(work.step, sync)
-            found[variant] = kernels
+            found[variant] = variant_kernels(config, variant, 2, here)
+            kernels = found[variant]["kernels"]
             fused = bool(kernels) and set(kernels) <= set(FUSED_KERNELS)
+            form = found[variant]["differential_kernel"]
+            label = f"{variant} kernels" + (f" ({form} form)" if form else "")
             expected = "flash/cudnn only" if required else "reported"
             judged = fused if (required and self.on_gpu) else None
-            self.report.check(
-                "kernels", f"{variant} SDPA kernels", "+".join(kernels) or "none", expected, judged
-            )
-            del work
-        self.report.data["sdpa_kernels"] = found
-        self.report.data["kernel_device"] = str(device())
+            self.report.check("kernels", label, "+".join(kernels) or "none", expected, judged)
+        self.report.data["attention_kernels"] = found
         if self.on_gpu:
             torch.cuda.empty_cache()
 
