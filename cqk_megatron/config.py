@@ -21,23 +21,23 @@ from typing import Any
 
 import yaml
 
+# The couplings, scorings and named variants (presets of the two) are the registry's, as
+# live views: a coupling registered later (README, "Adding a variant") is in them too. The
+# registry is torch-free, like this module.
+from cqk_megatron.variants import (
+    COUPLING_IMPLS,
+    COUPLING_POSITIONS,
+    COUPLINGS,  # noqa: F401  (re-exported)
+    DIFFERENTIAL_KERNEL_SETTINGS,
+    INTEGRATOR_STEPS,
+    SCORINGS,  # noqa: F401
+    VARIANTS,  # noqa: F401
+    check_config,
+    unknown_names,
+    variant_name,
+)
+
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
-
-SCORINGS = ("standard", "differential")
-COUPLINGS = ("none", "euler", "hamiltonian", "mlp_only", "invertible")
-
-# Named variants are presets of the two orthogonal choices (coupling, scoring).
-VARIANTS: dict[str, tuple[str, str]] = {
-    "standard": ("none", "standard"),
-    "coupled": ("hamiltonian", "standard"),
-    "coupled_euler": ("euler", "standard"),
-    "mlp_only": ("mlp_only", "standard"),
-    "invertible": ("invertible", "standard"),
-    "differential": ("none", "differential"),
-    "coupled_differential": ("hamiltonian", "differential"),
-    "invertible_differential": ("invertible", "differential"),
-}
-
 
 # train.recompute (Megatron-Core's recompute_granularity) and, for full, its method; the
 # planner (perf/memory.py, perf/plan.py) offers exactly these.
@@ -98,9 +98,9 @@ class ModelConfig:
 class AttentionConfig:
     """The two orthogonal choices of a layer's attention and their options."""
 
-    coupling: str = "none"  # none | euler | hamiltonian | mlp_only | invertible
-    scoring: str = "standard"  # standard | differential
-    steps: int = 1  # integrator steps, 1..7
+    coupling: str = "none"  # a registered coupling (COUPLINGS): none, hamiltonian, ...
+    scoring: str = "standard"  # a registered scoring (SCORINGS): standard, differential
+    steps: int = 1  # integrator steps, in INTEGRATOR_STEPS (1..7)
     coupling_hidden: int | None = None  # hidden width of f; None: head_dim
     dt_init: float = 0.1
     position: str = "pre_rope"  # pre_rope | post_rope
@@ -118,10 +118,7 @@ class AttentionConfig:
     @property
     def variant(self) -> str:
         """The preset name of this (coupling, scoring) pair, or ``coupling+scoring``."""
-        for name, pair in VARIANTS.items():
-            if pair == (self.coupling, self.scoring):
-                return name
-        return f"{self.coupling}+{self.scoring}"
+        return variant_name(self.coupling, self.scoring)
 
 
 @dataclass
@@ -437,11 +434,10 @@ def validate(config: RunConfig, world_size: int | None = None) -> RunConfig:
     def choice(value: str, options: tuple[str, ...], dotted: str) -> None:
         check(value in options, f"{dotted}={value!r} is unknown; choose one of {list(options)}")
 
-    choice(a.coupling, COUPLINGS, "attention.coupling")
-    choice(a.scoring, SCORINGS, "attention.scoring")
-    choice(a.position, ("pre_rope", "post_rope"), "attention.position")
-    choice(a.coupling_impl, ("eager", "compiled"), "attention.coupling_impl")
-    choice(a.differential_kernel, ("auto", "paired", "split"), "attention.differential_kernel")
+    errors.extend(unknown_names(config))  # the registry's one message for each
+    choice(a.position, COUPLING_POSITIONS, "attention.position")
+    choice(a.coupling_impl, COUPLING_IMPLS, "attention.coupling_impl")
+    choice(a.differential_kernel, DIFFERENTIAL_KERNEL_SETTINGS, "attention.differential_kernel")
     choice(m.normalization, ("RMSNorm", "LayerNorm"), "model.normalization")
     choice(t.precision, ("fp32", "bf16", "fp64"), "train.precision")
     choice(config.backend, ("local", "transformer_engine"), "backend")
@@ -570,19 +566,7 @@ def validate(config: RunConfig, world_size: int | None = None) -> RunConfig:
             f"model.seq_length={m.seq_length} is not divisible by parallel.tensor_parallel={tp}, "
             "which sequence parallelism needs; change one of them",
         )
-    if a.scoring == "differential" and heads % tp == 0 and kv_heads % tp == 0:
-        check(
-            (heads // tp) % 2 == 0,
-            f"attention.scoring=differential pairs heads, but each tensor-parallel rank holds "
-            f"{heads // tp} query heads (model.num_attention_heads={heads} / "
-            f"parallel.tensor_parallel={tp}), an odd number; use an even count per rank",
-        )
-        check(
-            (kv_heads // tp) % 2 == 0,
-            f"attention.scoring=differential pairs key/value heads, but each tensor-parallel "
-            f"rank holds {kv_heads // tp} (model.num_query_groups={kv_heads} / "
-            f"parallel.tensor_parallel={tp}), an odd number; use an even count per rank",
-        )
+    errors.extend(check_config(config))  # the chosen coupling's and scoring's own rules
     layers_per_chunk = pp * (p.virtual_pipeline or 1)
     check(
         m.num_layers % layers_per_chunk == 0,
@@ -614,21 +598,14 @@ def validate(config: RunConfig, world_size: int | None = None) -> RunConfig:
             "sequence-parallel gradients to Megatron's finalize_model_grads, which only "
             "train.engine=megatron runs; use train.engine=megatron, or backend=local",
         )
+    low, high = INTEGRATOR_STEPS
     check(
-        1 <= a.steps <= 7,
-        f"attention.steps={a.steps} is out of range; the integrators take 1 to 7 steps",
+        low <= a.steps <= high,
+        f"attention.steps={a.steps} is out of range; the integrators take {low} to {high} steps",
     )
     check(a.dt_init > 0, f"attention.dt_init={a.dt_init} must be positive")
     hidden = a.coupling_hidden if a.coupling_hidden is not None else m.head_dim
-    check(
-        hidden >= (2 if a.coupling == "mlp_only" else 1),
-        f"attention.coupling_hidden={hidden} is too small"
-        + (
-            " (mlp_only splits it between f_q and f_k: at least 2)"
-            if a.coupling == "mlp_only"
-            else ""
-        ),
-    )
+    check(hidden >= 1, f"attention.coupling_hidden={hidden} is too small")
     check(a.invertible_layers >= 1, "attention.invertible_layers must be at least 1")
     check(a.invertible_scale_bound > 0, "attention.invertible_scale_bound must be positive")
 

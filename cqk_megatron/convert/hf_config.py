@@ -17,7 +17,9 @@ import torch
 
 from cqk_megatron.config import COUPLINGS, SCORINGS, RunConfig
 from cqk_megatron.convert.errors import ConversionError
+from cqk_megatron.convert.remote_source import export_fields, variant_source
 from cqk_megatron.specs import coupling_spec
+from cqk_megatron.variants import COUPLING_POSITIONS, UnknownVariantError, coupling, scoring
 
 LLAMA = "llama"
 CQK = "cqk"
@@ -25,9 +27,10 @@ CQK_AUTO_MAP = {
     "AutoConfig": "configuration_cqk.CQKConfig",
     "AutoModelForCausalLM": "modeling_cqk.CQKForCausalLM",
 }
-# What the exported modeling code implements; anything else is refused at export time.
-EXPORTABLE_COUPLINGS = ("none", "euler", "hamiltonian", "mlp_only", "invertible")
-EXPORTABLE_SCORINGS = ("standard", "differential")
+# What exports: every registered coupling and scoring (the registry's live views), whose
+# classes the folder ships (``remote_source``); anything else is refused at export time.
+EXPORTABLE_COUPLINGS = COUPLINGS
+EXPORTABLE_SCORINGS = SCORINGS
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -43,17 +46,22 @@ def is_llama_compatible(config: RunConfig) -> bool:
 
 
 def check_exportable(config: RunConfig) -> None:
-    """Refuse a variant that the exporter (and its modeling code) does not know."""
+    """Refuse a variant that the exporter (and its modeling code) does not know, or whose
+    classes it cannot ship."""
     a, m = config.attention, config.model
+    try:
+        coupling(a.coupling), scoring(a.scoring)
+    except UnknownVariantError as error:  # the registry's one message for the name
+        raise ConversionError(str(error)) from None
     if a.coupling not in EXPORTABLE_COUPLINGS or a.scoring not in EXPORTABLE_SCORINGS:
         raise ConversionError(
             f"variant {a.variant!r} (attention.coupling={a.coupling!r}, "
             f"attention.scoring={a.scoring!r}) is unknown to the Hugging Face exporter; it "
             f"exports couplings {list(EXPORTABLE_COUPLINGS)} and scorings "
-            f"{list(EXPORTABLE_SCORINGS)} (add the new kind to cqk_megatron/convert/hf_config.py "
-            "and hf_remote/modeling_cqk.py)"
+            f"{list(EXPORTABLE_SCORINGS)}"
         )
-    if a.position not in ("pre_rope", "post_rope"):
+    variant_source(config)  # refuses a class whose source cannot travel
+    if a.position not in COUPLING_POSITIONS:
         raise ConversionError(f"attention.position={a.position!r} is unknown to the exporter")
     if m.normalization not in ("RMSNorm", "LayerNorm"):
         raise ConversionError(f"model.normalization={m.normalization!r} is unknown to the exporter")
@@ -101,6 +109,7 @@ def hf_config_dict(
         "coupling_options": {} if spec is None else dict(spec.params),
         "coupling_position": config.attention.position,
         "scoring": config.attention.scoring,
+        **export_fields(config),
     }
 
 
@@ -204,26 +213,25 @@ def check_config_agrees(config: RunConfig, hf: dict[str, Any], source: str) -> N
 
 def run_config_from_cqk(hf: dict[str, Any], source: str) -> RunConfig:
     """A ``RunConfig`` for our custom ``config.json`` when ``cqk_run_config.yaml`` is gone."""
-    coupling, scoring = hf.get("coupling", "none"), hf.get("scoring", "standard")
-    if coupling not in COUPLINGS or scoring not in SCORINGS:
-        raise ConversionError(
-            f"{source}: coupling={coupling!r} / scoring={scoring!r} unknown; known couplings "
-            f"{list(COUPLINGS)}, scorings {list(SCORINGS)}"
-        )
+    coupling_name, scoring_name = hf.get("coupling", "none"), hf.get("scoring", "standard")
+    try:
+        variant = coupling(coupling_name)
+        scoring(scoring_name)
+    except UnknownVariantError as error:
+        raise ConversionError(f"{source}: {error}") from None
     llama_like = {**hf, "rms_norm_eps": hf.get("norm_eps", 1e-5)}
     llama_like["rope_parameters"] = {"rope_type": "default", "rope_theta": hf.get("rotary_base")}
     config = run_config_from_llama(llama_like, source)
     config.model.normalization = hf.get("normalization", "RMSNorm")
     config.model.swiglu = hf.get("mlp_activation", "swiglu") == "swiglu"
     a = config.attention
-    a.coupling, a.scoring = coupling, scoring
+    a.coupling, a.scoring = coupling_name, scoring_name
     a.position = hf.get("coupling_position", "pre_rope")
     options = dict(hf.get("coupling_options") or {})
-    a.coupling_hidden = options.pop("hidden", None)
-    renames = {"layers": "invertible_layers", "scale_bound": "invertible_scale_bound"}
-    for key, value in options.items():
-        field = renames.get(key, key)
-        if not hasattr(a, field):
-            raise ConversionError(f"{source}: coupling option {key!r} is unknown to cqk-megatron")
+    try:  # the coupling's constructor keywords, back to the AttentionConfig fields they are
+        fields = variant.attention_fields(options, f"{source}: coupling_options")
+    except ValueError as error:
+        raise ConversionError(str(error)) from None
+    for field, value in fields.items():
         setattr(a, field, value)
     return config

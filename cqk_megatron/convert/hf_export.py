@@ -8,8 +8,9 @@ checkpoints, gathers the full state dict with ``read_full_state_dict`` and hands
 The folder holds ``config.json``, ``generation_config.json``, the weights as
 safetensors (sharded above ``max_shard_size``), the tokenizer, ``README.md`` and
 ``cqk_run_config.yaml`` (the full ``RunConfig``, which the importer reads back); a
-non-Llama variant adds ``configuration_cqk.py``, ``modeling_cqk.py`` and a verbatim copy
-of ``cqk_megatron/coupling.py``.
+non-Llama variant adds ``configuration_cqk.py``, ``modeling_cqk.py``, a verbatim copy
+of ``cqk_megatron/coupling.py`` and ``cqk_variant.py``, the variant's classes
+(``remote_source``).
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ from cqk_megatron.convert.layout import (
 )
 from cqk_megatron.convert.model_card import model_card
 from cqk_megatron.convert.output_dir import check_target, staged_folder
+from cqk_megatron.convert.remote_source import MATH_FILE, VARIANT_FILE, variant_source
 from cqk_megatron.convert.safetensors_io import DEFAULT_MAX_SHARD, parse_size, save_weights
 from cqk_megatron.convert.tokenizer import check_tokenizer, save_tokenizer, special_token_ids
 
 RUN_CONFIG_FILE = "cqk_run_config.yaml"
-COUPLING_FILE = "coupling.py"
+COUPLING_FILE = MATH_FILE
 CHECKPOINT_CONFIG = "config.yaml"
 MANIFEST_FILE = "manifest.json"  # written last by the training engine: the checkpoint is whole
 LATEST_FILE = "latest"  # in checkpoints/: the name of the newest complete iteration
@@ -91,7 +93,7 @@ def export_state_dict(
         _write_json(staging / "generation_config.json", _generation_config(special_ids))
         save_weights(hf_tensors, staging, max_shard_size)
         if not is_llama_compatible(config):
-            _copy_remote_code(staging)
+            _copy_remote_code(staging, config)
         if tokenizer_path is not None:
             save_tokenizer(tokenizer_path, staging)
         save_config(config, staging / RUN_CONFIG_FILE)
@@ -148,11 +150,12 @@ def _generation_config(special_ids: dict[str, int | None]) -> dict:
     return config
 
 
-def _copy_remote_code(folder: Path) -> None:
+def _copy_remote_code(folder: Path, config: RunConfig) -> None:
     for name in REMOTE_CODE_FILES:
         shutil.copyfile(REMOTE_CODE_DIR / name, folder / name)
     # verbatim: the exported model and the Megatron layers share this one file
     shutil.copyfile(Path(coupling_module.__file__), folder / COUPLING_FILE)
+    (folder / VARIANT_FILE).write_text(variant_source(config))
 
 
 def _write_json(path: Path, data: dict) -> None:

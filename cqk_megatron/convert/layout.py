@@ -20,8 +20,8 @@ import torch
 
 from cqk_megatron.config import RunConfig
 from cqk_megatron.convert.errors import ConversionError
-from cqk_megatron.coupling import DifferentialScoring, build_coupling
 from cqk_megatron.specs import coupling_spec
+from cqk_megatron.variants import scoring as registered_scoring
 
 MEGATRON_LAYER = "decoder.layers.{}."
 HF_LAYER = "model.layers.{}."
@@ -276,13 +276,14 @@ def _attention_extras(config: RunConfig) -> dict[str, tuple[int, ...]]:
     extras: dict[str, tuple[int, ...]] = {}
     spec = coupling_spec(config.attention, head_dim)
     if spec is not None:
-        coupling = build_coupling(config.attention.coupling, head_dim, **spec.params)
-        for name, param in coupling.named_parameters():
+        for name, param in spec.module(head_dim=head_dim, **spec.params).named_parameters():
             extras[f"self_attention.coupling.{name}"] = tuple(param.shape)
-    if config.attention.scoring == "differential":
-        scoring = DifferentialScoring(head_dim, layer_index=0)
-        for name, param in scoring.named_parameters():
-            extras[f"self_attention.core_attention.differential.{name}"] = tuple(param.shape)
+    scoring = registered_scoring(config.attention.scoring)
+    math = scoring.math_class()
+    if math is not None:  # the core attention holds it as its ``math_attribute``
+        prefix = f"self_attention.core_attention.{scoring.math_attribute}."
+        for name, param in math(head_dim, layer_index=0).named_parameters():
+            extras[prefix + name] = tuple(param.shape)
     return extras
 
 

@@ -1,16 +1,16 @@
 """Configuration of the CQK causal language model (exported from cqk-megatron).
 
 A Llama-shaped decoder (pre-norm, RoPE, no biases) whose attention may couple each
-token's (q, k) before scoring (``coupling``: none, euler, hamiltonian, mlp_only,
-invertible) and may score differentially (``scoring``: standard, differential). The math
-of both lives in ``coupling.py`` beside this file, copied verbatim from cqk-megatron.
+token's (q, k) before scoring (``coupling``: a cqk-megatron coupling's name, e.g.
+hamiltonian; its module class ``coupling_class``, built with ``coupling_options``) and may
+score with a rule of its own (``scoring``, e.g. differential; its class ``scoring_class``,
+built with ``scoring_options``). The classes are those that ``cqk_variant.py`` beside this
+file names, from ``coupling.py``, copied verbatim from cqk-megatron, or shipped in it.
 Imports only transformers.
 """
 
 from transformers import PretrainedConfig
 
-COUPLINGS = ("none", "euler", "hamiltonian", "mlp_only", "invertible")
-SCORINGS = ("standard", "differential")
 COUPLING_POSITIONS = ("pre_rope", "post_rope")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 MLP_ACTIVATIONS = ("swiglu", "gelu")
@@ -39,6 +39,10 @@ class CQKConfig(PretrainedConfig):
         coupling_options: dict | None = None,
         coupling_position: str = "pre_rope",
         scoring: str = "standard",
+        coupling_class: str | None = None,
+        coupling_source: str | None = None,
+        scoring_class: str | None = None,
+        scoring_options: dict | None = None,
         tie_word_embeddings: bool = False,
         use_cache: bool = True,
         **kwargs,
@@ -60,6 +64,10 @@ class CQKConfig(PretrainedConfig):
         self.coupling_options = dict(coupling_options or {})
         self.coupling_position = coupling_position
         self.scoring = scoring
+        self.coupling_class = coupling_class
+        self.coupling_source = coupling_source
+        self.scoring_class = scoring_class
+        self.scoring_options = dict(scoring_options or {})
         self.tie_word_embeddings = tie_word_embeddings
         self.use_cache = use_cache
         self._check()
@@ -67,9 +75,7 @@ class CQKConfig(PretrainedConfig):
 
     def _check(self) -> None:
         choices = {
-            "coupling": (self.coupling, COUPLINGS),
             "coupling_position": (self.coupling_position, COUPLING_POSITIONS),
-            "scoring": (self.scoring, SCORINGS),
             "normalization": (self.normalization, NORMALIZATIONS),
             "mlp_activation": (self.mlp_activation, MLP_ACTIVATIONS),
         }

@@ -2,9 +2,11 @@
 
 Exported from cqk-megatron: numerically the Megatron ``GPTModel`` it came from (pre-norm
 decoder, RoPE with Megatron's non-interleaved ``rotate_half`` convention, no biases).
-Coupling and differential scoring come from ``coupling.py`` beside this file, a verbatim
-copy of cqk-megatron's, so both frameworks run the same math. Imports only torch,
-transformers and the two files beside it.
+The coupling and scoring classes are those ``cqk_variant.py`` beside this file names
+(``config.coupling_class``, ``config.scoring_class``): from ``coupling.py``, a verbatim
+copy of cqk-megatron's, or shipped in ``cqk_variant.py`` for a variant registered outside
+it, so both frameworks run the same math. Imports only torch, transformers and the files
+beside it.
 
 Generation uses a ``DynamicCache``: a coupling acts per token and per head, so a token's
 coupled (and rotated) key never changes once computed, and the cache holds coupled keys.
@@ -22,7 +24,8 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_cqk import CQKConfig
-from .coupling import DifferentialScoring, RMSNorm, build_coupling
+from .coupling import RMSNorm
+from .cqk_variant import VARIANT_CLASSES
 
 try:  # transformers >= 5: initialisers that skip weights already loaded from the checkpoint
     from transformers import initialization as init
@@ -33,6 +36,18 @@ except ImportError:  # pragma: no cover - older transformers initialise before l
 _CACHE_FIELD = (
     "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 )
+
+
+def _variant_class(name: str) -> type:
+    """A class that ``cqk_variant.py`` names (``config.coupling_class``/``scoring_class``)."""
+    if name not in VARIANT_CLASSES:
+        raise ImportError(
+            f"config.json names class {name!r}, which cqk_variant.py does not define (it "
+            f"defines {sorted(VARIANT_CLASSES)}); was another exported folder of the same "
+            "name loaded earlier in this process? transformers keeps the first one's "
+            "cqk_variant.py: load this folder in a new process or under another name"
+        )
+    return VARIANT_CLASSES[name]
 
 
 def _norm(config: CQKConfig) -> nn.Module:
@@ -75,14 +90,19 @@ class CQKAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=False)
-        self.coupling = build_coupling(config.coupling, head_dim=d, **config.coupling_options)
+        self.coupling = None
+        if config.coupling_class is not None:
+            coupling = _variant_class(config.coupling_class)
+            self.coupling = coupling(head_dim=d, **config.coupling_options)
+        # A scoring's rule (differential: DifferentialScoring), called as rule(q, k, v,
+        # attend). Its layer index is 0-based, as in the Megatron layer; its options are the
+        # exporter's (differential: the paired form, each attention map once, two SDPA calls
+        # with values 2 head_dim wide: SDPA's math path on CPU, a fused kernel on GPU).
         self.differential = None
-        if config.scoring == "differential":
-            # lambda_init follows the 0-based layer index, as in the Megatron layer. Paired:
-            # each attention map once, two SDPA calls with values 2 head_dim wide (SDPA's
-            # math path on CPU; its memory-efficient or cuDNN kernel on GPU)
-            self.differential = DifferentialScoring(
-                d, layer_index=layer_idx, eps=config.norm_eps, kernel="paired"
+        if config.scoring_class is not None:
+            rule = _variant_class(config.scoring_class)
+            self.differential = rule(
+                d, layer_index=layer_idx, eps=config.norm_eps, **config.scoring_options
             )
         for module in (self.coupling, self.differential):
             if module is not None:  # these initialise themselves (identity maps, dt, lambda)
