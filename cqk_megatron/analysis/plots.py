@@ -154,7 +154,7 @@ def chinchilla_fits(points: pd.DataFrame, fits: dict, path: Path, n_column: str)
     return save(fig, path)
 
 
-def multiplier_vs_size(multipliers: dict, path: Path, tokens_per_param: float) -> Path:
+def multiplier_vs_size(multipliers: dict, path: Path, budget: str) -> Path:
     """Data-efficiency multiplier over standard attention vs size, with bootstrap bars."""
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for offset, (variant, frame) in enumerate(multipliers.items()):
@@ -176,7 +176,7 @@ def multiplier_vs_size(multipliers: dict, path: Path, tokens_per_param: float) -
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("model size N (parameters)")
     ax.set_ylabel("tokens standard needs / tokens variant needs (×)")
-    ax.set_title(f"Data-efficiency multiplier over standard attention (D = {tokens_per_param:g}·N)")
+    ax.set_title(f"Data-efficiency multiplier over standard attention\nat {budget}")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
