@@ -588,3 +588,20 @@ def test_multiplier_at_measured_budgets_and_compute_budgets_follow_the_runs(tmp_
     paragraph = interpretation(measured)
     assert "3 model size(s)" in paragraph and "1 seed(s)" in paragraph
     assert "not as a measurement of coupled attention" in paragraph  # all below 10M
+
+
+def test_steps_logged_again_after_a_resume_count_once(tmp_path):
+    folder, _, _ = write_run(tmp_path, "standard", "s", steps=80, finished=False)
+    metrics = folder / "metrics.jsonl"
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    # resumed from a step-40 checkpoint: steps 50-80 logged again, with the resumed losses
+    again = [
+        dict(line, loss=1.0) if line["kind"] == "train" else dict(line, val_loss=1.0)
+        for line in lines
+        if line["step"] > 40
+    ]
+    metrics.write_text("".join(json.dumps(line) + "\n" for line in lines + again))
+    table = ingest([tmp_path]).table
+    assert not table.duplicated(["split", "step"]).any()
+    later = table[table["step"] > 40]
+    assert (later["loss"] == 1.0).all() and len(later) == len(again)

@@ -256,9 +256,12 @@ def record_rows(record: RunRecord) -> tuple[list[dict], list[str]]:
         "source": record.path,
     }
     rows, dropped = [], 0
+    # A run resumed from a checkpoint logs the steps after it again: the later line of a
+    # (kind, step) is the one the finished run stands on; keep it alone.
+    latest = {(line.get("kind"), line.get("step")): line for line in record.lines}
     for line in record.lines:
         kind = line.get("kind")
-        if kind not in ("train", "valid"):
+        if kind not in ("train", "valid") or latest[(kind, line.get("step"))] is not line:
             continue
         loss = _finite(line["loss"] if kind == "train" else line["val_loss"])
         if math.isnan(loss):

@@ -98,11 +98,18 @@ def loss_curves(table: pd.DataFrame, path: Path) -> Path:
 
 
 def compute_frontier(points: pd.DataFrame, compute_fits: dict, path: Path) -> Path:
-    """Validation loss vs training FLOPs, points and the fitted ``L(C)`` per variant."""
+    """Validation loss vs training FLOPs per variant: the frontier points the ``L(C)`` fit
+    uses (filled), the other evaluations (hollow), and the fitted curve."""
+    from cqk_megatron.analysis.fits import compute_frontier as frontier_mask
+
     fig, ax = plt.subplots(figsize=(7.5, 5))
     for variant, rows in points.groupby("variant"):
         color = variant_color(variant)
-        ax.scatter(rows["flops"], rows["loss"], s=14, color=color, alpha=0.55)
+        on = frontier_mask(rows["flops"], rows["loss"])
+        if on.sum() < 3:  # the fit then takes every point (fits._fit_compute_law)
+            on[:] = True
+        ax.scatter(rows["flops"][on], rows["loss"][on], s=22, color=color, zorder=3)
+        ax.scatter(rows["flops"][~on], rows["loss"][~on], s=16, facecolors="none", edgecolors=color)
         fit = compute_fits.get(variant)
         if fit is not None:
             grid = np.geomspace(rows["flops"].min() / 2, rows["flops"].max() * 4, 100)
@@ -110,10 +117,12 @@ def compute_frontier(points: pd.DataFrame, compute_fits: dict, path: Path) -> Pa
             ax.plot(grid, fit.predict(grid), color=color, lw=1.8, label=label)
         else:
             ax.plot([], [], "o", color=color, label=f"{variant} (no fit)")
+    ax.scatter([], [], s=22, color="gray", label="on the frontier (fitted)")
+    ax.scatter([], [], s=16, facecolors="none", edgecolors="gray", label="other evaluations")
     _log_flops_axis(ax)
     ax.set_xlabel("training compute C (FLOPs)")
     ax.set_ylabel(LOSS_LABEL)
-    ax.set_title("Loss vs compute: points and fitted frontier L(C) = E + A·C^-a")
+    ax.set_title("Loss vs compute: the frontier and its fit L(C) = E + A·C^-a")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -124,13 +133,13 @@ def chinchilla_fits(points: pd.DataFrame, fits: dict, path: Path, n_column: str)
     """One panel per variant: points by size and the fitted L(N, D) curve of each size."""
     variants = [v for v in points["variant"].unique()]
     fig, axes = _grid(len(variants))
-    cmap = plt.get_cmap("viridis")
+    cmap = plt.get_cmap("viridis")  # used up to 0.8: its yellow end vanishes on white
     for ax, variant in zip(axes, variants, strict=True):
         rows = points[points["variant"] == variant]
         sizes = sorted(rows[n_column].unique())
         fit = fits.get(variant)
         for i, n in enumerate(sizes):
-            color = cmap(i / max(len(sizes) - 1, 1))
+            color = cmap(0.8 * i / max(len(sizes) - 1, 1))
             here = rows[rows[n_column] == n]
             ax.scatter(
                 here["tokens"], here["loss"], s=14, color=color, label=f"N={humanize_count(n)}"
