@@ -358,6 +358,7 @@ def interpretation(analysis: Analysis) -> str:
         f"training tokens per run ({per_param.min():.2g} to {per_param.max():.2g} tokens per "
         "parameter; Chinchilla-optimal is about 20)."
     ]
+    runs_per_fit = int(runs.groupby("variant")["run"].nunique().min())
     for variant, boot in analysis.fits.items():
         low, high = boot.interval("alpha", o.level)
         if math.isnan(low):
@@ -373,22 +374,39 @@ def interpretation(analysis: Analysis) -> str:
             )
         )
         break  # one variant says it; the table has the others
+    if runs_per_fit < 6:
+        # distinct multisets of n runs drawn with replacement from n: C(2n - 1, n)
+        distinct = math.comb(2 * runs_per_fit - 1, runs_per_fit)
+        parts.append(
+            f"With {runs_per_fit} runs per fit the bootstrap can only redraw those runs "
+            f"({distinct} distinct resamples), so its intervals are coarse, not calibrated."
+        )
+    few = seeds == 1 or runs_per_fit < 6
     for variant, frame in analysis.multipliers.items():
         measured = frame[~frame["extrapolated"]]
         if measured[["low", "high"]].isna().any().any():
             parts.append(f"The {variant} multiplier has no bootstrap interval.")
             continue
-        covers_one = ((measured["low"] <= 1) & (measured["high"] >= 1)).all()
-        parts.append(
-            f"The {variant} multiplier's {o.level:.0%} interval "
-            + (
-                f"includes 1 at every measured size, so these runs cannot tell {variant} "
-                f"from {o.baseline} attention in data efficiency"
-                if covers_one
-                else "excludes 1 at some measured size, a difference these runs can see; "
-                "whether it survives more seeds and sizes they cannot say"
+        outside = measured[(measured["low"] > 1) | (measured["high"] < 1)]
+        if outside.empty:
+            parts.append(
+                f"The {variant} multiplier's {o.level:.0%} interval includes 1 at every "
+                f"measured size: these runs cannot tell {variant} from {o.baseline} "
+                "attention in data efficiency."
             )
-            + "."
+            continue
+        where = ", ".join(
+            f"{humanize_count(r['params'])} ({_times(r['low'])} – {_times(r['high'])})"
+            for _, r in outside.iterrows()
+        )
+        parts.append(
+            f"The {variant} multiplier's {o.level:.0%} interval excludes 1 at {where}"
+            + (
+                f"; with {seeds} seed(s) per size and {runs_per_fit} runs per fit that is a "
+                "pattern to check with more seeds, not evidence of a difference."
+                if few
+                else ", a difference these runs can see."
+            )
         )
     if o.points == "all":
         parts.append(
