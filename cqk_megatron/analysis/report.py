@@ -160,7 +160,7 @@ def analyze(ingested: Ingested, options: Options | None = None) -> Analysis:
         if options.baseline in set(finals["variant"]):
             gains = compare.percent_change_table(finals, options.baseline, metric="final_val_ppl")
             # Cost beside quality (the paper's gain came at ~2.4x step time), from a clock
-            # that a shared machine does not distort, or flagged (step_time).
+            # that other work on a shared machine barely moves, or flagged (step_time).
             ratios = step_time_ratios(finished, options.baseline).set_index(["size", "variant"])
             keys = list(zip(gains["size"], gains["variant"], strict=True))
             for column in ("cpu_s_per_step", "ratio", "clock", "steady", "note"):
@@ -325,9 +325,10 @@ def _gains_section(analysis: Analysis) -> list[str]:
     if clocks == {CPU_CLOCK}:
         lines.append(
             f"Step time / {o.baseline}: the ratio of the runs' CPU seconds per step (process "
-            "CPU time, which other work on a shared machine does not add to, unlike wall "
-            "clock), checked on each half of the steps; for speed claims use "
-            "`cqk-bench --clock cpu`, which interleaves the variants."
+            "CPU time counts this process's work only, so other work on a shared machine "
+            "moves it far less than wall clock, though shared caches and cores still do), "
+            "checked on each half of the steps; for speed claims use `cqk-bench --clock "
+            "cpu`, which interleaves the variants."
         )
     notes = sorted({n for n in gains["note"].dropna() if n})
     lines += [f"- {gains.loc[gains['note'] == n, 'variant'].iloc[0]}: {n}" for n in notes]

@@ -1,14 +1,16 @@
-"""Step time of runs, and its ratio against a baseline, from a clock that a shared machine
-does not distort.
+"""Step time of runs, and its ratio against a baseline, from a clock that other work on a
+shared machine barely moves.
 
 Wall-clock step time (``step_time_s``, ``tokens_per_s`` in the train records) measures the
 machine as much as the model: on a machine shared with other work it moves by tens of
 per cent from one run to the next. The process CPU time of the training process
 (``process_cpu_s``, cumulative, in every train record since it was added) counts only the
-work this process did, which is what a variant changes. A run's CPU seconds per step is
-the median over its consecutive train records of (CPU time between them) / (steps between
-them): the records around an evaluation or a checkpoint, and the first after a resume (a
-new process restarts the count), fall out of the median.
+work this process did, which is what a variant changes; contention still reaches it
+through shared caches and cores (two demo ladders on a heavily loaded 2-core machine gave
+the same ratios to within about 5 points), far less than it reaches wall clock. A run's
+CPU seconds per step is the median over its consecutive train records of (CPU time
+between them) / (steps between them): the records around an evaluation or a checkpoint,
+and the first after a resume (a new process restarts the count), fall out of the median.
 
 A ratio is reported with the clock it came from. From process CPU time it is also checked
 for steadiness: the ratio over the first half of the runs' steps and over the second half

@@ -254,8 +254,9 @@ def variants_markdown(table: pd.DataFrame) -> str:
     )
     clock = (
         "Step time vs standard is the ratio of CPU seconds per step (the training process's "
-        "CPU time, which other work on a shared machine does not add to), seed by seed; "
-        "'unsteady' when its two halves disagree by more than 5%."
+        "CPU time: other work on a shared machine moves it far less than wall clock, "
+        "though shared caches and cores still do), seed by seed; 'unsteady' when its two "
+        "halves disagree by more than 5%."
         if (table["step_time_clock"] == CPU_CLOCK).all()
         else "Step time vs standard is marked 'wall clock, unreliable' where the runs' records "
         "hold no process CPU time: on a shared machine wall clock measures the machine's "
