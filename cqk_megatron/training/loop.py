@@ -190,6 +190,7 @@ def train(config: RunConfig, resume: str = "auto", datasets=None) -> int:
                         "grad_norm": result.grad_norm,
                         "tokens_per_s": tokens_per_s,
                         "step_time_s": step_time,
+                        "process_cpu_s": time.process_time(),  # cumulative, this rank
                         "tflops": tokens_per_s * train_flops_per_token / world / 1e12,
                         "mfu": mfu(tokens_per_s, config, peak, num_gpus=world),
                         "mem_gb": peak_memory_gb(),

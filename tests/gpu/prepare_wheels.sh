@@ -5,7 +5,7 @@
 # git through .git/info/exclude). docs/gpu.md has the one command that installs them there
 # and runs tests/gpu/accept.py.
 #
-#   bash tests/gpu/prepare_wheels.sh            # PYTHON=.venv/bin/python by default
+#   bash tests/gpu/prepare_wheels.sh            # PYTHON: VENV's python by default
 #
 # What goes in, and why each:
 # - megatron-core 0.16.1: its cp312 manylinux wheel (it ships a compiled dataset helper);
@@ -20,8 +20,9 @@
 # The image already has numpy, ninja, psutil, py-cpuinfo, msgpack, einops, tqdm, pyyaml,
 # sentencepiece, safetensors, tokenizers and transformers (README.md beside the device tool).
 set -euo pipefail
-cd "$(dirname "$0")/../.."
-PYTHON=${PYTHON:-.venv/bin/python}
+source "$(dirname "$0")/../../scripts/venv.sh"  # VENV: which environment (default .venv)
+cd "$REPO"
+PYTHON=${PYTHON:-$PY}
 WHEELS=.whl
 exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")"
