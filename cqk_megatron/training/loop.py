@@ -15,11 +15,14 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from cqk_megatron.config import RunConfig, save_config, validate
+from cqk_megatron import checkpoint_files, run_lease
+from cqk_megatron.config import RunConfig, validate
+from cqk_megatron.data.checks import run_samples
 from cqk_megatron.distributed import init_model_parallel, init_process_group
 from cqk_megatron.model import build_rank_model
 from cqk_megatron.perf.flops import flops_per_token, mfu, peak_flops
 from cqk_megatron.perf.plan import check_fits, gpu_memory_bytes
+from cqk_megatron.run_folder import run_dir_of, write_config
 from cqk_megatron.training import checkpoint
 from cqk_megatron.training.engine import DeepSpeedEngine
 from cqk_megatron.training.lr_schedule import learning_rate
@@ -55,10 +58,6 @@ def make_engine(model: torch.nn.Module, config: RunConfig):
 
         return MegatronEngine(model, config)
     return DeepSpeedEngine(model, config)
-
-
-def run_dir_of(config: RunConfig) -> Path:
-    return Path(config.log.root) / config.name
 
 
 def count_model_parameters(model: torch.nn.Module) -> tuple[int, int]:
@@ -101,64 +100,119 @@ def evaluate(engine, valid_dataset, config: RunConfig, dp_rank: int, dp: int) ->
 
 
 def train(config: RunConfig, resume: str = "auto", datasets=None) -> int:
-    """Train ``config``; returns 0 when finished, ``EXIT_REQUEUE`` when stopped early."""
+    """Train ``config``; returns 0 when finished, ``EXIT_REQUEUE`` when stopped early.
+
+    ``resume``: see ``checkpoint_files.RESUME_HELP``. Rank 0 holds the run's lease
+    (``run_lease``) from before anything is written until the end: a second job on the
+    same run folder raises ``LeaseHeld`` on every rank, naming the holder.
+    """
     init_process_group()
     world = dist.get_world_size()
     validate(config, world)
     init_model_parallel(config)
     rank = dist.get_rank()
     run_dir = run_dir_of(config)
-    checkpoints = run_dir / "checkpoints"
+    lease = _take_lease(run_dir, rank)
+    try:
+        return _train(config, resume, datasets, run_dir, lease)
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+def _from_rank0(value):
+    """Collective: rank 0's ``value`` on every rank."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _take_lease(run_dir: Path, rank: int) -> run_lease.Lease | None:
+    lease, refusal = None, None
     if rank == 0:
-        checkpoints.mkdir(parents=True, exist_ok=True)
-        save_config(config, run_dir / "config.yaml")
-    dist.barrier()
+        try:
+            lease = run_lease.acquire(run_dir)
+        except run_lease.LeaseHeld as error:
+            refusal = str(error)
+    refusal = _from_rank0(refusal)
+    if refusal is not None:
+        raise run_lease.LeaseHeld(refusal)
+    return lease
+
+
+RESUME_SHAPE_FIX = (
+    "this run's checkpoints were saved with those values: set them back to resume it, or "
+    "start a new run (another name=..., or --resume none to start this one over)"
+)
+
+
+def _choose_start(
+    checkpoints: Path, resume: str, config: RunConfig, rank: int
+) -> checkpoint_files.ResumeChoice:
+    """Collective: rank 0 verifies the checkpoints once and decides where the run starts."""
+    choice, refusal = None, None
+    if rank == 0:
+        try:
+            choice = checkpoint_files.choose_resume(
+                checkpoints, resume, config.train.checkpoint_hashes
+            )
+            if choice.folder is not None:
+                checkpoint_files.check_same_shape(choice.folder, config, RESUME_SHAPE_FIX)
+        except checkpoint_files.CheckpointError as error:
+            refusal = str(error)
+    choice, refusal = _from_rank0((choice, refusal))
+    if refusal is not None:
+        raise checkpoint_files.CheckpointError(refusal)
+    return choice
+
+
+def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease) -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checkpoints = run_dir / "checkpoints"
+    choice = _choose_start(checkpoints, resume, config, rank)
+    folder = choice.folder
 
     gpu_memory = gpu_memory_bytes()
     if gpu_memory:  # refuse, with the numbers, a layout that cannot fit before building it
         check_fits(config, world, gpu_memory).require()
     seed_everything(config.seed)
     model = build_rank_model(config)
-    state, folder = checkpoint.TrainerState(), None
-    if resume == "auto":
-        folder, refused = checkpoint.find_resumable(checkpoints)
-        if rank == 0:
-            for reason in refused:
-                print(f"skipping checkpoint: {reason}", file=sys.stderr)
-    elif resume != "none":
-        folder = Path(resume)
-        checkpoint.verify(folder)
-    exact = folder is not None and checkpoint.same_layout(folder, config)
+    state = checkpoint.TrainerState()
+    exact = (
+        folder is not None and not choice.weights_only and checkpoint.same_layout(folder, config)
+    )
     # Weights that do not come through the engine are loaded before it exists: ZeRO
     # copies them into its fp32 master weights when it is built.
     if folder is not None and not exact:
-        checkpoint.load_model_weights(folder, model)
+        checkpoint.load_model_weights(folder, model, config, RESUME_SHAPE_FIX)
         state, _ = checkpoint.load_trainer_state(folder)
     elif folder is None and config.train.init_from:
-        checkpoint.load_model_weights(Path(config.train.init_from), model)
+        init_from = Path(config.train.init_from)
+        fix = (
+            f"train.init_from={init_from} was saved with those values: use them, or point "
+            "train.init_from at a checkpoint of this model's shape"
+        )
+        checkpoint.load_model_weights(init_from, model, config, fix)
     params_total, params_non_embedding = count_model_parameters(model)
     engine = make_engine(model, config)
     if exact:
         state = checkpoint.load_exact(folder, engine)
-    if folder is not None and rank == 0:
-        how = "exactly" if exact else "weights only: the parallel layout changed, fresh optimizer"
-        print(f"resumed from {folder} at step {state.step} ({how})", flush=True)
 
     t = config.train
     seq = config.model.seq_length
     if datasets is None:
-        evaluations = t.train_steps // t.eval_interval + 1
-        datasets = default_datasets(
-            config,
-            t.train_steps * t.global_batch_size,
-            evaluations * t.eval_iters * t.global_batch_size,
-        )
+        train_samples, valid_samples, _ = run_samples(config)
+        datasets = default_datasets(config, train_samples, valid_samples)
     train_data, valid_data = datasets
+    # The run really starts here: only now is anything in its folder moved or replaced.
+    if rank == 0:
+        _start_run(run_dir, config, choice, folder, state, exact)
+    dist.barrier()
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     train_flops_per_token = flops_per_token(config, training=True)
     peak = peak_flops()
     logger = MetricsLogger(run_dir, config, enabled=rank == 0)
-    logger.set_start(state.step)
+    logger.set_start(state.step, final=state.step >= t.train_steps)
     protect_checkpoint_writer()  # before any save, and before our handlers are installed
     stop = StopRequest(t.wall_clock_budget_s)
     last_saved = state.step
@@ -203,7 +257,7 @@ def train(config: RunConfig, resume: str = "auto", datasets=None) -> int:
             if state.step % t.eval_interval == 0 and state.step < t.train_steps:
                 log_validation(logger, engine, valid_data, config, state, dp_rank, dp)
             if state.step % t.save_interval == 0:
-                checkpoint.save(checkpoints, engine, model, config, state)
+                checkpoint.save(checkpoints, engine, model, config, state, lease)
                 last_saved = state.step
             stopping = stop.agreed()  # collective: every rank, every step
             if stopping or state.step == t.exit_after_steps:
@@ -211,7 +265,7 @@ def train(config: RunConfig, resume: str = "auto", datasets=None) -> int:
                     "another rank was signalled" if stopping else "train.exit_after_steps"
                 )
                 if last_saved != state.step:
-                    checkpoint.save(checkpoints, engine, model, config, state)
+                    checkpoint.save(checkpoints, engine, model, config, state, lease)
                 if rank == 0:
                     print(
                         f"stopping at step {state.step} ({reason})"
@@ -221,7 +275,7 @@ def train(config: RunConfig, resume: str = "auto", datasets=None) -> int:
                 return EXIT_REQUEUE
         log_validation(logger, engine, valid_data, config, state, dp_rank, dp, final=True)
         if last_saved != state.step:
-            checkpoint.save(checkpoints, engine, model, config, state)
+            checkpoint.save(checkpoints, engine, model, config, state, lease)
         logger.log(
             {
                 "kind": "summary",
@@ -237,6 +291,29 @@ def train(config: RunConfig, resume: str = "auto", datasets=None) -> int:
     finally:
         stop.restore()
         logger.close()
+
+
+def _start_run(run_dir: Path, config: RunConfig, choice, folder, state, exact: bool) -> None:
+    """Rank 0, once the run is certain to start: set superseded files aside, say where it
+    starts, warn of a changed schedule, and record the config it runs with."""
+    for reason in choice.refused:
+        print(f"skipping checkpoint: {reason}", file=sys.stderr)
+    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    moved = checkpoint_files.apply_choice(run_dir, choice)
+    if moved:
+        print(moved, file=sys.stderr, flush=True)
+    if folder is not None:
+        if exact:
+            how = "exactly"
+        elif choice.weights_only:
+            how = "weights and trainer state only, as asked: fresh optimizer"
+        else:
+            how = "weights only: the parallel layout changed, fresh optimizer"
+        print(f"resumed from {folder} at step {state.step} ({how})", flush=True)
+        warning = checkpoint_files.schedule_warning(folder, config, state.step)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
+    write_config(run_dir, config)
 
 
 def first_batch_fingerprint(train_data, global_batch_size: int) -> str:
