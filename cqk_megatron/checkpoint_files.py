@@ -184,8 +184,9 @@ def repoint_latest(checkpoints: Path) -> Path | None:
 
 def retire(checkpoints: Path, keep: int, just_written: Path) -> list[Path]:
     """Delete folders older than the ``keep`` newest that verify (sizes), never
-    ``just_written``; folders that do not verify never count toward ``keep``, and one
-    newer than every verified folder is never deleted. Returns what was deleted."""
+    ``just_written``; folders that do not verify never count toward ``keep`` (while fewer
+    than ``keep`` verify, nothing is deleted), and one newer than the oldest kept folder is
+    never deleted. Returns what was deleted."""
     folders = iterations(checkpoints)
     verified = []
     for folder in folders:
@@ -197,6 +198,8 @@ def retire(checkpoints: Path, keep: int, just_written: Path) -> list[Path]:
             verified.append(folder)
         except CheckpointError:
             continue
+    if len(verified) < keep:
+        return []  # fewer good folders than keep_last: every one stays
     kept = set(verified[-keep:]) | {just_written}
     oldest_kept = min(iteration_step(f) for f in kept)
     deleted = []

@@ -99,12 +99,13 @@ def evaluate(engine, valid_dataset, config: RunConfig, dp_rank: int, dp: int) ->
     return sum(losses) / len(losses)
 
 
-def train(config: RunConfig, resume: str = "auto", datasets=None) -> int:
+def train(config: RunConfig, resume: str = "auto", datasets=None, on_start=None) -> int:
     """Train ``config``; returns 0 when finished, ``EXIT_REQUEUE`` when stopped early.
 
     ``resume``: see ``checkpoint_files.RESUME_HELP``. Rank 0 holds the run's lease
     (``run_lease``) from before anything is written until the end: a second job on the
-    same run folder raises ``LeaseHeld`` on every rank, naming the holder.
+    same run folder raises ``LeaseHeld`` on every rank, naming the holder. ``on_start``
+    is called on rank 0 once the run really starts (its resume choice is applied).
     """
     init_process_group()
     world = dist.get_world_size()
@@ -114,7 +115,7 @@ def train(config: RunConfig, resume: str = "auto", datasets=None) -> int:
     run_dir = run_dir_of(config)
     lease = _take_lease(run_dir, rank)
     try:
-        return _train(config, resume, datasets, run_dir, lease)
+        return _train(config, resume, datasets, run_dir, lease, on_start)
     finally:
         if lease is not None:
             lease.release()
@@ -166,7 +167,7 @@ def _choose_start(
     return choice
 
 
-def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease) -> int:
+def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_start) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     checkpoints = run_dir / "checkpoints"
     choice = _choose_start(checkpoints, resume, config, rank)
@@ -207,6 +208,8 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease) -> in
     # The run really starts here: only now is anything in its folder moved or replaced.
     if rank == 0:
         _start_run(run_dir, config, choice, folder, state, exact)
+        if on_start is not None:
+            on_start()
     dist.barrier()
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     train_flops_per_token = flops_per_token(config, training=True)
