@@ -12,8 +12,10 @@ treats SIGTERM or SIGINT as *cancel*: it forwards SIGTERM to the tasks (they sav
 checkpoint and stop, as under Slurm's ``scancel``), does not restart them for a requeue,
 kills any still alive after ``CANCEL_GRACE_S`` seconds, and leaves a ``<job id>.cancelled``
 file in the submitit folder so the job's rank 0 records "cancelled" rather than
-"requeued". Each task gets SIGTERM from the kernel if the controller itself dies
-(``PR_SET_PDEATHSIG``), so even ``kill -9 <job id>`` does not leave ranks training.
+"requeued". Its own output (and the setup lines') goes to ``local_controller.log`` in the
+submitit folder, not to the launcher's terminal. Each task gets SIGTERM from the kernel
+if the controller itself dies (``PR_SET_PDEATHSIG``), so even ``kill -9 <job id>`` does
+not leave ranks training.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from submitit.local import local as submitit_local
 
 CANCEL_GRACE_S = float(os.environ.get("CQK_CANCEL_GRACE_S", "120"))
 CONTROLLER_MODULE = "launch.local_job"
+CONTROLLER_LOG = "local_controller.log"  # the setup lines' and the controller's own output
 _PR_SET_PDEATHSIG = 1
 
 
@@ -142,7 +145,19 @@ def _start_controller(
     )
     controller = shlex.join([sys.executable, "-m", CONTROLLER_MODULE, str(folder)])
     shell_command = " && ".join([*setup, f"exec {controller}"])
-    return subprocess.Popen(shell_command, shell=True, env=env, start_new_session=True)
+    # Not the launcher's stdout/stderr: a job outlives a --no-wait launcher, and pipes it
+    # held open would keep the launcher's reader (a shell pipe, a test) waiting for it.
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    with open(Path(folder) / CONTROLLER_LOG, "a") as log:
+        return subprocess.Popen(
+            shell_command,
+            shell=True,
+            env=env,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
 
 class LocalExecutor(submitit.LocalExecutor):

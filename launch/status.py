@@ -92,7 +92,7 @@ def _holder_and_problems(run_dir: Path, history: list[dict]) -> list[str]:
         last = problems[-1]
         why = last.get("reason") or last.get("how") or ""
         first_line = why.splitlines()[0] if why else ""
-        out.append(f"last {last['event']:<6}job {last.get('job_id')}: {first_line}")
+        out.append(f"{last['event']:<10} job {last.get('job_id')}: {first_line}")
     return out
 
 
