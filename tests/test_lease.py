@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from cqk_megatron import run_lease
+try:
+    from cqk_megatron import run_lease
+except ImportError:  # the code before the lease: the tests below fail, not the module
+    run_lease = None
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu"}
@@ -141,10 +144,10 @@ def test_a_plain_cqk_train_on_a_held_run_is_refused_before_it_starts(tmp_path):
 
 
 def test_a_single_process_picks_a_free_port_and_a_busy_one_says_how_to_set_another():
-    from cqk_megatron.distributed import PORTS, discover
+    from cqk_megatron.distributed import discover
 
     ports = {discover({}).master_port for _ in range(5)}
-    assert all(port in PORTS for port in ports) and len(ports) > 1
+    assert all(20000 <= port < 32000 for port in ports) and len(ports) > 1
     assert discover({"MASTER_PORT": "23456"}).master_port == 23456
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -18,7 +18,6 @@ import pytest
 
 from cqk_megatron.config import load_config
 from cqk_megatron.data import DataError
-from cqk_megatron.data.checks import check_prefix, check_run_data, split_matrix
 from cqk_megatron.data.metadata import bin_path, idx_path, meta_path
 from data_tools.demo_corpus import DemoSettings, build_demo
 
@@ -104,6 +103,8 @@ def test_an_index_of_another_dataset_with_the_same_size_is_refused(tmp_path, dem
     """Same .bin, same number of documents and tokens, other document boundaries."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
+    from cqk_megatron.data.builder import check_prefix
+
     source = f"{demo.folder}/demo_text_document"
     prefix = tmp_path / "copy"
     shutil.copy(bin_path(source), bin_path(prefix))
@@ -136,6 +137,8 @@ def test_the_split_matrix_is_megatrons():
         parse_and_normalize_split,
     )
 
+    from cqk_megatron.data.checks import split_matrix
+
     for split in ("969,30,1", "99,1", "1", "0,1,0", "8,2,0", "1.5,0.5,1"):
         expected = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
         assert split_matrix(split) == expected, split
@@ -146,9 +149,9 @@ def test_an_existing_run_folder_with_another_shape_is_refused_and_keeps_its_conf
     run_dir = root / "tiny-cpu"
     run_dir.mkdir(parents=True)
     recorded = load_config(REPO / "configs/runs/tiny_cpu.yaml", [f"log.root={root}"])
-    from cqk_megatron.run_folder import write_config
+    from cqk_megatron.config import save_config
 
-    write_config(run_dir, recorded)
+    save_config(recorded, run_dir / "config.yaml")
     before = (run_dir / "config.yaml").read_text()
     out = submit(*RUN, f"log.root={root}", "model.hidden_size=128")
     assert out.returncode == 2, out.stdout + out.stderr
@@ -159,7 +162,7 @@ def test_an_existing_run_folder_with_another_shape_is_refused_and_keeps_its_conf
 
 
 def test_the_launcher_refuses_a_run_whose_checkpoints_all_fail_to_verify(tmp_path):
-    from cqk_megatron.checkpoint_files import write_manifest
+    from cqk_megatron.training.checkpoint import write_manifest
 
     root = tmp_path / "runs"
     checkpoints = root / "tiny-cpu" / "checkpoints"
@@ -177,6 +180,8 @@ def test_the_launcher_refuses_a_run_whose_checkpoints_all_fail_to_verify(tmp_pat
 
 
 def test_the_pre_flight_accepts_good_data(demo):
+    from cqk_megatron.data.checks import check_run_data
+
     check_run_data(load_config(None, _data(demo, "model.seq_length=64")))
 
 

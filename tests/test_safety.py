@@ -23,14 +23,17 @@ import pytest
 from _multiproc import free_port, run_ranks
 from _training import attempts, folder_listing, train_attempts
 
-from cqk_megatron import checkpoint_files
-from cqk_megatron.training.metrics import read_metrics
+from cqk_megatron.training import checkpoint
 
 COMMON = ["train.eval_interval=100", "train.checkpoint_hashes=true"]
 
 
 def _truncate(path: Path, keep: int = 100) -> None:
     path.write_bytes(path.read_bytes()[:keep])
+
+
+def _iterations(checkpoints: Path) -> list[Path]:
+    return sorted(p for p in checkpoints.glob("iter_*") if not p.name.endswith(".tmp"))
 
 
 def _steps(run_dir: Path, kind: str = "train") -> list[int]:
@@ -68,7 +71,7 @@ def runs(tmp_path_factory) -> Path:
         ],
     )
     # Every optimizer file truncated, the weights intact: the issue's case.
-    for folder in checkpoint_files.iterations(root / "corrupt" / "checkpoints"):
+    for folder in _iterations(root / "corrupt" / "checkpoints"):
         for optimizer in folder.glob("engine/**/*optim_states.pt"):
             _truncate(optimizer)
     # Corrupt folders with higher step numbers than the saves to come.
@@ -131,7 +134,7 @@ def test_all_checkpoints_corrupt_stops_the_run_and_deletes_nothing(runs):
     )
     assert _steps(runs / "corrupt") == list(range(1, 9))
     # the damaged folders stay: fewer than keep_last=3 folders verify yet
-    names = sorted(p.name for p in checkpoint_files.iterations(runs / "corrupt" / "checkpoints"))
+    names = [p.name for p in _iterations(runs / "corrupt" / "checkpoints")]
     assert names == [f"iter_{s:07d}" for s in (2, 4, 6, 8)]
     assert (runs / "corrupt" / "checkpoints" / "latest").read_text().strip() == "iter_0000008"
 
@@ -143,10 +146,10 @@ def test_corrupt_newer_folders_never_cost_the_fresh_saves(runs):
     assert "skipping checkpoint" in resumed["stderr"] and "truncated" in resumed["stderr"]
     latest = (checkpoints / "latest").read_text().strip()
     assert latest == "iter_0000008"
-    assert checkpoint_files.verify(checkpoints / latest) == 8
+    assert checkpoint.verify(checkpoints / latest) == 8
     # keep_last=1: the fresh save stays, the older verified ones went, the corrupt newer
     # ones were moved aside (superseded), not deleted and not counted
-    assert [p.name for p in checkpoint_files.iterations(checkpoints)] == ["iter_0000008"]
+    assert [p.name for p in _iterations(checkpoints)] == ["iter_0000008"]
     moved = list((runs / "newer" / "superseded").glob("*/checkpoints/iter_*"))
     assert sorted(p.name for p in moved) == ["iter_0000010", "iter_0000012"]
     assert "superseded, not deleted" in resumed["stderr"]
@@ -206,9 +209,8 @@ def test_a_crash_and_resume_logs_every_step_once_and_readers_agree(tmp_path):
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=60)
     logged = _steps(run_dir)
-    saved = checkpoint_files.verify(
-        run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip(),
-        hashes=False,
+    saved = checkpoint.verify(
+        run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     )
     assert saved < logged[-1], (saved, logged)  # records past the checkpoint exist
     assert json.loads((run_dir / "lease.json").read_text())["pid"] == process.pid  # left
@@ -240,6 +242,8 @@ def test_a_crash_and_resume_logs_every_step_once_and_readers_agree(tmp_path):
 
 def test_the_reader_supersedes_records_a_resumed_attempt_logged_again(tmp_path):
     """Files written before the writer superseded records (or by two writers at once)."""
+    from cqk_megatron.training.metrics import read_metrics
+
     path = tmp_path / "metrics.jsonl"
     records = [
         *({"kind": "train", "step": s, "loss": 5.0 - s} for s in range(1, 6)),
@@ -260,6 +264,8 @@ def test_the_reader_supersedes_records_a_resumed_attempt_logged_again(tmp_path):
 
 
 def test_retention_keeps_the_fresh_save_and_counts_only_verified_folders(tmp_path):
+    from cqk_megatron import checkpoint_files
+
     checkpoints = tmp_path / "checkpoints"
 
     def make(step: int, good: bool = True) -> Path:
@@ -306,14 +312,11 @@ def tmpfs(tmp_path):
 
 
 def test_a_full_disk_says_no_space_and_keeps_the_previous_checkpoint(tmpfs):
-    from cqk_megatron.config import load_config
-    from cqk_megatron.preflight import PreflightError, check_disk
-
     r = str(tmpfs)
     run = [*COMMON, "train.save_interval=2", "train.keep_last=3"]
     run_ranks(train_attempts, 2, r, [("full", [*run, "train.train_steps=2"])])
     checkpoints = tmpfs / "full" / "checkpoints"
-    assert checkpoint_files.verify(checkpoints / "iter_0000002") == 2
+    assert checkpoint.verify(checkpoints / "iter_0000002") == 2
     # leave room for the metrics, not for a second checkpoint (2.6 MB)
     free = shutil.disk_usage(tmpfs).free
     (tmpfs / "filler").write_bytes(b"\0" * (free - 600_000))
@@ -324,11 +327,14 @@ def test_a_full_disk_says_no_space_and_keeps_the_previous_checkpoint(tmpfs):
     assert "no space left on device" in message and str(checkpoints / "iter_0000004") in message
     assert "free on the filesystem of" in message
     assert "the previous checkpoint iter_0000002 is untouched" in message
-    assert checkpoint_files.verify(checkpoints / "iter_0000002") == 2  # sha256 too
+    assert checkpoint.verify(checkpoints / "iter_0000002") == 2  # sha256 too
     assert (checkpoints / "latest").read_text().strip() == "iter_0000002"
     assert not (checkpoints / "iter_0000004").exists()
     assert not (checkpoints / "iter_0000004.tmp").exists()  # removed to make room
     # and the pre-flight of cqk-train / the launcher refuses to start it on this disk
+    from cqk_megatron.config import load_config
+    from cqk_megatron.preflight import PreflightError, check_disk
+
     config = load_config(
         None,
         [
