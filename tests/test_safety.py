@@ -170,6 +170,40 @@ def test_a_checkpoint_of_another_shape_is_refused_naming_the_field(runs):
     assert "hidden_size: 64" in (runs / "shape" / "config.yaml").read_text()
 
 
+def test_export_with_a_config_of_another_shape_names_it_instead_of_megatrons_errors(runs):
+    """A checkpoint without its own config.yaml is exported with its run's, which a later
+    attempt changed: the error says so, not 21 size mismatches."""
+    from cqk_megatron.training.checkpoint import write_manifest
+
+    folder = runs / "exported" / "checkpoints" / "iter_0000002"
+    shutil.copytree(runs / "shape" / "checkpoints" / "iter_0000002", folder)
+    (folder / "config.yaml").unlink()
+    write_manifest(folder, 2, with_hashes=False)
+    text = (runs / "shape" / "config.yaml").read_text()
+    (runs / "exported" / "config.yaml").write_text(
+        text.replace("hidden_size: 64", "hidden_size: 128")
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cqk_megatron.convert.cli",
+            "export",
+            str(folder),
+            str(runs / "hf"),
+            "--no-tokenizer",
+        ],
+        env={**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-3000:]
+    assert f"cqk-convert export: error: checkpoint {folder} does not fit this model" in out.stderr
+    assert f"{runs / 'exported' / 'config.yaml'} is not the config this checkpoint" in out.stderr
+    assert "Traceback" not in out.stderr and not (runs / "hf").exists()
+
+
 def test_a_schedule_change_on_resume_is_warned_about(runs):
     stopped, resumed = attempts(runs, "sched")
     assert stopped.get("exit") == 75 and resumed.get("exit") == 0, resumed

@@ -128,12 +128,28 @@ def _from_rank0(value):
     return box[0]
 
 
+def _on_rank0(step) -> None:
+    """Collective: ``step()`` on rank 0; if it raised, every rank raises (the others with
+    its message), so that no rank waits for one that has given up."""
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            step()
+        except Exception as caught:  # re-raised below, on every rank
+            error = caught
+    message = _from_rank0(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if message is not None:
+        raise RuntimeError(f"rank 0 failed to start the run: {message}")
+
+
 def _take_lease(run_dir: Path, rank: int) -> run_lease.Lease | None:
     lease, refusal = None, None
     if rank == 0:
         try:
             lease = run_lease.acquire(run_dir)
-        except run_lease.LeaseHeld as error:
+        except (run_lease.LeaseHeld, OSError) as error:
             refusal = str(error)
     refusal = _from_rank0(refusal)
     if refusal is not None:
@@ -161,6 +177,8 @@ def _choose_start(
                 checkpoint_files.check_same_shape(choice.folder, config, RESUME_SHAPE_FIX)
         except checkpoint_files.CheckpointError as error:
             refusal = str(error)
+        except OSError as error:  # an unreadable checkpoints folder: every rank stops
+            refusal = f"cannot read {checkpoints}: {error}"
     choice, refusal = _from_rank0((choice, refusal))
     if refusal is not None:
         raise checkpoint_files.CheckpointError(refusal)
@@ -205,17 +223,23 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
         train_samples, valid_samples, _ = run_samples(config)
         datasets = default_datasets(config, train_samples, valid_samples)
     train_data, valid_data = datasets
-    # The run really starts here: only now is anything in its folder moved or replaced.
-    if rank == 0:
+    # The run really starts here: only now is anything in its folder moved or replaced,
+    # and only then is the metrics file opened (what an earlier attempt logged past this
+    # step is superseded).
+    started = {}
+
+    def start() -> None:
         _start_run(run_dir, config, choice, folder, state, exact)
         if on_start is not None:
             on_start()
-    dist.barrier()
+        started["logger"] = MetricsLogger(run_dir, config, enabled=True)
+        started["logger"].set_start(state.step, final=state.step >= t.train_steps)
+
+    _on_rank0(start)
+    logger = started.get("logger") or MetricsLogger(run_dir, config, enabled=False)
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     train_flops_per_token = flops_per_token(config, training=True)
     peak = peak_flops()
-    logger = MetricsLogger(run_dir, config, enabled=rank == 0)
-    logger.set_start(state.step, final=state.step >= t.train_steps)
     protect_checkpoint_writer()  # before any save, and before our handlers are installed
     stop = StopRequest(t.wall_clock_budget_s)
     last_saved = state.step
