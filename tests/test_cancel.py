@@ -83,9 +83,21 @@ def wait_until(condition, what: str, timeout: float = TIMEOUT_S) -> None:
 
 
 def start(root: Path, steps: int) -> str:
-    out = submit(*run_args(root, steps), "--no-wait")
-    match = re.search(r"submitted held: job (\d+) \(local\)", out.stdout)
-    assert match, out.stdout + out.stderr
+    """Submit without waiting; the launcher's output goes to a file (a pipe would stay open
+    as long as anything the job started holds it)."""
+    log = root.parent / "launcher.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        subprocess.run(
+            [*SUBMIT, *run_args(root, steps), "--no-wait"],
+            cwd=REPO,
+            env=ENV,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=TIMEOUT_S,
+        )
+    match = re.search(r"submitted held: job (\d+) \(local\)", log.read_text())
+    assert match, log.read_text()
     return match.group(1)
 
 
@@ -95,8 +107,6 @@ def test_one_job_per_run_and_cancelling_ends_every_process(tmp_path):
     try:
         job_id = start(root, 100_000)
         wait_until(lambda: len(train_steps(run_dir)) >= 3, "the first steps")
-        lease = json.loads((run_dir / "lease.json").read_text())
-        assert lease["job_id"] == job_id  # rank 0 of this job holds the run
 
         # a second job on the same run is not submitted, a plain cqk-train is refused
         again = submit(*run_args(root, 100_000))
@@ -119,6 +129,8 @@ def test_one_job_per_run_and_cancelling_ends_every_process(tmp_path):
         )
         assert plain.returncode == 2, plain.stderr
         assert f"is in use by another job (job {job_id}, host" in plain.stderr
+        lease = json.loads((run_dir / "lease.json").read_text())
+        assert lease["job_id"] == job_id  # rank 0 of this job holds the run
         assert f"pid {lease['pid']}" in plain.stderr
 
         # the printed id ends the whole job: controller and both ranks

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -247,7 +248,6 @@ def test_a_crash_and_resume_logs_every_step_once_and_readers_agree(tmp_path):
         run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     )
     assert saved < logged[-1], (saved, logged)  # records past the checkpoint exist
-    assert json.loads((run_dir / "lease.json").read_text())["pid"] == process.pid  # left
     total = logged[-1] + 4
     finish = subprocess.run(
         [*args[:4], f"train.train_steps={total}", *args[5:]],
@@ -257,9 +257,11 @@ def test_a_crash_and_resume_logs_every_step_once_and_readers_agree(tmp_path):
         timeout=300,
     )
     assert finish.returncode == 0, finish.stdout[-2000:] + finish.stderr[-2000:]
-    assert "took over the lease" in finish.stderr  # the dead holder's, on this host
     assert f"at step {saved} (exactly)" in finish.stdout
     assert _steps(run_dir) == list(range(1, total + 1))  # each step once, in order
+    # the killed process left its lease; the resumed one took it over (same host, dead pid)
+    took_over = [line for line in finish.stderr.splitlines() if "from a dead holder" in line]
+    assert took_over and f"host {socket.gethostname()}, pid {process.pid}," in took_over[0]
     valid = _steps(run_dir, "valid")
     assert len(valid) == len(set(valid)) and valid == sorted(valid)
     # the readers: one reader, the same answer
