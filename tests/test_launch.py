@@ -577,14 +577,18 @@ def test_the_same_job_through_the_local_executor(reference):
     assert f"finished   yes: {STEPS} steps" in report
 
 
-def test_requeues_are_bounded():
+def test_requeues_are_bounded(tmp_path):
     from launch.job import EXIT_REQUEUE, TrainingJob
 
     job = TrainingJob(config={}, max_requeues=2)
     outcome, code = job._requeue(SimpleNamespace(cluster="slurm"), attempt=3)
     assert outcome == "refused: requeued 2 times already (max_requeues)" and code == EXIT_REQUEUE
-    outcome, code = job._requeue(SimpleNamespace(cluster="local"), attempt=2)
+    local = SimpleNamespace(cluster="local", job_id="4321", paths=SimpleNamespace(folder=tmp_path))
+    outcome, code = job._requeue(local, attempt=2)
     assert outcome == "requeued" and code == 144  # submitit's local controller restarts it
+    (tmp_path / "4321.cancelled").touch()  # launch.local_job's controller was cancelled
+    outcome, code = job._requeue(local, attempt=2)
+    assert outcome == "cancelled: not requeued" and code == EXIT_REQUEUE
 
 
 def test_exit_code_and_time_syntax_agree_with_the_engine_and_slurm():

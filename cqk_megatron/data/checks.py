@@ -143,7 +143,21 @@ def _check_belongs(prefix: str, index: Index, meta: dict | None) -> None:
 
 
 def check_prefix(prefix: str) -> PrefixSize:
-    """The .bin/.idx pair exists and belongs together; its size."""
+    """The .bin/.idx pair exists and belongs together; its size. A sweep checks the same
+    prefix for each of its runs: files unchanged since the last check are not read again."""
+    try:
+        stamp = tuple(
+            (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in (bin_path(prefix), idx_path(prefix), meta_path(prefix))
+            if p.exists()
+        )
+    except OSError:
+        stamp = None
+    return _check_prefix(prefix, stamp)
+
+
+@functools.lru_cache(maxsize=64)
+def _check_prefix(prefix: str, stamp: tuple | None) -> PrefixSize:
     if prefix.endswith((".bin", ".idx")):
         raise ConfigError(
             f"data.prefixes entry '{prefix}' names a file; give the prefix without "
