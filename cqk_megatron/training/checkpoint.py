@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
+from torch.distributed.checkpoint.api import CheckpointException
 
 from cqk_megatron.atomic import write_text_atomically
 from cqk_megatron.checkpoint_files import (
@@ -56,6 +58,10 @@ from cqk_megatron.config import RunConfig, save_config
 from cqk_megatron.config_changes import changes, listed
 from cqk_megatron.model import load_sharded_state, sharded_state_dict
 from cqk_megatron.run_folder import is_no_space, no_space_error
+
+# torch.distributed.checkpoint reports a failed save or load as CheckpointException, which
+# derives from BaseException (not Exception): caught explicitly, with everything else.
+FAILURES = (Exception, CheckpointException)
 
 __all__ = [
     "LATEST",
@@ -180,7 +186,7 @@ def save(
         engine.save_state(staging / "engine")
         trainer_file = staging / "trainer" / f"rank{rank}.pt"
         torch.save({"state": asdict(state), "rng": _rng_state()}, trainer_file)
-    except Exception as caught:  # reported on every rank by _agree
+    except FAILURES as caught:  # reported on every rank by _agree
         error = caught
     _agree(error, staging, what)
 
@@ -197,7 +203,7 @@ def save(
             staging.rename(final)
             point_latest(checkpoints, final)
             retire(checkpoints, config.train.keep_last, final)
-        except Exception as caught:
+        except FAILURES as caught:
             error = caught
     _agree(error, staging, what)
     return final
@@ -206,13 +212,13 @@ def save(
 # -- load ------------------------------------------------------------------------------
 
 
-def _mismatch(folder: Path, config: RunConfig, error: Exception, fix: str) -> CheckpointError:
+def _mismatch(folder: Path, config: RunConfig, error: BaseException, fix: str) -> CheckpointError:
     """A load that failed on tensor shapes, told in config fields where possible."""
     saved = saved_config(folder)
     text = str(error).strip().splitlines()
-    first = next(
-        (line.strip() for line in text if "mismatch" in line.lower()), text[0] if text else ""
-    )
+    mismatches = [line.strip() for line in text if "mismatch" in line.lower()]
+    first = mismatches[0] if mismatches else (text[0] if text else "")
+    first = re.sub(r"^[\w.]+(Exception|Error): ", "", first)  # the text, not the type
     if saved is not None:
         differ = [c for c in changes(saved, config) if c.key.startswith(("model.", "attention."))]
         if differ:
@@ -239,7 +245,7 @@ def load_model_weights(folder: Path, model, config: RunConfig | None = None, fix
         load_sharded_state(model, state)
     except CheckpointError:
         raise
-    except Exception as error:  # Megatron's shape errors, torch's size mismatches
+    except FAILURES as error:  # Megatron's shape errors, torch's size mismatches
         if config is None or "mismatch" not in str(error).lower():
             raise
         raise _mismatch(folder, config, error, fix) from error
@@ -275,7 +281,7 @@ def save_weights(folder: Path, model, config: RunConfig) -> Path:
     dist.barrier()
     try:
         dist_checkpointing.save(sharded_state_dict(model), str(staging / "model"))
-    except Exception as caught:
+    except FAILURES as caught:
         error = caught
     _agree(error, staging, what)
     if rank == 0:
@@ -287,7 +293,7 @@ def save_weights(folder: Path, model, config: RunConfig) -> Path:
             if folder.exists():
                 shutil.rmtree(folder)
             staging.rename(folder)
-        except Exception as caught:
+        except FAILURES as caught:
             error = caught
     _agree(error, staging, what)
     return folder
