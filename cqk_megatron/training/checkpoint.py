@@ -56,8 +56,10 @@ from cqk_megatron.checkpoint_files import (
 )
 from cqk_megatron.config import RunConfig, save_config
 from cqk_megatron.config_changes import changes, listed
+from cqk_megatron.device import device
 from cqk_megatron.model import load_sharded_state, sharded_state_dict
 from cqk_megatron.run_folder import is_no_space, no_space_error
+from cqk_megatron.training.collectives import barrier, gather_objects
 
 # torch.distributed.checkpoint reports a failed save or load as CheckpointException, which
 # derives from BaseException (not Exception): caught explicitly, with everything else.
@@ -109,13 +111,22 @@ class Layout:
 
 
 def _rng_state() -> dict:
+    """Every generator a step can draw from: Python, NumPy, torch's CPU generator and, on
+    GPU, this rank's CUDA generator and Megatron's CUDA RNG tracker (the model-parallel
+    and data-parallel states that dropout inside tensor-parallel regions uses). All are
+    host tensors, so the file loads anywhere."""
     state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+    here = device()
+    if here.type == "cuda":
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        state["cuda"] = torch.cuda.get_rng_state(here)
+        tracked = get_cuda_rng_tracker().get_states()
+        state["cuda_tracker"] = {name: s.clone() for name, s in tracked.items()}
     return state
 
 
@@ -123,8 +134,13 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
+    here = device()
+    if here.type == "cuda" and "cuda" in state:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        torch.cuda.set_rng_state(state["cuda"], here)
+        if state.get("cuda_tracker"):
+            get_cuda_rng_tracker().set_states(dict(state["cuda_tracker"]))
 
 
 # -- save ------------------------------------------------------------------------------
@@ -140,8 +156,7 @@ def _agree(error: BaseException | None, staging: Path, what: str) -> None:
             if is_no_space(error)
             else (f"{type(error).__name__}: {error}")
         )
-    gathered: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
+    gathered = gather_objects(local)
     failures = [(rank, text) for rank, text in enumerate(gathered) if text is not None]
     if not failures:
         return
@@ -257,7 +272,9 @@ def same_layout(folder: Path, config: RunConfig) -> bool:
 
 
 def load_trainer_state(folder: Path, rank: int = 0) -> tuple[TrainerState, dict]:
-    payload = torch.load(folder / "trainer" / f"rank{rank}.pt", weights_only=False)
+    # host tensors only (RNG states); map_location keeps a GPU-written file loadable anywhere
+    path = folder / "trainer" / f"rank{rank}.pt"
+    payload = torch.load(path, map_location="cpu", weights_only=False)
     return TrainerState(**payload["state"]), payload["rng"]
 
 
@@ -278,7 +295,7 @@ def save_weights(folder: Path, model, config: RunConfig) -> Path:
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
         (staging / "model").mkdir(parents=True)
-    dist.barrier()
+    barrier()
     try:
         dist_checkpointing.save(sharded_state_dict(model), str(staging / "model"))
     except FAILURES as caught:

@@ -18,12 +18,17 @@ from megatron.core import parallel_state as ps
 from cqk_megatron import checkpoint_files, run_lease
 from cqk_megatron.config import RunConfig, validate
 from cqk_megatron.data.checks import run_samples
-from cqk_megatron.distributed import init_model_parallel, init_process_group
+from cqk_megatron.device import device
+from cqk_megatron.distributed import (
+    init_model_parallel,
+    init_process_group,
+    seed_cuda_rng_tracker,
+)
 from cqk_megatron.model import build_rank_model
 from cqk_megatron.perf.flops import flops_per_token, mfu, peak_flops
 from cqk_megatron.perf.plan import check_fits, gpu_memory_bytes
 from cqk_megatron.run_folder import run_dir_of, write_config
-from cqk_megatron.training import checkpoint
+from cqk_megatron.training import checkpoint, collectives
 from cqk_megatron.training.engine import DeepSpeedEngine
 from cqk_megatron.training.lr_schedule import learning_rate
 from cqk_megatron.training.metrics import MetricsLogger
@@ -32,7 +37,7 @@ from cqk_megatron.training.preemption import (
     StopRequest,
     protect_checkpoint_writer,
 )
-from cqk_megatron.training.sampler import fetch, micro_batch_indices
+from cqk_megatron.training.sampler import collate, fetch, micro_batch_indices
 
 
 class TrainingError(RuntimeError):
@@ -45,10 +50,7 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(seed)
+    seed_cuda_rng_tracker(seed)  # GPU: the states Megatron's layers initialise under
 
 
 def make_engine(model: torch.nn.Module, config: RunConfig):
@@ -63,21 +65,21 @@ def make_engine(model: torch.nn.Module, config: RunConfig):
 def count_model_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """(total, non-embedding) parameters of the whole model, from this rank's shard."""
     tp_rank = ps.get_tensor_model_parallel_rank()
-    counts = torch.zeros(2, dtype=torch.float64)
+    total = non_embedding = 0
     for name, param in model.named_parameters():
         if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
             numel = getattr(param, "ds_numel", param.numel())  # ZeRO-3 partitions params
-            counts[0] += numel
+            total += numel
             if "word_embeddings" not in name and "output_layer" not in name:
-                counts[1] += numel
-    dist.all_reduce(counts, group=ps.get_model_parallel_group())
-    return int(counts[0]), int(counts[1])
+                non_embedding += numel
+    summed = collectives.sum_numbers([total, non_embedding], group=ps.get_model_parallel_group())
+    return int(summed[0]), int(summed[1])
 
 
 def peak_memory_gb() -> float:
     """GPU: peak allocated; CPU: the process's peak resident set (ru_maxrss)."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
+    if device().type == "cuda":
+        return torch.cuda.max_memory_allocated(device()) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
@@ -121,13 +123,6 @@ def train(config: RunConfig, resume: str = "auto", datasets=None, on_start=None)
             lease.release()
 
 
-def _from_rank0(value):
-    """Collective: rank 0's ``value`` on every rank."""
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _on_rank0(step) -> None:
     """Collective: ``step()`` on rank 0; if it raised, every rank raises (the others with
     its message), so that no rank waits for one that has given up."""
@@ -137,7 +132,7 @@ def _on_rank0(step) -> None:
             step()
         except Exception as caught:  # re-raised below, on every rank
             error = caught
-    message = _from_rank0(None if error is None else f"{type(error).__name__}: {error}")
+    message = collectives.from_rank0(None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         raise error
     if message is not None:
@@ -151,7 +146,7 @@ def _take_lease(run_dir: Path, rank: int) -> run_lease.Lease | None:
             lease = run_lease.acquire(run_dir)
         except (run_lease.LeaseHeld, OSError) as error:
             refusal = str(error)
-    refusal = _from_rank0(refusal)
+    refusal = collectives.from_rank0(refusal)
     if refusal is not None:
         raise run_lease.LeaseHeld(refusal)
     return lease
@@ -179,7 +174,7 @@ def _choose_start(
             refusal = str(error)
         except OSError as error:  # an unreadable checkpoints folder: every rank stops
             refusal = f"cannot read {checkpoints}: {error}"
-    choice, refusal = _from_rank0((choice, refusal))
+    choice, refusal = collectives.from_rank0((choice, refusal))
     if refusal is not None:
         raise checkpoint_files.CheckpointError(refusal)
     return choice
@@ -226,17 +221,17 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
     # The run really starts here: only now is anything in its folder moved or replaced,
     # and only then is the metrics file opened (what an earlier attempt logged past this
     # step is superseded).
-    started = {}
+    opened = {}
 
     def start() -> None:
         _start_run(run_dir, config, choice, folder, state, exact)
         if on_start is not None:
             on_start()
-        started["logger"] = MetricsLogger(run_dir, config, enabled=True)
-        started["logger"].set_start(state.step, final=state.step >= t.train_steps)
+        opened["logger"] = MetricsLogger(run_dir, config, enabled=True)
+        opened["logger"].set_start(state.step, final=state.step >= t.train_steps)
 
     _on_rank0(start)
-    logger = started.get("logger") or MetricsLogger(run_dir, config, enabled=False)
+    logger = opened.get("logger") or MetricsLogger(run_dir, config, enabled=False)
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     train_flops_per_token = flops_per_token(config, training=True)
     peak = peak_flops()
@@ -269,6 +264,7 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
                         "grad_norm": result.grad_norm,
                         "tokens_per_s": tokens_per_s,
                         "step_time_s": step_time,
+                        "process_cpu_s": time.process_time(),  # cumulative, this rank
                         "tflops": tokens_per_s * train_flops_per_token / world / 1e12,
                         "mfu": mfu(tokens_per_s, config, peak, num_gpus=world),
                         "mem_gb": peak_memory_gb(),
@@ -349,7 +345,7 @@ def first_batch_fingerprint(train_data, global_batch_size: int) -> str:
     indices = micro_batch_indices(0, global_batch_size, global_batch_size, 0, 1)
     digest = hashlib.sha256()
     for idx in indices:
-        tokens = fetch(train_data, idx)["tokens"].to(torch.int64).contiguous()
+        tokens = collate(train_data, idx)["tokens"].to(torch.int64).contiguous()
         digest.update(tokens.numpy().tobytes())
     return digest.hexdigest()
 
