@@ -34,9 +34,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _rank0() -> bool:
+    """Rank 0 under torchrun (``RANK``) or a plain ``srun`` (``SLURM_PROCID``), or alone."""
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+
+
 def _say(message: str) -> None:
     """Errors once per job, not once per rank."""
-    if os.environ.get("RANK", "0") == "0":
+    if _rank0():
         print(f"error: {message}", file=sys.stderr, flush=True)
 
 
@@ -48,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             from cqk_megatron.preflight import preflight
 
             for note in preflight(config, args.resume):
-                if os.environ.get("RANK", "0") == "0":
+                if _rank0():
                     print(note, file=sys.stderr)
     except (ConfigError, DataError) as error:
         _say(str(error))

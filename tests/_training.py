@@ -107,17 +107,31 @@ def folder_listing(run_dir: Path) -> dict[str, int]:
     }
 
 
+FILL = "fill the disk"  # a train_attempts entry (FILL, bytes): leave that much free on root
+
+
 def train_attempts(rank, world_size, port, root, runs) -> None:
     """Train each ``(name, overrides[, resume])`` in turn and record, on rank 0, one JSON
     line per attempt in ``root/name.attempts.jsonl``: the exit code or the error (type and
-    message), what the attempt printed, and the run folder's files afterwards."""
+    message), what the attempt printed, and the run folder's files afterwards. An entry
+    ``(FILL, leave)`` (after a first attempt) makes rank 0 fill root's filesystem up to
+    ``leave`` free bytes, in the same ranks (no second start-up)."""
     import contextlib
     import io
+    import shutil
+
+    import torch.distributed as dist
 
     set_rank_env(rank, world_size, port)
     from cqk_megatron.training.loop import train
 
     for name, overrides, *resume in runs:
+        if name == FILL:
+            if rank == 0:
+                free = shutil.disk_usage(root).free
+                Path(root, "filler").write_bytes(b"\0" * (free - overrides))
+            dist.barrier()
+            continue
         config = config_for(root, name, overrides)
         datasets = None if config.data.prefixes else synthetic_datasets(config)
         out, err = io.StringIO(), io.StringIO()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from _multiproc import free_port, run_ranks
-from _training import attempts, folder_listing, train_attempts
+from _training import FILL, attempts, folder_listing, train_attempts
 
 from cqk_megatron.training import checkpoint
 
@@ -350,14 +350,13 @@ def tmpfs(tmp_path):
 def test_a_full_disk_says_no_space_and_keeps_the_previous_checkpoint(tmpfs):
     r = str(tmpfs)
     run = [*COMMON, "train.save_interval=2", "train.keep_last=3"]
-    run_ranks(train_attempts, 2, r, [("full", [*run, "train.train_steps=2"])])
+    # a first checkpoint, then room for the metrics but not for a second one (2.6 MB)
+    steps = [("full", [*run, "train.train_steps=2"]), (FILL, 600_000)]
+    steps.append(("full", [*run, "train.train_steps=4"]))
+    run_ranks(train_attempts, 2, r, steps, timeout_s=600)
     checkpoints = tmpfs / "full" / "checkpoints"
-    assert checkpoint.verify(checkpoints / "iter_0000002") == 2
-    # leave room for the metrics, not for a second checkpoint (2.6 MB)
-    free = shutil.disk_usage(tmpfs).free
-    (tmpfs / "filler").write_bytes(b"\0" * (free - 600_000))
-    run_ranks(train_attempts, 2, r, [("full", [*run, "train.train_steps=4"])], timeout_s=600)
-    (_, failed) = attempts(tmpfs, "full")
+    first, failed = attempts(tmpfs, "full")
+    assert first.get("exit") == 0, first
     assert failed["error"] == "CheckpointSaveError", failed
     message = failed["message"]
     assert "no space left on device" in message and str(checkpoints / "iter_0000004") in message
