@@ -123,6 +123,8 @@ def train_attempts(rank, world_size, port, root, runs) -> None:
     import torch.distributed as dist
 
     set_rank_env(rank, world_size, port)
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
     from cqk_megatron.training.loop import train
 
     for name, overrides, *resume in runs:
@@ -140,7 +142,7 @@ def train_attempts(rank, world_size, port, root, runs) -> None:
                 outcome = {
                     "exit": train(config, resume=resume[0] if resume else "auto", datasets=datasets)
                 }
-        except Exception as error:  # recorded for the test to judge
+        except (Exception, CheckpointException) as error:  # recorded for the test to judge
             outcome = {"error": type(error).__name__, "message": str(error)}
         if rank == 0:
             outcome.update(

@@ -189,27 +189,19 @@ def test_the_pre_flight_accepts_good_data(demo):
 
 
 def _preprocess(tmp_path, demo, path: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "data_tools.preprocess",
-            "--input",
-            str(path),
-            "--tokenizer",
-            str(demo.tokenizer),
-            "--output-prefix",
-            str(tmp_path / "out"),
-            "--workers",
-            "1",
-            "--quiet",
-            *extra,
-        ],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    """``cqk-preprocess`` in this process (its ``main`` returns the exit code and prints
+    what a user sees; one process start-up fewer per case)."""
+    import contextlib
+    import io
+
+    from data_tools.preprocess import main
+
+    argv = ["--input", str(path), "--tokenizer", str(demo.tokenizer)]
+    argv += ["--output-prefix", str(tmp_path / "out"), "--workers", "1", "--quiet", *extra]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def test_jsonl_lines_without_the_text_field_are_refused_by_line(tmp_path, demo):
