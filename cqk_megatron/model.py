@@ -90,11 +90,11 @@ def build_model(
         vp_stage=vp_stage,
     )
     if config.train.precision == "fp64":
-        # Megatron builds its torch LayerNorm and the learned position embedding in fp32
-        # whatever params_dtype says; CPU layer_norm refuses an fp64 input with fp32
-        # weights, and an fp32 position table would round the fp64 checks to fp32.
+        # Megatron builds its torch norms and the learned position table in fp32 whatever
+        # params_dtype says: CPU layer_norm refuses an fp64 input with fp32 weights, and
+        # RMSNorm and the position table would round every fp64 check to fp32 (1e-7).
         for module in model.modules():
-            if isinstance(module, (torch.nn.LayerNorm, torch.nn.Embedding)):
+            if isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm, torch.nn.Embedding)):
                 module.to(torch.float64)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())

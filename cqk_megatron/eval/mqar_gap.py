@@ -122,7 +122,10 @@ RUNGS: dict[str, tuple[str, dict]] = {
     ),
     "p+learned_positions": (
         "project + learned absolute positions",
-        {**PROJECT, "megatron": ["model.family=null", "model.position_embedding_type=learned_absolute"]},
+        {
+            **PROJECT,
+            "megatron": ["model.family=null", "model.position_embedding_type=learned_absolute"],
+        },
     ),
     "p+gpt2_family": ("project in the GPT-2 family", {**PROJECT, "family": "gpt2"}),
     "p+f_bias": ("project (plain) + an output bias in f", _plain(f_output_bias=True)),
@@ -130,7 +133,11 @@ RUNGS: dict[str, tuple[str, dict]] = {
     "p+torch_init": ("project (plain) + PyTorch's default initialisation", _plain(init="torch")),
     "i-torch_init": (
         "independent with the project's N(0, 0.02) initialisation",
-        {**_plain(**{**INDEPENDENT_MODEL, "init": "gpt2"}), **INDEPENDENT_REGIME, **INDEPENDENT_OPTIMIZER},
+        {
+            **_plain(**{**INDEPENDENT_MODEL, "init": "gpt2"}),
+            **INDEPENDENT_REGIME,
+            **INDEPENDENT_OPTIMIZER,
+        },
     ),
     "i-fixed_set": (
         "independent with fresh batches",

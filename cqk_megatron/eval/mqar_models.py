@@ -14,6 +14,7 @@ identical weights.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -153,7 +154,11 @@ def _layer_tensor(prefix: str, rest: str, tensor: torch.Tensor, config: RunConfi
     module, kind = rest.rsplit(".", 1)
     if module == "self_attention.linear_qkv":
         q, k, v = _split_rows(tensor, config)
-        return {f"{prefix}attn.q.{kind}": q, f"{prefix}attn.k.{kind}": k, f"{prefix}attn.v.{kind}": v}
+        return {
+            f"{prefix}attn.q.{kind}": q,
+            f"{prefix}attn.k.{kind}": k,
+            f"{prefix}attn.v.{kind}": v,
+        }
     if module == "mlp.linear_fc1":
         if config.model.swiglu:
             gate, up = tensor.chunk(2, dim=0)
@@ -167,9 +172,10 @@ def _layer_tensor(prefix: str, rest: str, tensor: torch.Tensor, config: RunConfi
     raise KeyError(f"no plain counterpart for Megatron tensor {prefix}{rest!r}")
 
 
-def plain_copy_of(model: torch.nn.Module, config: RunConfig) -> PlainLM:
-    """A ``PlainLM`` holding exactly the weights of the Megatron ``model`` (same dtype)."""
-    plain = PlainLM(plain_config_for(config))
+def plain_copy_of(model: torch.nn.Module, config: RunConfig, **fields) -> PlainLM:
+    """A ``PlainLM`` holding exactly the weights of the Megatron ``model`` (same dtype);
+    ``fields`` change the ``PlainConfig`` (e.g. ``attention_kernel="explicit"``)."""
+    plain = PlainLM(dataclasses.replace(plain_config_for(config), **fields))
     dtype = next(model.parameters()).dtype
     plain.to(dtype)
     state = plain_state_from_megatron(dict(model.state_dict()), config)

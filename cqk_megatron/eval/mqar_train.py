@@ -154,7 +154,9 @@ def _optimizer(model: torch.nn.Module, options: TrainOptions):
     decayed = [p for p in model.parameters() if options.decay_dt or id(p) not in dts]
     groups = [{"params": decayed, "weight_decay": options.weight_decay}]
     if not options.decay_dt and dts:
-        groups.append({"params": [p for p in model.parameters() if id(p) in dts], "weight_decay": 0.0})
+        groups.append(
+            {"params": [p for p in model.parameters() if id(p) in dts], "weight_decay": 0.0}
+        )
     optimizer = torch.optim.AdamW(
         groups, lr=options.lr, betas=(options.adam_beta1, options.adam_beta2)
     )

@@ -205,10 +205,13 @@ class PlainCoupling(nn.Module):
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
-    """RoPE on ``[b, s, heads, d]``, halves not interleaved: ``x cos + rotate_half(x) sin``."""
+    """RoPE on ``[b, s, heads, d]``, halves not interleaved: ``x cos + rotate_half(x) sin``.
+
+    The angle table is fp32 whatever ``x`` is, as in Megatron (and the HF export).
+    """
     d = x.shape[-1]
-    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    angles = positions.to(torch.float64)[..., None] * inv_freq  # [b, s, d/2]
+    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # [b, s, d/2]
     angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     first, second = x.chunk(2, dim=-1)
@@ -297,7 +300,11 @@ class PlainLM(nn.Module):
         )
         self.blocks = nn.ModuleList(PlainBlock(config) for _ in range(config.layers))
         self.final_norm = _norm(config)
-        self.head = None if config.tie_embeddings else nn.Linear(config.hidden, config.vocab_size, bias=False)
+        self.head = (
+            None
+            if config.tie_embeddings
+            else nn.Linear(config.hidden, config.vocab_size, bias=False)
+        )
         if config.init == "gpt2":
             self._gpt2_init()
 
@@ -307,8 +314,12 @@ class PlainLM(nn.Module):
         projections into the residual stream at 0.02 / sqrt(2 layers). The coupling keeps
         PyTorch's defaults, as the project's ``coupling.py`` does."""
         std = 0.02
-        coupling = {id(p) for b in self.blocks if b.attn.coupling for p in b.attn.coupling.parameters()}
-        residual = {id(b.attn.o.weight) for b in self.blocks} | {id(b.mlp.down.weight) for b in self.blocks}
+        coupling = {
+            id(p) for b in self.blocks if b.attn.coupling for p in b.attn.coupling.parameters()
+        }
+        residual = {id(b.attn.o.weight) for b in self.blocks} | {
+            id(b.mlp.down.weight) for b in self.blocks
+        }
         for name, param in self.named_parameters():
             if id(param) in coupling or "norm" in name:  # norms keep ones and zeros
                 continue
