@@ -58,6 +58,21 @@ MODEL_FAMILIES: dict[str, dict[str, Any]] = {
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
 
 
+def family_overrides(family: str) -> list[str]:
+    """``key=value`` overrides that turn any model config into ``family``'s architecture
+    (its fields set explicitly, so they win over a file that names the other family's;
+    the MLP width goes back to the family's default: 8/3 x hidden for SwiGLU, 4 x for GELU)."""
+    if family not in MODEL_FAMILIES:
+        raise ConfigError(
+            f"model family {family!r} is unknown; choose one of {list(MODEL_FAMILIES)}"
+        )
+    fields = [
+        f"model.{key}={str(value).lower() if isinstance(value, bool) else value}"
+        for key, value in MODEL_FAMILIES[family].items()
+    ]
+    return [f"model.family={family}", *fields, "model.ffn_hidden_size=null"]
+
+
 class ConfigError(ValueError):
     """A configuration that cannot work; the message names the field(s) and the fix."""
 

@@ -177,3 +177,67 @@ def test_foreign_gpt2_folder_imports_and_gelu_new_is_refused(exports, tmp_path):
     (foreign / "config.json").write_text(json.dumps({**hf, "activation_function": "gelu_new"}))
     with pytest.raises(ConversionError, match="'gelu_new' is the tanh approximation"):
         import_hf_folder(foreign)
+
+
+# --- FLOPs and parameter counts -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["standard", "coupled", "differential"])
+def test_gpt2_flops_and_stage_parameters_match_the_built_model(variant):
+    import itertools
+
+    from test_perf import MODEL_FLOPS_SDPA, counted_flops_per_token, tiny
+
+    from cqk_megatron.model import build_model, count_parameters
+    from cqk_megatron.perf.flops import flops_per_token
+    from cqk_megatron.perf.memory import stage_parameters
+
+    config = tiny(variant, "model.family=gpt2")
+    model = build_model(config)
+    forward = counted_flops_per_token(model, MODEL_FLOPS_SDPA, backward=False)
+    assert flops_per_token(config, training=False) == pytest.approx(forward, rel=0.05)
+    half = tiny(variant, "model.family=gpt2", "model.num_layers=1")  # a 2-layer model over pp=2
+    for first, last in itertools.product([True, False], repeat=2):
+        with torch.device("meta"):
+            built = count_parameters(build_model(half, pre_process=first, post_process=last))
+        assert stage_parameters(config, tp=1, pp=2, first=first, last=last) == built
+
+
+# --- cqk-repro in the GPT-2 family --------------------------------------------------------
+
+
+def test_repro_plan_in_the_gpt2_family(tmp_path):
+    from cqk_megatron.repro.data import DataChoice
+    from cqk_megatron.repro.plan import build_plan
+    from cqk_megatron.repro.presets import PRESETS, ReproError
+
+    data = DataChoice(tmp_path / "d_text_document", tmp_path / "t.model", 700, "test data")
+    preset = PRESETS["cpu-tiny"]
+    plan = build_plan(
+        preset, ["standard", "coupled"], [0], 4096, data, tmp_path, 1, [], False, "gpt2"
+    )
+    for run in plan.runs:
+        m = run.config.model
+        assert m.architecture_family == "gpt2" and m.ffn_size == 4 * m.hidden_size
+        assert run.name == f"cpu-tiny-gpt2-{run.variant}-s0"
+    llama = build_plan(preset, ["coupled"], [0], 4096, data, tmp_path, 1, [], False)
+    assert llama.runs[0].config.model.architecture_family == "llama"
+    with pytest.raises(ReproError, match="model.family is set by the command; use --family"):
+        build_plan(preset, ["coupled"], [0], 4096, data, tmp_path, 1, ["model.family=gpt2"], False)
+
+
+def test_repro_trains_the_gpt2_family(tmp_path, capsys):
+    from test_repro import FAST
+
+    from cqk_megatron.repro.cli import main
+    from data_tools.demo_corpus import DemoSettings, build_demo
+
+    prefix = build_demo(
+        tmp_path / "data", DemoSettings(max_bytes=150_000, vocab_size=700), progress=False
+    ).prefix
+    argv = ["--preset", "cpu-tiny", "--data", str(prefix), "--tokens", str(2 * 16 * 128)]
+    argv += ["--variants", "coupled", "--family", "gpt2", "--out", str(tmp_path / "out")]
+    assert main([*argv, "--quiet", *FAST]) == 0, capsys.readouterr().err
+    saved = load_config(tmp_path / "out/runs/cpu-tiny-gpt2-coupled-s0/config.yaml")
+    assert saved.model.architecture_family == "gpt2"
+    assert "cpu-tiny-gpt2-coupled-s0" in (tmp_path / "out/comparison.md").read_text()
