@@ -56,7 +56,9 @@ class TrainOptions:
     decay_dt: bool = True  # whether weight decay touches the coupling's dt parameter
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
-    schedule: str = "wsd"  # wsd | onecycle (torch's OneCycleLR, its defaults) | constant
+    # wsd | onecycle (torch's OneCycleLR with its defaults: 30% warmup, cosine annealing,
+    # beta1 cycled between 0.85 and 0.95) | constant
+    schedule: str = "wsd"
     warmup_fraction: float = 0.1
     clip_grad: float = 1.0  # 0: no clipping
     # held-out evaluation
@@ -254,7 +256,8 @@ def train_run(variant: str, setting: MQARSetting, options: TrainOptions, log=Non
 
     started = time.process_time()
     loss, step = float("nan"), 0
-    evaluate(0) if options.eval_every else None
+    if options.eval_every:
+        evaluate(0)
     while step < options.steps:
         inputs, labels = batches.next()
         inputs, labels = inputs.to(device), labels.to(device)
