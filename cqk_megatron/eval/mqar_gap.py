@@ -20,8 +20,10 @@ Both setups train on 128x8 (vocabulary 512, width 64, one head of 64, two layers
   PyTorch's default initialisation, AdamW's default betas (0.9, 0.999), gradient clipping
   at 1.0 as in the project.
 
-The rungs in between move one group of differences at a time (``RUNGS``); each rung
-is its options, so a new one is one line.
+The rungs in between move one group of differences at a time (``RUNGS``): ``p+X`` is
+the project's setup with one difference X of the independent one, ``i-X`` the independent
+setup without X, and ``p+torch_init``, ``c2`` ... ``c5``, ``independent`` a ladder that adds
+one difference a rung. Each rung is its options, so a new one is one line.
 """
 
 from __future__ import annotations
@@ -131,6 +133,21 @@ RUNGS: dict[str, tuple[str, dict]] = {
     "p+f_bias": ("project (plain) + an output bias in f", _plain(f_output_bias=True)),
     "p+exp_dt": ("project (plain) + dt = exp(log_dt)", _plain(dt_param="exp")),
     "p+torch_init": ("project (plain) + PyTorch's default initialisation", _plain(init="torch")),
+    # cumulative, from the project's setup to the independent one, a difference a rung
+    "c2+ln_gelu_bias": (
+        "p+torch_init + LayerNorm, GELU MLP, biases",
+        _plain(init="torch", norm="layernorm", mlp="gelu", bias=True),
+    ),
+    "c3+f_bias": (
+        "c2 + an output bias in f",
+        _plain(init="torch", norm="layernorm", mlp="gelu", bias=True, f_output_bias=True),
+    ),
+    "c4+exp_dt": ("c3 + dt = exp(log_dt)", _plain(**INDEPENDENT_MODEL)),
+    "c5+optimizer": (
+        "c4 + weight decay 0.1 (dt too), one-cycle, betas (0.9, 0.999)",
+        {**_plain(**INDEPENDENT_MODEL), **INDEPENDENT_OPTIMIZER},
+    ),
+    # c5 + the fixed set of 20k examples is the independent setup
     "i-torch_init": (
         "independent with the project's N(0, 0.02) initialisation",
         {
