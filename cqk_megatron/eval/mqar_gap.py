@@ -22,7 +22,8 @@ Both setups train on 128x8 (vocabulary 512, width 64, one head of 64, two layers
 
 The rungs in between move one group of differences at a time (``RUNGS``): ``p+X`` is
 the project's setup with one difference X of the independent one, ``i-X`` the independent
-setup without X, and ``p+torch_init``, ``c2`` ... ``c5``, ``independent`` a ladder that adds
+setup without X, and ``p+torch_init``, ``c2``, ``c3``, ``c4``, ``i-fixed_set``,
+``independent`` a ladder that adds
 one difference a rung. Each rung is its options, so a new one is one line.
 """
 
@@ -143,11 +144,7 @@ RUNGS: dict[str, tuple[str, dict]] = {
         _plain(init="torch", norm="layernorm", mlp="gelu", bias=True, f_output_bias=True),
     ),
     "c4+exp_dt": ("c3 + dt = exp(log_dt)", _plain(**INDEPENDENT_MODEL)),
-    "c5+optimizer": (
-        "c4 + weight decay 0.1 (dt too), one-cycle, betas (0.9, 0.999)",
-        {**_plain(**INDEPENDENT_MODEL), **INDEPENDENT_OPTIMIZER},
-    ),
-    # c5 + the fixed set of 20k examples is the independent setup
+    # c4 + the independent optimiser is i-fixed_set; + the fixed set, the independent setup
     "i-torch_init": (
         "independent with the project's N(0, 0.02) initialisation",
         {
