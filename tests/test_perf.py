@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -103,6 +101,9 @@ def counted_flops_per_token(model, mapping, backward: bool) -> float:
 def test_flops_match_flop_counter(variant):
     config = tiny(variant, "attention.steps=2")  # two integrator steps, GQA (8 q / 4 kv)
     model = build_model(config)
+    for module in model.modules():  # the paired form's SDPA calls, the FLOPs model's form
+        if hasattr(module, "maps"):  # (paired_maps, its CPU kernel, multiplies the value once)
+            module.maps = False
     forward = counted_flops_per_token(model, MODEL_FLOPS_SDPA, backward=False)
     training = counted_flops_per_token(model, MODEL_FLOPS_SDPA, backward=True)
     assert flops_per_token(config, training=False) == pytest.approx(forward, rel=0.05)
@@ -390,22 +391,3 @@ def test_bench_rejects_unknown_variant(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--variants", "standard,nonsense"])
     assert "nonsense" in capsys.readouterr().err
-
-
-def test_gpu_check_dry_run_parses_its_arguments():
-    script = REPO / "tests/gpu/check.py"
-    run = subprocess.run(
-        [sys.executable, str(script), "--dry-run", "--steps", "2", "--micro-batch", "8,4"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
-    assert run.returncode == 0, run.stderr
-    assert "350m.yaml coupled" in run.stdout and "1b.yaml differential" in run.stdout
-    bad = subprocess.run(
-        [sys.executable, str(script), "--dry-run", "--micro-batch", "8,4,2"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
-    assert bad.returncode == 2 and "one per config" in bad.stderr

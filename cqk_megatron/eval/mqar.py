@@ -41,6 +41,7 @@ from cqk_megatron.eval.mqar_data import (  # noqa: F401  (the task's public name
     gap_probabilities,
     generate,
 )
+from cqk_megatron.eval.mqar_models import REINIT_PARTS
 from cqk_megatron.eval.mqar_train import (  # noqa: F401
     SOLVED,
     TrainOptions,
@@ -272,6 +273,21 @@ def _csv(text: str) -> list[str]:
     return [part for part in text.split(",") if part]
 
 
+def _gather_shards(out: Path) -> None:
+    """Append the shards' runs (``runs.shard*.jsonl``) that ``runs.jsonl`` lacks."""
+    runs_file = out / "runs.jsonl"
+    have = {_key(r) for r in load_runs(runs_file)}
+    new = []
+    for shard_file in sorted(out.glob("runs.shard*.jsonl")):
+        for run in load_runs(shard_file):
+            if _key(run) not in have:
+                have.add(_key(run))
+                new.append(run)
+    if new:
+        with runs_file.open("a") as handle:
+            handle.writelines(json.dumps(run) + "\n" for run in new)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cqk-mqar", description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", default="standard,coupled,differential")
@@ -297,11 +313,19 @@ def build_parser() -> argparse.ArgumentParser:
         option = f"--{f.name.replace('_', '-')}"
         if isinstance(value, bool):
             parser.add_argument(option, action=argparse.BooleanOptionalAction, default=None)
+        elif f.name == "reinit":
+            parser.add_argument(option, choices=REINIT_PARTS, default=None)
         elif value is None or f.name == "stop_at":
             parser.add_argument(option, type=float if f.name == "stop_at" else int, default=None)
         else:
             parser.add_argument(option, type=type(value), default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--shard",
+        default=None,
+        help="K/N: train only every N-th planned run from the K-th (0-based), so N processes "
+        "can share one --out-dir; the same command without --shard then writes the table",
+    )
     parser.add_argument("--out-dir", default=None, help="write the results, table and plot here")
     return parser
 
@@ -346,9 +370,28 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
 
     out = Path(args.out_dir) if args.out_dir else None
+    shard = None
+    if args.shard:
+        try:
+            index, count = (int(part) for part in args.shard.split("/"))
+        except ValueError:
+            index = count = -1
+        if not 0 <= index < count:
+            parser.error(f"--shard {args.shard!r} must be K/N with 0 <= K < N, e.g. 0/2")
+        if out is None:
+            parser.error("--shard needs --out-dir (the shards share its runs.jsonl)")
+        shard = planned[index::count]
     print(f"MQAR: {len(planned)} runs; options {asdict(options)}", flush=True)
     started = time.perf_counter()
-    runs = run_grid(planned, options, out / "runs.jsonl" if out else None)
+    if shard is not None:  # this process's share only: the table needs every run
+        run_grid(shard, options, out / f"runs.shard{index}.jsonl")
+        wall = time.perf_counter() - started
+        print(f"shard {args.shard}: {len(shard)} runs, wall time {wall:.0f} s")
+        return
+    runs_file = out / "runs.jsonl" if out else None
+    if out is not None:
+        _gather_shards(out)
+    runs = run_grid(planned, options, runs_file)
     wall = time.perf_counter() - started
     rows = summarize(runs)
     table = format_table(rows)

@@ -134,6 +134,19 @@ RUNGS: dict[str, tuple[str, dict]] = {
     "p+f_bias": ("project (plain) + an output bias in f", _plain(f_output_bias=True)),
     "p+exp_dt": ("project (plain) + dt = exp(log_dt)", _plain(dt_param="exp")),
     "p+torch_init": ("project (plain) + PyTorch's default initialisation", _plain(init="torch")),
+    # the Megatron model with PyTorch's default initialisation, whole or in part
+    "p+torch_init_megatron": (
+        "project + PyTorch's default initialisation",
+        {**PROJECT, "reinit": "torch"},
+    ),
+    "p+torch_embeddings": (
+        "project + embeddings N(0, 1) (PyTorch's default), the rest N(0, 0.02)",
+        {**PROJECT, "reinit": "torch_embeddings"},
+    ),
+    "p+torch_linears": (
+        "project + linear layers U(+-1/sqrt(fan_in)) (PyTorch's), embeddings N(0, 0.02)",
+        {**PROJECT, "reinit": "torch_linears"},
+    ),
     # cumulative, from the project's setup to the independent one, a difference a rung
     "c2+ln_gelu_bias": (
         "p+torch_init + LayerNorm, GELU MLP, biases",
@@ -211,11 +224,26 @@ def _fmt_examples(values: list[int | None], total: int) -> str:
     return f"{median:,.0f} ({min(reached):,}-{max(reached):,})"
 
 
+COMPARE_AT = 1000  # the step every run of the table is compared at (probes stop at 1,200)
+
+
+def accuracy_at(run: dict, step: int) -> float:
+    """Held-out accuracy at the last evaluation up to ``step``; a run that stopped earlier
+    because it had solved the task keeps its final accuracy."""
+    points = [p for p in run["curve"] if p["step"] <= step]
+    return points[-1]["accuracy"] if points else float("nan")
+
+
+def _budget(run: dict) -> int:
+    options = run["options"]
+    return min(options["steps"], options.get("stop_after") or options["steps"]) * run["batch_size"]
+
+
 def report(records: list[dict]) -> str:
     """Markdown: one row per rung and variant, in ``RUNGS`` order."""
     lines = [
-        "| rung | what differs | variant | seeds | final accuracy | per seed | "
-        "examples to 0.9 (median, range) | solved |",
+        f"| rung | what differs | variant | seeds | accuracy at step {COMPARE_AT:,} (per seed) | "
+        "final accuracy (steps run) | examples to 0.9 (median, range) | solved |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for rung, (description, _) in RUNGS.items():
@@ -226,14 +254,15 @@ def report(records: list[dict]) -> str:
             )
             if not runs:
                 continue
-            accs = [r["accuracy"] for r in runs]
-            sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
-            budget = BASE["steps"] * BASE["batch_size"]
+            at = [accuracy_at(r, COMPARE_AT) for r in runs]
+            finals = ", ".join(f"{r['accuracy']:.2f} ({r['steps']})" for r in runs)
+            budget = max(_budget(r) for r in runs)
             lines.append(
                 f"| {rung} | {description} | {variant} | {len(runs)} | "
-                f"{statistics.mean(accs):.3f} ± {sd:.3f} | "
-                + ", ".join(f"{a:.2f}" for a in accs)
-                + f" | {_fmt_examples([r['examples_to_0.9'] for r in runs], budget)} | "
+                f"{statistics.mean(at):.3f} ("
+                + ", ".join(f"{a:.2f}" for a in at)
+                + f") | {finals} | "
+                f"{_fmt_examples([r['examples_to_0.9'] for r in runs], budget)} | "
                 f"{sum(r['solved'] for r in runs)}/{len(runs)} |"
             )
     return "\n".join(lines)
@@ -245,6 +274,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=None, help="override the 2,500 steps")
+    parser.add_argument(
+        "--stop-after", type=int, default=None, help="stop there (the schedule keeps --steps)"
+    )
     parser.add_argument("--out", default="runs/mqar_gap/runs.jsonl")
     parser.add_argument("--report", default=None, help="print the table of a runs.jsonl")
     parser.add_argument("--report-out", default=None, help="also write the table here")
@@ -263,6 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"unknown rungs {unknown}; choose from {list(RUNGS)}")
     overrides = {"steps": args.steps} if args.steps else {}
+    if args.stop_after:
+        overrides["stop_after"] = args.stop_after
     run(
         rungs,
         [v for v in args.variants.split(",") if v],

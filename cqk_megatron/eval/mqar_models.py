@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 
 import torch
 
@@ -62,6 +63,37 @@ def dt_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     if isinstance(model, PlainLM):
         return model.dt_parameters()
     return [p for name, p in model.named_parameters() if name.endswith("coupling.dt.raw")]
+
+
+# PyTorch's defaults, per kind of weight: Linear weight and bias U(+-1/sqrt(fan_in))
+# (kaiming_uniform_ with a=sqrt(5)), Embedding N(0, 1). What plain_model's init="torch" draws.
+REINIT_PARTS = ("torch", "torch_embeddings", "torch_linears")
+
+
+@torch.no_grad()
+def reinit_like_torch(model: torch.nn.Module, part: str = "torch") -> None:
+    """Redraw a (TP=1) Megatron model's weights from PyTorch's module defaults: ``torch``
+    every embedding and linear weight, ``torch_embeddings`` / ``torch_linears`` one kind.
+    Norms keep ones and zeros; the coupling keeps its own (PyTorch's) initialisation."""
+    if part not in REINIT_PARTS:
+        raise ValueError(f"reinit part {part!r}; choose one of {list(REINIT_PARTS)}")
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        if ".coupling." in name or "layernorm" in name:
+            continue
+        embedding = name.startswith("embedding.")
+        if part == "torch_embeddings" and not embedding:
+            continue
+        if part == "torch_linears" and embedding:
+            continue
+        if embedding:
+            param.normal_(0.0, 1.0)
+        elif param.dim() == 2:  # [out, in]: fused QKV and gate/up rows share one fan-in
+            bound = 1 / math.sqrt(param.shape[1])
+            param.uniform_(-bound, bound)
+        elif name.endswith(".bias"):
+            bound = 1 / math.sqrt(params[name[: -len("bias")] + "weight"].shape[1])
+            param.uniform_(-bound, bound)
 
 
 # --- the project's model as a PlainLM ------------------------------------------------------

@@ -19,8 +19,15 @@ import torch
 import torch.nn.functional as F
 
 from cqk_megatron.config import VARIANTS, RunConfig, load_config, validate
+from cqk_megatron.device import device, to_device
 from cqk_megatron.eval.mqar_data import IGNORE_INDEX, MQARSetting, generate
-from cqk_megatron.eval.mqar_models import build_megatron, dt_parameters, query_logits
+from cqk_megatron.eval.mqar_models import (
+    REINIT_PARTS,
+    build_megatron,
+    dt_parameters,
+    query_logits,
+    reinit_like_torch,
+)
 from cqk_megatron.eval.plain_model import PlainConfig, PlainLM
 
 MODELS = ("megatron", "plain")
@@ -37,6 +44,9 @@ class TrainOptions:
     family: str = "llama"  # megatron: a model family of config.MODEL_FAMILIES
     position: str = "pre_rope"  # megatron, coupled variants with RoPE: pre_rope | post_rope
     megatron: list[str] = field(default_factory=list)  # extra RunConfig overrides (k=v)
+    # megatron: redraw these weights from PyTorch's module defaults after Megatron's
+    # N(0, init_method_std) (mqar_models.REINIT_PARTS); None keeps Megatron's
+    reinit: str | None = None
     plain: dict = field(default_factory=dict)  # PlainConfig fields for model=plain
     vocab_size: int = 256
     hidden_size: int = 64
@@ -65,6 +75,7 @@ class TrainOptions:
     eval_examples: int = 512
     eval_every: int = 0  # steps between evaluations; 0: at the end only
     stop_at: float | None = None  # stop once held-out accuracy reaches this
+    stop_after: int | None = None  # stop after this many steps; the schedule spans `steps`
     seed: int = 0
 
     def batch_for(self, setting: MQARSetting) -> int:
@@ -79,6 +90,10 @@ class TrainOptions:
         ):
             if value not in allowed:
                 raise ValueError(f"MQAR option {name}={value!r}; choose one of {list(allowed)}")
+        if self.reinit is not None and self.reinit not in REINIT_PARTS:
+            raise ValueError(
+                f"MQAR option reinit={self.reinit!r}; choose one of {list(REINIT_PARTS)} or None"
+            )
         if self.train_examples is not None and self.train_examples < 1:
             raise ValueError("MQAR option train_examples must be positive (or None: fresh)")
 
@@ -132,8 +147,12 @@ def build(variant: str, setting: MQARSetting, options: TrainOptions) -> torch.nn
     """The seeded model of ``variant`` for ``setting``."""
     torch.manual_seed(options.seed)
     if options.model == "plain":
-        return PlainLM(plain_config(variant, setting, options))
-    return build_megatron(model_config(variant, setting, options))
+        with torch.device(device()):  # parameters made where the batches go
+            return PlainLM(plain_config(variant, setting, options))
+    model = build_megatron(model_config(variant, setting, options))
+    if options.reinit is not None:
+        reinit_like_torch(model, options.reinit)
+    return model
 
 
 def lr_factor(step: int, total: int, warmup_fraction: float) -> float:
@@ -199,7 +218,7 @@ class Batches:
             take = self.order[self.cursor : self.cursor + self.batch_size - len(picked)]
             picked.extend(take.tolist())
             self.cursor += len(take)
-        index = torch.tensor(picked)
+        index = torch.tensor(picked, device="cpu")  # indexes the host-side set
         return self.fixed[0][index], self.fixed[1][index]
 
 
@@ -210,11 +229,11 @@ def accuracy(
     """Fraction of labelled positions whose argmax prediction is the value."""
     was_training = model.training
     model.eval()
-    device = next(model.parameters()).device
     correct = total = 0
     for start in range(0, inputs.shape[0], batch_size):
-        tokens = inputs[start : start + batch_size].to(device)
-        target = labels[start : start + batch_size].to(device)
+        tokens, target = to_device(
+            (inputs[start : start + batch_size], labels[start : start + batch_size])
+        )
         mask = target != IGNORE_INDEX
         predicted = query_logits(model, tokens, mask).argmax(dim=-1)
         correct += int((predicted == target[mask]).sum())
@@ -237,7 +256,6 @@ def train_run(variant: str, setting: MQARSetting, options: TrainOptions, log=Non
     options.check()
     setting.check(options.vocab_size)
     model = build(variant, setting, options)
-    device = next(model.parameters()).device
     optimizer, schedule = _optimizer(model, options)
     batch_size = options.batch_for(setting)
     batches = Batches(setting, options, batch_size)
@@ -258,9 +276,10 @@ def train_run(variant: str, setting: MQARSetting, options: TrainOptions, log=Non
     loss, step = float("nan"), 0
     if options.eval_every:
         evaluate(0)
-    while step < options.steps:
+    last = min(options.steps, options.stop_after or options.steps)
+    while step < last:
         inputs, labels = batches.next()
-        inputs, labels = inputs.to(device), labels.to(device)
+        inputs, labels = to_device((inputs, labels))
         mask = labels != IGNORE_INDEX
         step_loss = F.cross_entropy(query_logits(model, inputs, mask).float(), labels[mask])
         optimizer.zero_grad(set_to_none=True)
@@ -272,7 +291,7 @@ def train_run(variant: str, setting: MQARSetting, options: TrainOptions, log=Non
         loss, step = step_loss.item(), step + 1
         if not math.isfinite(loss):
             break  # a diverged run: its last evaluation stands
-        if options.eval_every and step % options.eval_every == 0 and step < options.steps:
+        if options.eval_every and step % options.eval_every == 0 and step < last:
             if evaluate(step) >= (options.stop_at if options.stop_at is not None else math.inf):
                 break
     if not curve or curve[-1]["step"] != step:

@@ -123,7 +123,8 @@ class PlainRMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        # device=None: the default device (mqar_train builds the model under device())
+        self.weight = nn.Parameter(torch.ones(dim, device=None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
@@ -169,7 +170,7 @@ class PlainCoupling(nn.Module):
         self.dt_param = config.dt_param
         init = config.dt_init
         raw = math.log(init) if self.dt_param == "exp" else math.log(math.expm1(init))
-        self.dt_raw = nn.Parameter(torch.tensor([raw]))
+        self.dt_raw = nn.Parameter(torch.tensor([raw], device=None))  # the default device
 
     def dt(self) -> torch.Tensor:
         return torch.exp(self.dt_raw) if self.dt_param == "exp" else F.softplus(self.dt_raw)
@@ -210,7 +211,7 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tenso
     The angle table is fp32 whatever ``x`` is, as in Megatron (and the HF export).
     """
     d = x.shape[-1]
-    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
     angles = positions.to(torch.float32)[..., None] * inv_freq  # [b, s, d/2]
     angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import signal
 import time
 
-import torch
-import torch.distributed as dist
+from cqk_megatron.training import collectives
 
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: "try again", the launcher requeues
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -42,9 +41,7 @@ class StopRequest:
 
     def agreed(self) -> bool:
         """Collective: True on every rank if any rank wants to stop."""
-        flag = torch.tensor([1.0 if self.local_reason() else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return collectives.any_rank(self.local_reason() is not None)
 
 
 def protect_checkpoint_writer() -> None:
