@@ -175,8 +175,18 @@ def test_command_writes_every_seed_curve_table_and_plot(capsys, tmp_path):
     argv = ["--variants", "standard,coupled", "--settings", "64x4", "--seeds", "0,1"]
     argv += ["--families", "llama,gpt2", "--positions", "pre_rope,post_rope", "--steps", "4"]
     argv += ["--eval-every", "2", "--vocab-size", "128", "--eval-examples", "16"]
+    # two shards train the runs between them; the command without --shard gathers them
+    for shard in ("0/2", "1/2"):
+        mqar.main([*argv, "--out-dir", str(tmp_path), "--shard", shard])
+    shard_lines = [
+        len((tmp_path / f"runs.shard{k}.jsonl").read_text().splitlines()) for k in (0, 1)
+    ]
+    assert shard_lines == [5, 5] and not (tmp_path / "runs.jsonl").exists()
+    capsys.readouterr()
     mqar.main([*argv, "--out-dir", str(tmp_path)])
     printed = capsys.readouterr().out
+    # nothing left to train: no progress line ("[i/n] ...")
+    assert not any(line.startswith("[") for line in printed.splitlines())
     assert "| llama | post_rope | coupled | 64x4 |" in printed
     assert "| gpt2 | pre_rope | standard | 64x4 |" in printed
     payload = json.loads((tmp_path / "mqar_results.json").read_text())
@@ -219,3 +229,35 @@ def test_weight_decay_can_spare_dt():
     dts = model.dt_parameters()
     assert len(dts) == 2 and all(decays[id(p)] == 0.0 for p in dts)
     assert sum(1 for v in decays.values() if v == 0.1) == len(decays) - 2
+
+
+@pytest.mark.parametrize("variant", ["standard", "coupled"])
+def test_plain_inits_have_the_laws_of_the_megatron_inits(variant):
+    """The gap study compares the two models by their initial law: the plain model's
+    ``init="gpt2"`` must draw what Megatron draws (N(0, 0.02), 0.02 / sqrt(2 layers) for the
+    two projections into the residual stream), and its ``init="torch"`` what
+    ``reinit_like_torch`` redraws the Megatron model with; tensor by tensor, by std."""
+    from cqk_megatron.eval.mqar_gap import rung_options
+    from cqk_megatron.eval.mqar_models import plain_state_from_megatron
+    from cqk_megatron.eval.mqar_train import build, model_config
+
+    setting = MQARSetting(128, 8)
+
+    def stds(rung):
+        options = rung_options(rung, seed=3)
+        model = build(variant, setting, options)
+        state = dict(model.state_dict())
+        if options.model == "megatron":
+            state = plain_state_from_megatron(state, model_config(variant, setting, options))
+        return {k: v.float().std().item() for k, v in state.items() if v.numel() >= 4096}
+
+    for megatron_rung, plain_rung in (
+        ("project", "project_plain"),
+        ("p+torch_init_megatron", "p+torch_init"),
+    ):
+        megatron, plain = stds(megatron_rung), stds(plain_rung)
+        assert set(megatron) == set(plain) and len(megatron) >= 10
+        for name, std in megatron.items():
+            assert abs(std / plain[name] - 1) < 0.06, (megatron_rung, name, std, plain[name])
+    # and the two laws differ: 0.02 against PyTorch's U(+-1/8) and N(0, 1)
+    assert stds("project")["tok_emb.weight"] < 0.03 < 0.9 < stds("p+torch_init")["tok_emb.weight"]

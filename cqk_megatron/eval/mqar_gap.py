@@ -139,6 +139,10 @@ RUNGS: dict[str, tuple[str, dict]] = {
         "project + PyTorch's default initialisation",
         {**PROJECT, "reinit": "torch"},
     ),
+    "p+init_std_0.072": (
+        "project + model.init_method_std=0.072 (PyTorch's linear std at fan-in 64) for 0.02",
+        {**PROJECT, "megatron": ["model.init_method_std=0.072"]},
+    ),
     "p+torch_embeddings": (
         "project + embeddings N(0, 1) (PyTorch's default), the rest N(0, 0.02)",
         {**PROJECT, "reinit": "torch_embeddings"},
