@@ -311,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
         elif f.name == "reinit":
             parser.add_argument(option, choices=REINIT_PARTS, default=None)
         elif value is None or f.name == "stop_at":
-            parser.add_argument(option, type=float if f.name == "stop_at" else int, default=None)
+            kind = float if f.name in ("stop_at", "init_std") else int
+            parser.add_argument(option, type=kind, default=None)
         else:
             parser.add_argument(option, type=type(value), default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")

@@ -55,7 +55,9 @@ BASE = dict(
     eval_examples=512,
     stop_at=0.99,
 )
-PROJECT = dict(model="megatron", family="llama")
+# The project's model as the issue ran it: N(0, 0.02) whatever the width (before
+# mqar_train.width_init_std).
+PROJECT = dict(model="megatron", family="llama", init_std=0.02)
 # The project's architecture in the plain model (same function, same initial law).
 PROJECT_PLAIN_MODEL = dict(
     norm="rmsnorm",
@@ -141,7 +143,7 @@ RUNGS: dict[str, tuple[str, dict]] = {
     ),
     "p+init_std_0.072": (
         "project + model.init_method_std=0.072 (PyTorch's linear std at fan-in 64) for 0.02",
-        {**PROJECT, "megatron": ["model.init_method_std=0.072"]},
+        {**PROJECT, "init_std": 0.072},
     ),
     "p+torch_embeddings": (
         "project + embeddings N(0, 1) (PyTorch's default), the rest N(0, 0.02)",

@@ -44,6 +44,10 @@ class TrainOptions:
     family: str = "llama"  # megatron: a model family of config.MODEL_FAMILIES
     position: str = "pre_rope"  # megatron, coupled variants with RoPE: pre_rope | post_rope
     megatron: list[str] = field(default_factory=list)  # extra RunConfig overrides (k=v)
+    # megatron: model.init_method_std; None: width_init_std(hidden_size). The project's
+    # 0.02 is GPT-2's choice for width 768; at width 64 it makes q.k 13x smaller than
+    # PyTorch's default and slowed recall for every variant (mqar_gap.py, README)
+    init_std: float | None = None
     # megatron: redraw these weights from PyTorch's module defaults after Megatron's
     # N(0, init_method_std) (mqar_models.REINIT_PARTS); None keeps Megatron's
     reinit: str | None = None
@@ -90,12 +94,20 @@ class TrainOptions:
         ):
             if value not in allowed:
                 raise ValueError(f"MQAR option {name}={value!r}; choose one of {list(allowed)}")
+        if self.init_std is not None and not self.init_std > 0:
+            raise ValueError(f"MQAR option init_std={self.init_std}; must be positive (or None)")
         if self.reinit is not None and self.reinit not in REINIT_PARTS:
             raise ValueError(
                 f"MQAR option reinit={self.reinit!r}; choose one of {list(REINIT_PARTS)} or None"
             )
         if self.train_examples is not None and self.train_examples < 1:
             raise ValueError("MQAR option train_examples must be positive (or None: fresh)")
+
+
+def width_init_std(hidden_size: int) -> float:
+    """``1 / sqrt(3 * hidden_size)``: PyTorch's ``nn.Linear`` default (U(+-1/sqrt(fan_in)))
+    as a normal std. 0.072 at width 64; 0.0208 at width 768, GPT-2's 0.02 there."""
+    return 1 / math.sqrt(3 * hidden_size)
 
 
 def model_config(variant: str, setting: MQARSetting, options: TrainOptions) -> RunConfig:
@@ -120,6 +132,7 @@ def model_config(variant: str, setting: MQARSetting, options: TrainOptions) -> R
             "model.make_vocab_size_divisible_by=8",
             f"train.micro_batch_size={options.batch_size}",
             f"train.global_batch_size={options.batch_size}",
+            f"model.init_method_std={options.init_std or width_init_std(options.hidden_size)}",
             *options.megatron,
         ],
     )
