@@ -89,7 +89,7 @@ def _plain(**model) -> dict:
 
 # name -> (what differs from the project, TrainOptions fields over BASE)
 RUNGS: dict[str, tuple[str, dict]] = {
-    "project": ("the project's setup (Megatron model)", PROJECT),
+    "project": ("the project's setup as the issue ran it (Megatron model, N(0, 0.02))", PROJECT),
     "project_plain": ("the project's setup in the plain model", _plain()),
     "independent": (
         "the independent setup",
