@@ -25,6 +25,13 @@ the project's setup with one difference X of the independent one, ``i-X`` the in
 setup without X, and ``p+torch_init``, ``c2``, ``c3``, ``c4``, ``i-fixed_set``,
 ``independent`` a ladder that adds
 one difference a rung. Each rung is its options, so a new one is one line.
+
+What it found (README, "MQAR"): the gap was the initialisation. The MQAR model took the
+project's N(0, 0.02), GPT-2's scale for width 768, at width 64; ``p+torch_init_megatron``
+(PyTorch's defaults redrawn into the Megatron model) learns like the plain model with the
+same initialisation, and ``p+init_std_0.072`` solves 128x8 at step 500. The MQAR model
+now starts at ``mqar_train.width_init_std``; the ``project`` rung keeps 0.02 to show the
+gap. ``--stop-after 1000`` cuts a probe there (the schedule still spans 2,500 steps).
 """
 
 from __future__ import annotations
