@@ -5,12 +5,16 @@ Works under torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/
 and the first node of ``SLURM_JOB_NODELIST``) and submitit (which sets the Slurm
 variables too). The default process group is NCCL on GPU and gloo on CPU (why not both
 backends at once: ``cqk_megatron.training.collectives``), and the rank's GPU is bound
-(``cqk_megatron.device.bind``) before it is created.
+(``cqk_megatron.device.bind``) before it is created. A single process started without any
+of these (a plain ``cqk-train``) rendezvouses on a port that is free now, so two of them on
+one machine do not collide; a port already taken is reported with how to choose another.
 """
 
 from __future__ import annotations
 
 import os
+import random
+import socket
 import subprocess
 from dataclasses import dataclass
 
@@ -69,7 +73,30 @@ def discover(env: dict[str, str] | None = None) -> DistEnv:
             # launch/job.py's rendezvous_port: below the kernel's ephemeral port range
             master_port=int(env.get("MASTER_PORT", 20000 + job_id % 12000)),
         )
-    return DistEnv(0, 0, 1, "127.0.0.1", int(env.get("MASTER_PORT", 29500)))
+    port = env.get("MASTER_PORT")
+    return DistEnv(0, 0, 1, "127.0.0.1", int(port) if port else free_port())
+
+
+# Below Linux's ephemeral range (32768-60999), where gloo's own sockets take their ports:
+# the range launch/job.py's rendezvous ports come from.
+PORTS = range(20000, 32000)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free on ``host`` now, drawn at random from ``PORTS``."""
+    for port in random.sample(PORTS, 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port among 200 tried in {PORTS.start}-{PORTS.stop - 1}")
+
+
+def _port_in_use(error: Exception) -> bool:
+    text = str(error)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
 def backend() -> str:
@@ -92,12 +119,22 @@ def init_process_group(dist_env: DistEnv | None = None) -> DistEnv:
     bind()  # cuda:LOCAL_RANK, read from the variables just set (no-op on CPU)
     cpu_bridge.install()  # no-op with CUDA
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend(),
-            init_method=f"tcp://{dist_env.master_addr}:{dist_env.master_port}",
-            rank=dist_env.rank,
-            world_size=dist_env.world_size,
-        )
+        try:
+            dist.init_process_group(
+                backend=backend(),
+                init_method=f"tcp://{dist_env.master_addr}:{dist_env.master_port}",
+                rank=dist_env.rank,
+                world_size=dist_env.world_size,
+            )
+        except RuntimeError as error:
+            if not _port_in_use(error):
+                raise
+            raise RuntimeError(
+                f"rendezvous port {dist_env.master_port} on {dist_env.master_addr} is already "
+                "in use (another job on this machine?); set MASTER_PORT to a free port, e.g. "
+                f"MASTER_PORT={free_port()} (torchrun: --master-port), or leave it unset for a "
+                "single process to pick one"
+            ) from error
     return dist_env
 
 

@@ -41,7 +41,9 @@ def slurm_executor(
 def local_executor(
     folder: Path, profile: ClusterProfile, resources: Resources
 ) -> submitit.LocalExecutor:
-    executor = submitit.LocalExecutor(
+    from launch.local_job import LocalExecutor  # its job id ends every process of the job
+
+    executor = LocalExecutor(
         folder=folder, max_num_timeout=resources.max_requeues, python=job_python(profile)
     )
     executor.update_parameters(

@@ -10,9 +10,7 @@ lives.
 
 from __future__ import annotations
 
-import os
 import subprocess
-from pathlib import Path
 
 # States after which a job will not run again by itself.
 FINAL_STATES = {
@@ -95,18 +93,13 @@ def slurm_states(job_ids: list[str]) -> dict[str, str]:
 
 def local_state(job_id: str) -> str:
     """A local job's id is its controller's pid: RUNNING while that process lives."""
+    from launch.local_job import is_controller
+
     try:
         pid = int(job_id)
     except ValueError:
         return "UNKNOWN"
-    cmdline = Path(f"/proc/{pid}/cmdline")
-    try:
-        alive = b"submitit.local._local" in cmdline.read_bytes()
-        if alive:
-            os.kill(pid, 0)
-    except (OSError, ProcessLookupError):
-        alive = False
-    return "RUNNING" if alive else "FINISHED"
+    return "RUNNING" if is_controller(pid) else "FINISHED"
 
 
 def job_state(job_id: str, cluster: str) -> str:

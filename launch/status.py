@@ -1,8 +1,10 @@
 """``python launch/submit.py status RUN_DIR...``: where a run stands.
 
 For each run folder: the latest job and its state (Slurm's, or the local process's), the
-attempt it is on, the latest step, training and validation loss, the newest complete
-checkpoint, whether the run finished, and the tail of its rank-0 log.
+attempt it is on, the process holding the run (its lease), why the last job refused to
+start or failed, the latest step, training and validation loss, the newest complete
+checkpoint, whether the run finished, the free disk space (a full disk cuts logs short,
+so it is said here), and the tail of its rank-0 log.
 """
 
 from __future__ import annotations
@@ -10,8 +12,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from cqk_megatron import run_lease
+from cqk_megatron.run_folder import free_bytes, human_bytes
 from launch import run_dir as runs
 from launch import slurm_state
+
+LOW_DISK_BYTES = 1 << 30  # below this, status says the disk is (nearly) full
 
 
 def _tail(path: Path, lines: int) -> list[str]:
@@ -46,6 +52,7 @@ def describe(run_dir: Path, log_lines: int = 10) -> str:
             out.append(
                 f"last stop  exit {stops[-1].get('exit')}, requeue: {stops[-1].get('requeue')}"
             )
+    out.extend(_holder_and_problems(run_dir, history))
     summary = runs.summary(run_dir)
     train = runs.latest_train_record(run_dir)
     valid = runs.latest_valid_record(run_dir)
@@ -61,6 +68,9 @@ def describe(run_dir: Path, log_lines: int = 10) -> str:
         out.append(f"validation step {valid['step']}, loss {valid['val_loss']:.4f}")
     checkpoint = runs.latest_checkpoint(run_dir)
     out.append(f"checkpoint {checkpoint or 'none yet'}")
+    free = free_bytes(run_dir)
+    full = " (nearly full: a job may fail to save or to log)" if free < LOW_DISK_BYTES else ""
+    out.append(f"disk       {human_bytes(free)} free{full}")
     logs = [e["log"] for e in history if e["event"] == "started" and e.get("log")]
     if logs:
         for stream in ("stdout", "stderr"):
@@ -69,6 +79,21 @@ def describe(run_dir: Path, log_lines: int = 10) -> str:
             out.append(f"log tail   {path} ({len(tail)} lines)")
             out.extend(f"  | {line}" for line in tail)
     return "\n".join(out)
+
+
+def _holder_and_problems(run_dir: Path, history: list[dict]) -> list[str]:
+    out = []
+    holder = run_lease.read_holder(run_dir)
+    if holder is not None:
+        alive = "" if holder.alive() else " (dead: the next job takes the run over)"
+        out.append(f"held by    {holder.describe()}{alive}")
+    problems = [e for e in history if e["event"] in ("refused", "failed", "cancelled")]
+    if problems:
+        last = problems[-1]
+        why = last.get("reason") or last.get("how") or ""
+        first_line = why.splitlines()[0] if why else ""
+        out.append(f"{last['event']:<10} job {last.get('job_id')}: {first_line}")
+    return out
 
 
 def main(argv: list[str]) -> int:
