@@ -39,6 +39,40 @@ from cqk_megatron.variants import (
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
+# Model families are presets of the model's architecture fields, as variants are of the
+# attention's: Llama-style (the default fields) and GPT-2-style.
+MODEL_FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {
+        "normalization": "RMSNorm",
+        "swiglu": True,
+        "position_embedding_type": "rope",
+        "add_bias_linear": False,
+    },
+    "gpt2": {
+        "normalization": "LayerNorm",
+        "swiglu": False,  # a GELU MLP of width 4 x hidden
+        "position_embedding_type": "learned_absolute",
+        "add_bias_linear": True,  # biases in QKV, attention output, fc1 and fc2, as GPT-2
+    },
+}
+POSITION_EMBEDDINGS = ("rope", "learned_absolute")
+
+
+def family_overrides(family: str) -> list[str]:
+    """``key=value`` overrides that turn any model config into ``family``'s architecture
+    (its fields set explicitly, so they win over a file that names the other family's;
+    the MLP width goes back to the family's default: 8/3 x hidden for SwiGLU, 4 x for GELU)."""
+    if family not in MODEL_FAMILIES:
+        raise ConfigError(
+            f"model family {family!r} is unknown; choose one of {list(MODEL_FAMILIES)}"
+        )
+    fields = [
+        f"model.{key}={str(value).lower() if isinstance(value, bool) else value}"
+        for key, value in MODEL_FAMILIES[family].items()
+    ]
+    return [f"model.family={family}", *fields, "model.ffn_hidden_size=null"]
+
+
 # train.recompute (Megatron-Core's recompute_granularity) and, for full, its method; the
 # planner (perf/memory.py, perf/plan.py) offers exactly these.
 RECOMPUTE = ("none", "selective", "full")
@@ -51,7 +85,12 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """Transformer shape (Llama-style by default: RMSNorm, SwiGLU, RoPE, no biases)."""
+    """Transformer shape (Llama-style by default: RMSNorm, SwiGLU, RoPE, no biases).
+
+    ``family`` (``llama`` | ``gpt2``, see ``MODEL_FAMILIES``) fills in the architecture
+    fields it names wherever the config does not set them; ``validate`` refuses a field
+    that contradicts the family. ``None``: the fields alone decide.
+    """
 
     num_layers: int = 4
     hidden_size: int = 128
@@ -69,6 +108,17 @@ class ModelConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     layernorm_epsilon: float = 1e-5
+    position_embedding_type: str = "rope"  # rope | learned_absolute (model.seq_length rows)
+    add_bias_linear: bool = False  # biases in every linear layer but the output layer
+    family: str | None = None  # llama | gpt2: presets of the four fields above and swiglu
+
+    @property
+    def architecture_family(self) -> str:
+        """The family these fields describe (``llama``, ``gpt2``), or ``custom``."""
+        for name, fields in MODEL_FAMILIES.items():
+            if all(getattr(self, key) == value for key, value in fields.items()):
+                return name
+        return "custom"
 
     @property
     def head_dim(self) -> int:
@@ -356,10 +406,19 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+def apply_model_family(data: dict) -> dict:
+    """Fill in the architecture fields of ``model.family`` that ``data`` leaves unset."""
+    model = data.get("model")
+    family = model.get("family") if isinstance(model, dict) else None
+    if family not in MODEL_FAMILIES:
+        return data  # None, or unknown: validate() names it
+    return _deep_merge(data, {"model": {**MODEL_FAMILIES[family], **model}})
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Load a YAML config (or the defaults) and apply overrides; does not validate."""
     data = load_yaml_dict(path) if path is not None else {}
-    data = apply_overrides(data, overrides or [])
+    data = apply_model_family(apply_overrides(data, overrides or []))
     source = str(path) if path is not None else "defaults"
     if overrides:
         source += " + overrides"
@@ -439,6 +498,22 @@ def validate(config: RunConfig, world_size: int | None = None) -> RunConfig:
     choice(a.coupling_impl, COUPLING_IMPLS, "attention.coupling_impl")
     choice(a.differential_kernel, DIFFERENTIAL_KERNEL_SETTINGS, "attention.differential_kernel")
     choice(m.normalization, ("RMSNorm", "LayerNorm"), "model.normalization")
+    choice(m.position_embedding_type, POSITION_EMBEDDINGS, "model.position_embedding_type")
+    if m.family is not None:
+        choice(m.family, tuple(MODEL_FAMILIES), "model.family")
+        for key, value in MODEL_FAMILIES.get(m.family, {}).items():
+            check(
+                getattr(m, key) == value,
+                f"model.{key}={getattr(m, key)!r} contradicts model.family={m.family!r}, which "
+                f"has model.{key}={value!r}; drop the model.{key} override, or set "
+                "model.family=null to describe a custom architecture by its fields",
+            )
+    check(
+        not (a.position == "post_rope" and m.position_embedding_type != "rope"),
+        f"attention.position=post_rope needs RoPE, but model.position_embedding_type="
+        f"{m.position_embedding_type!r} has none (the coupling would run where pre_rope does); "
+        "use attention.position=pre_rope",
+    )
     choice(t.precision, ("fp32", "bf16", "fp64"), "train.precision")
     choice(config.backend, ("local", "transformer_engine"), "backend")
     choice(t.lr_schedule, ("cosine", "wsd", "constant"), "train.lr_schedule")

@@ -10,7 +10,8 @@ safetensors (sharded above ``max_shard_size``), the tokenizer, ``README.md`` and
 ``cqk_run_config.yaml`` (the full ``RunConfig``, which the importer reads back); a
 non-Llama variant adds ``configuration_cqk.py``, ``modeling_cqk.py``, a verbatim copy
 of ``cqk_megatron/coupling.py`` and ``cqk_variant.py``, the variant's classes
-(``remote_source``).
+(``remote_source``). Standard attention exports to a native class where one is exact:
+``LlamaForCausalLM`` (Llama family) or ``GPT2LMHeadModel`` (GPT-2 family).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from cqk_megatron.checkpoint_files import LATEST, MANIFEST
 from cqk_megatron.config import ConfigError, RunConfig, load_config, save_config, validate
 from cqk_megatron.convert.checkpoint_io import read_full_state_dict
 from cqk_megatron.convert.errors import ConversionError
-from cqk_megatron.convert.hf_config import check_exportable, hf_config_dict, is_llama_compatible
+from cqk_megatron.convert.gpt2_layout import megatron_to_gpt2
+from cqk_megatron.convert.hf_config import GPT2, check_exportable, hf_config_dict, native_model_type
 from cqk_megatron.convert.hf_remote import REMOTE_CODE_DIR, REMOTE_CODE_FILES
 from cqk_megatron.convert.layout import (
     ModelLayout,
@@ -87,14 +89,15 @@ def export_state_dict(
     target_dtype = _export_dtype(state, dtype)
     state = {name: tensor.detach().to("cpu", target_dtype) for name, tensor in state.items()}
     layout = ModelLayout.from_run_config(config)
-    hf_tensors = megatron_to_hf(state, layout)
+    native = native_model_type(config)
+    hf_tensors = (megatron_to_gpt2 if native == GPT2 else megatron_to_hf)(state, layout)
     num_parameters = sum(t.numel() for t in state.values())
 
     with staged_folder(out_dir, overwrite) as staging:
         _write_json(staging / "config.json", hf_config_dict(config, target_dtype, special_ids))
         _write_json(staging / "generation_config.json", _generation_config(special_ids))
         save_weights(hf_tensors, staging, max_shard_size)
-        if not is_llama_compatible(config):
+        if native is None:
             _copy_remote_code(staging, config)
         if tokenizer_path is not None:
             save_tokenizer(tokenizer_path, staging)

@@ -62,18 +62,27 @@ def scoring_parameters(config: RunConfig) -> int:
 
 
 def layer_parameters(config: RunConfig, tp: int = 1) -> int:
-    """One transformer layer on one TP rank (no biases: ``add_bias_linear=False``)."""
+    """One transformer layer on one TP rank.
+
+    With ``add_bias_linear`` the column-parallel biases (QKV, fc1) are split like their
+    rows; the row-parallel ones (attention output, fc2) are whole on every rank.
+    """
     m = config.model
     h, d, hq, hkv, f = m.hidden_size, m.head_dim, m.num_attention_heads, m.kv_heads, m.ffn_size
+    fc1_rows = f * (2 if m.swiglu else 1)  # gate and up fused
     sharded = (
         h * (hq + 2 * hkv) * d  # linear_qkv (column parallel)
         + hq * d * h  # linear_proj (row parallel)
-        + h * f * (2 if m.swiglu else 1)  # linear_fc1: gate and up fused
+        + h * fc1_rows  # linear_fc1
         + f * h  # linear_fc2
     )
+    if m.add_bias_linear:
+        sharded += (hq + 2 * hkv) * d + fc1_rows
     if sharded % tp:
         raise ValueError(f"layer weights do not split evenly over tensor_parallel={tp}")
     replicated = 2 * norm_parameters(config) + coupling_parameters(config)
+    if m.add_bias_linear:
+        replicated += 2 * h
     return sharded // tp + replicated + scoring_parameters(config)
 
 
@@ -86,9 +95,10 @@ def stage_parameters(
 ) -> int:
     """Parameters on one rank of a pipeline stage holding ``num_layers / pp`` layers.
 
-    The first stage has the word embeddings; the last the final norm and the output
-    layer, whose weight is the embedding's when tied and both are on one stage (a tied
-    output on a later stage keeps its own copy, kept equal by Megatron).
+    The first stage has the word embeddings (and the learned position table, whole on
+    every TP rank); the last the final norm and the output layer, whose weight is the
+    embedding's when tied and both are on one stage (a tied output on a later stage keeps
+    its own copy, kept equal by Megatron).
     """
     m = config.model
     if m.num_layers % pp:
@@ -96,6 +106,8 @@ def stage_parameters(
     total = m.num_layers // pp * layer_parameters(config, tp)
     if first:
         total += embedding_parameters(config, tp)
+        if m.position_embedding_type == "learned_absolute":
+            total += m.seq_length * m.hidden_size
     if last:
         total += norm_parameters(config)
         if not (m.tie_embeddings and first):
@@ -249,8 +261,8 @@ def activation_estimate(
 
     terms = activation_terms(config, s, sdpa_kernel)
     per_layer = {name: term_bytes(term) for name, term in terms.items()}
-    # RoPE's cos and sin, for q and for k, per position (not per token)
-    per_layer["rope_tables"] = 4 * s * m.head_dim * act
+    if m.position_embedding_type == "rope":  # cos and sin, for q and k, per position
+        per_layer["rope_tables"] = 4 * s * m.head_dim * act
     full_layer = sum(per_layer.values())
     dropped = set()
     if recompute == "selective":

@@ -1,6 +1,7 @@
 """Configuration of the CQK causal language model (exported from cqk-megatron).
 
-A Llama-shaped decoder (pre-norm, RoPE, no biases) whose attention may couple each
+A Llama-shaped decoder (pre-norm, RoPE, no biases; or GPT-2-shaped: learned absolute
+positions, LayerNorm, GELU, biases in every projection) whose attention may couple each
 token's (q, k) before scoring (``coupling``: a cqk-megatron coupling's name, e.g.
 hamiltonian; its module class ``coupling_class``, built with ``coupling_options``) and may
 score with a rule of its own (``scoring``, e.g. differential; its class ``scoring_class``,
@@ -14,6 +15,7 @@ from transformers import PretrainedConfig
 COUPLING_POSITIONS = ("pre_rope", "post_rope")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 MLP_ACTIVATIONS = ("swiglu", "gelu")
+POSITION_EMBEDDINGS = ("rope", "learned_absolute")
 
 
 class CQKConfig(PretrainedConfig):
@@ -34,6 +36,8 @@ class CQKConfig(PretrainedConfig):
         normalization: str = "RMSNorm",
         norm_eps: float = 1e-5,
         mlp_activation: str = "swiglu",
+        position_embedding_type: str = "rope",
+        linear_bias: bool = False,
         initializer_range: float = 0.02,
         coupling: str = "none",
         coupling_options: dict | None = None,
@@ -59,6 +63,8 @@ class CQKConfig(PretrainedConfig):
         self.normalization = normalization
         self.norm_eps = norm_eps
         self.mlp_activation = mlp_activation
+        self.position_embedding_type = position_embedding_type
+        self.linear_bias = linear_bias
         self.initializer_range = initializer_range
         self.coupling = coupling
         self.coupling_options = dict(coupling_options or {})
@@ -78,6 +84,7 @@ class CQKConfig(PretrainedConfig):
             "coupling_position": (self.coupling_position, COUPLING_POSITIONS),
             "normalization": (self.normalization, NORMALIZATIONS),
             "mlp_activation": (self.mlp_activation, MLP_ACTIVATIONS),
+            "position_embedding_type": (self.position_embedding_type, POSITION_EMBEDDINGS),
         }
         for key, (value, options) in choices.items():
             if value not in options:
