@@ -147,10 +147,13 @@ def test_the_audit_saw_the_loops_collectives(runs):
         for record in audit["records"]:
             key = (record["caller"].rsplit("/", 1)[-1], record["function"])
             seen[key] = seen.get(key, 0) + record["calls"]
-    # the parameter count, the stop flag and the loss every step; barriers at saves; the
-    # TP sums of the replicated parameters' gradients (f, dt, lambda, norms under SP)
+    # the parameter count, the stop flag and the loss every step; at each save the ranks'
+    # outcomes gathered (every rank fails together) and a barrier before the weights-only
+    # save; the TP sums of the replicated parameters' gradients (f, dt, lambda, norms
+    # under SP)
     assert seen.get(("collectives.py", "all_reduce"), 0) >= 3 * STEPS, seen
-    assert seen.get(("collectives.py", "barrier"), 0) >= 3, seen
+    assert seen.get(("collectives.py", "all_gather_object"), 0) >= 3, seen
+    assert seen.get(("collectives.py", "barrier"), 0) >= 1, seen
     assert seen.get(("tp_grads.py", "all_reduce"), 0) > 0, seen
 
 
