@@ -35,10 +35,10 @@ import submitit
 from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE
 
 from cqk_megatron.config import RunConfig, from_dict
+from cqk_megatron.exit_codes import EXIT_REQUEUE
 from launch import run_dir as runs
 from launch import slurm_state
 
-EXIT_REQUEUE = 75  # cqk_megatron.training.preemption.EXIT_REQUEUE, without importing torch
 
 
 # Rendezvous ports stay below Linux's default ephemeral range (32768-60999): there the

@@ -13,7 +13,9 @@ import time
 import torch
 import torch.distributed as dist
 
-EXIT_REQUEUE = 75  # EX_TEMPFAIL: "try again", the launcher requeues
+from cqk_megatron.exit_codes import EXIT_REQUEUE
+
+__all__ = ["EXIT_REQUEUE", "STOP_SIGNALS", "StopRequest", "protect_checkpoint_writer"]
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 

@@ -1,0 +1,17 @@
+"""The exit codes a training process ends with, in one place (torch-free: the launcher,
+the local controller and the Slurm batch script read them without importing torch).
+
+- ``0``: the run finished (or this attempt's work is done).
+- ``EXIT_REQUEUE`` (75, EX_TEMPFAIL): stopped on purpose (a signal, the wall-clock budget,
+  ``train.exit_after_steps``) after saving a checkpoint; run it again to resume.
+- ``EXIT_WATCHDOG`` (76): the watchdog ended this rank because the job cannot go on: a
+  peer died, stopped answering, overran its phase bound, or never arrived at rendezvous.
+  The rank that exits with it is a survivor, not the cause; its one-line verdict (and
+  ``RUN/faults.jsonl``) names the rank that is. Relaunch from the newest checkpoint.
+- ``2``: a bad config (nothing was started); ``1``: any other error.
+"""
+
+from __future__ import annotations
+
+EXIT_REQUEUE = 75
+EXIT_WATCHDOG = 76

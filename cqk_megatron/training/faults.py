@@ -1,0 +1,131 @@
+"""Fault drills: make one rank fail on purpose, at a chosen phase and step.
+
+The watchdog and the launcher's relaunch are tested (and can be rehearsed on a cluster)
+by injecting a real fault into a real job::
+
+    CQK_FAULT="rank=1,phase=step,step=30,action=kill" python launch/submit.py ...
+
+Fields (comma-separated ``key=value``):
+
+- ``action``: ``crash`` (raise ``InjectedFault`` in the main thread), ``exit`` (exit
+  code 3 at once, no cleanup), ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself: alive
+  but silent), ``hang`` (the main thread blocks forever while the process stays alive: a
+  deadlock);
+- ``phase``: ``rendezvous``, ``startup``, ``data``, ``step``, ``eval``, ``save`` or
+  ``shutdown`` (the watchdog's phases), and ``step``: the step being trained or saved
+  (default: any); ``rank`` (default 0);
+- ``delay_s``: for ``kill`` and ``stop``, act this long after the phase began, from a
+  timer thread, so that the fault lands inside the phase (mid-write for ``save``);
+- ``once``: a file path; the fault fires only if the file does not exist, and creates it
+  (so a relaunched job is not hit again). Without it, every attempt is hit the same way.
+
+Nothing happens unless ``CQK_FAULT`` is set.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ACTIONS = ("crash", "exit", "kill", "stop", "hang")
+PHASES = ("rendezvous", "startup", "data", "step", "eval", "save", "shutdown")
+EXIT_INJECTED = 3  # action=exit: any code that is not one of cqk_megatron.exit_codes
+
+
+class InjectedFault(RuntimeError):
+    """The ``crash`` drill."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    action: str
+    phase: str
+    step: int | None = None
+    rank: int = 0
+    delay_s: float = 0.0
+    once: str | None = None
+
+    def matches(self, phase: str, step: int, rank: int) -> bool:
+        return (
+            phase == self.phase and rank == self.rank and (self.step is None or step == self.step)
+        )
+
+
+def parse(text: str) -> Fault:
+    """``CQK_FAULT``'s value; a clear error names the bad field."""
+    fields = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"CQK_FAULT: {item!r} is not key=value")
+        fields[key.strip()] = value.strip()
+    unknown = set(fields) - {"action", "phase", "step", "rank", "delay_s", "once"}
+    if unknown:
+        raise ValueError(f"CQK_FAULT: unknown keys {sorted(unknown)}")
+    if fields.get("action") not in ACTIONS:
+        raise ValueError(f"CQK_FAULT: action must be one of {list(ACTIONS)}")
+    if fields.get("phase") not in PHASES:
+        raise ValueError(f"CQK_FAULT: phase must be one of {list(PHASES)}")
+    return Fault(
+        action=fields["action"],
+        phase=fields["phase"],
+        step=int(fields["step"]) if "step" in fields else None,
+        rank=int(fields.get("rank", 0)),
+        delay_s=float(fields.get("delay_s", 0)),
+        once=fields.get("once"),
+    )
+
+
+_FAULT: Fault | None = None
+_PARSED = False
+
+
+def planned() -> Fault | None:
+    global _FAULT, _PARSED
+    if not _PARSED:
+        text = os.environ.get("CQK_FAULT", "")
+        _FAULT = parse(text) if text.strip() else None
+        _PARSED = True
+    return _FAULT
+
+
+def on_phase(phase: str, step: int, rank: int) -> None:
+    """Called as ``phase`` begins (by the watchdog, and before rendezvous)."""
+    fault = planned()
+    if fault is None or not fault.matches(phase, step, rank):
+        return
+    if fault.once is not None:
+        marker = Path(fault.once)
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            with marker.open("x") as handle:  # atomic: only the first attempt fires
+                handle.write(f"{phase} step {step} rank {rank} pid {os.getpid()}\n")
+        except FileExistsError:
+            return
+    print(
+        f"CQK_FAULT: rank {rank} (pid {os.getpid()}) injects '{fault.action}' in phase "
+        f"{phase} at step {step}",
+        flush=True,
+    )
+    if fault.action in ("kill", "stop") and fault.delay_s > 0:
+        threading.Timer(fault.delay_s, _act, args=(fault.action,)).start()
+        return
+    _act(fault.action)
+
+
+def _act(action: str) -> None:
+    if action == "crash":
+        raise InjectedFault("CQK_FAULT: injected crash")
+    if action == "exit":
+        os._exit(EXIT_INJECTED)
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if action == "hang":
+        while True:  # a deadlocked main thread: the watchdog thread keeps running
+            time.sleep(3600)
