@@ -156,6 +156,8 @@ def rendezvous(dist_env: DistEnv, timeout_s: float) -> dist.Store:
     started = time.monotonic()
     host = dist_env.rank == 0 and not _uses_agent_store()
     try:
+        if not host:  # torch's client retries for up to twice its timeout: wait here instead
+            _wait_until_listening(dist_env.master_addr, dist_env.master_port, timeout_s)
         store = dist.TCPStore(
             dist_env.master_addr,
             dist_env.master_port,
@@ -193,6 +195,20 @@ def rendezvous(dist_env: DistEnv, timeout_s: float) -> dist.Store:
             f"{dist_env.world_size - len(missing)} of {dist_env.world_size} signed in"
         ) from error
     return store
+
+
+def _wait_until_listening(addr: str, port: int, timeout_s: float) -> None:
+    """Until something accepts connections at ``addr:port``; OSError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, min(left, 2.0))):
+                return
+        except OSError as error:
+            if time.monotonic() + 0.25 >= deadline:
+                raise OSError(f"nothing listens at {addr}:{port}: {error}") from error
+            time.sleep(0.25)
 
 
 def set_collective_timeout(seconds: float) -> None:
