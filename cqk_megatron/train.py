@@ -1,9 +1,10 @@
 """The main job: ``python -m cqk_megatron.train --config RUN.yaml [section.key=value ...]``.
 
 Runs under torchrun, ``srun`` or submitit (see ``cqk_megatron.distributed``), on CPU
-(gloo, fp32) or GPU (NCCL, bf16). Exit codes: 0 finished, 75 stopped by a signal or the
-wall-clock budget after saving a checkpoint (requeue and run again with ``--resume
-auto``), 1 error.
+(gloo, fp32) or GPU (NCCL, bf16). Exit codes (``cqk_megatron/exit_codes.py``): 0 finished,
+75 stopped by a signal or the wall-clock budget after saving a checkpoint (requeue and run
+again with ``--resume auto``), 76 the watchdog ended it (a rank was lost: relaunch), 2 a bad
+config, 1 another error. Under torchrun, ``cqk-torchrun`` keeps these codes.
 """
 
 from __future__ import annotations
@@ -33,9 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    from cqk_megatron.torchrun import record_exit
     from cqk_megatron.training.loop import train  # heavy imports after the config is checked
 
-    return train(config, resume=args.resume)
+    try:
+        code = train(config, resume=args.resume)
+    except BaseException:
+        record_exit(1)
+        raise
+    record_exit(code)  # for cqk-torchrun, whose agent may be signalled before it sees this
+    return code
 
 
 if __name__ == "__main__":

@@ -39,8 +39,6 @@ from cqk_megatron.exit_codes import EXIT_REQUEUE
 from launch import run_dir as runs
 from launch import slurm_state
 
-
-
 # Rendezvous ports stay below Linux's default ephemeral range (32768-60999): there the
 # kernel hands out ports to outgoing connections and to gloo's own listeners, and a derived
 # port that one of them holds made rank 0 fail with EADDRINUSE while rank 1 waited.
@@ -97,10 +95,20 @@ def rendezvous(env: submitit.JobEnvironment, master_port: int | None = None) -> 
 class TrainingJob(submitit.helpers.Checkpointable):
     """Train one run (a resolved config) in every task of a job, resuming if it can."""
 
-    def __init__(self, config: dict, max_requeues: int = 10, master_port: int | None = None):
+    def __init__(
+        self,
+        config: dict,
+        max_requeues: int = 10,
+        master_port: int | None = None,
+        max_restarts: int = 3,
+        max_identical_failures: int = 2,
+    ):
         self.config = config
         self.max_requeues = max_requeues
         self.master_port = master_port  # local jobs: chosen free by the launcher
+        # Read by the Slurm batch script's teardown (launch/attempts.py) from the pickle.
+        self.max_restarts = max_restarts
+        self.max_identical_failures = max_identical_failures
 
     def run_config(self) -> RunConfig:
         return from_dict(RunConfig, self.config, source="submitted config")
@@ -124,6 +132,9 @@ class TrainingJob(submitit.helpers.Checkpointable):
         code = train(config, resume="auto")
         # Training is over for this attempt: a late warning signal has nothing to save.
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        if code not in (0, EXIT_REQUEUE):
+            # EXIT_WATCHDOG (rendezvous failed): the launcher records and relaunches.
+            sys.exit(code)
         if code != EXIT_REQUEUE:
             if rank0:
                 runs.append_event(run_dir, "finished", job_id=env.job_id, exit=code)
@@ -143,6 +154,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
 
     def _record_start(self, env, run_dir: Path, variables: dict[str, str], attempt: int) -> None:
         paths = env.paths
+        _record_unended_attempt(run_dir, env.job_id, attempt)
         runs.append_event(
             run_dir,
             "started",
@@ -187,3 +199,33 @@ class TrainingJob(submitit.helpers.Checkpointable):
         if out.returncode != 0:
             return f"failed: scontrol requeue {job_id}: {out.stderr.strip()}", EXIT_REQUEUE
         return "requeued", EXIT_REQUEUE
+
+
+def _record_unended_attempt(run_dir: Path, job_id: str, attempt: int) -> None:
+    """An earlier attempt of this job that left no ending record lost its batch host or
+    its allocation (a node failure: Slurm requeued the job itself, with ``--requeue``,
+    and no teardown ran). Say so, so that ``status`` counts it."""
+    history = [e for e in runs.events(run_dir) if str(e.get("job_id")) == str(job_id)]
+    starts = [e for e in history if e["event"] == "started"]
+    if not starts or attempt <= starts[-1].get("attempt", 0):
+        return
+    after = [e for e in history if e["time"] >= starts[-1]["time"]]
+    if any(e["event"] in ("failed", "stopped", "finished") for e in after):
+        return
+    runs.append_event(
+        run_dir,
+        "failed",
+        job_id=job_id,
+        attempt=starts[-1].get("attempt"),
+        exits={},
+        cause={
+            "rank": None,
+            "reason": "ended without a record: its node or allocation was lost "
+            "(Slurm requeued the job itself)",
+        },
+        step_reached=None,
+        checkpoint_step=None,
+        work_lost_steps=None,
+        decision="relaunch",
+        why="requeued by Slurm",
+    )

@@ -4,8 +4,8 @@
 storage is disabled", and submitit then reports every job as UNKNOWN. ``scontrol show
 job`` answers from slurmctld's memory instead, which keeps a job for ``MinJobAge``
 seconds after it ends (300 by default); after that the honest answer is ``UNKNOWN``.
-Local jobs (submitit's local executor) are processes: RUNNING while their controller
-lives.
+Local jobs (submitit's local executor, with launch/local_controller.py's controller) are
+processes: RUNNING while their controller lives.
 """
 
 from __future__ import annotations
@@ -101,7 +101,9 @@ def local_state(job_id: str) -> str:
         return "UNKNOWN"
     cmdline = Path(f"/proc/{pid}/cmdline")
     try:
-        alive = b"submitit.local._local" in cmdline.read_bytes()
+        command = cmdline.read_bytes()
+        # submitit's controller, or ours (launch/local_controller.py), possibly via a shell
+        alive = b"submitit.local._local" in command or b"launch.local_controller" in command
         if alive:
             os.kill(pid, 0)
     except (OSError, ProcessLookupError):

@@ -80,6 +80,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="seconds before the time limit that USR1 asks the job to checkpoint",
     )
     r.add_argument("--max-requeues", type=int, help="times a job may requeue itself")
+    r.add_argument(
+        "--max-restarts",
+        type=int,
+        help="times a failed attempt (a rank died, hung or crashed) is relaunched from the "
+        "newest complete checkpoint",
+    )
+    r.add_argument(
+        "--max-identical-failures",
+        type=int,
+        help="stop once this many attempts in a row failed the same way (rank, exit, step)",
+    )
     r.add_argument("--array-parallelism", type=int, help="sweep jobs running at once")
     parser.add_argument("--dry-run", action="store_true", help="print, submit nothing")
     wait = parser.add_mutually_exclusive_group()
@@ -120,6 +131,8 @@ def cli_resources(args: argparse.Namespace, gpu_profile: bool) -> dict:
         "job_name": args.job_name,
         "signal_delay_s": args.signal_delay_s,
         "max_requeues": args.max_requeues,
+        "max_restarts": args.max_restarts,
+        "max_identical_failures": args.max_identical_failures,
         "array_parallelism": args.array_parallelism,
     }
     if args.tasks is not None:
@@ -221,21 +234,29 @@ def submit_group(group: list[RunPlan], profile, cluster: str, sweep, argv: list[
     resources = group[0].resources
     for plan in group:
         runs.write_config(plan.run_dir, plan.config)
+    relaunch = {
+        "max_restarts": resources.max_restarts,
+        "max_identical_failures": resources.max_identical_failures,
+    }
     if cluster == "local":
         # Every task runs on this machine: a port checked free here now beats a derived one.
         callables = [
-            TrainingJob(to_dict(p.config), resources.max_requeues, master_port=free_local_port())
+            TrainingJob(to_dict(p.config), resources.max_requeues, free_local_port(), **relaunch)
             for p in group
         ]
     else:
-        callables = [TrainingJob(to_dict(p.config), resources.max_requeues) for p in group]
+        callables = [
+            TrainingJob(to_dict(p.config), resources.max_requeues, **relaunch) for p in group
+        ]
     if cluster == "local":
         # No job arrays here: at most array_parallelism runs at once on this machine.
         jobs = []
         for plan, job_callable in zip(group, callables, strict=True):
             while sum(not job.done() for job in jobs) >= resources.array_parallelism:
                 time.sleep(2)
-            executor = local_executor(plan.run_dir / "submitit", profile, plan.resources)
+            executor = local_executor(
+                plan.run_dir / "submitit", profile, plan.resources, plan.run_dir
+            )
             jobs.append(executor.submit(job_callable))
             record_submission(plan, jobs[-1], cluster, False, argv)
         return jobs

@@ -15,15 +15,20 @@ Fields (comma-separated ``key=value``):
   ``shutdown`` (the watchdog's phases), and ``step``: the step being trained or saved
   (default: any); ``rank`` (default 0);
 - ``delay_s``: for ``kill`` and ``stop``, act this long after the phase began, from a
-  timer thread, so that the fault lands inside the phase (mid-write for ``save``);
+  timer thread, so that the fault lands inside the phase;
+- ``when``: for ``kill`` and ``stop``, act as soon as a file matching this glob exists
+  (e.g. a checkpoint's first shard in ``iter_0000050.tmp/model/``: mid-write), polled
+  every 5 ms from a thread, at most 60 s;
 - ``once``: a file path; the fault fires only if the file does not exist, and creates it
   (so a relaunched job is not hit again). Without it, every attempt is hit the same way.
 
-Nothing happens unless ``CQK_FAULT`` is set.
+Several faults are separated by ``;`` (each with its own ``once`` file, they hit one
+attempt after another). Nothing happens unless ``CQK_FAULT`` is set.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import threading
@@ -47,6 +52,7 @@ class Fault:
     step: int | None = None
     rank: int = 0
     delay_s: float = 0.0
+    when: str | None = None
     once: str | None = None
 
     def matches(self, phase: str, step: int, rank: int) -> bool:
@@ -63,7 +69,7 @@ def parse(text: str) -> Fault:
         if not sep:
             raise ValueError(f"CQK_FAULT: {item!r} is not key=value")
         fields[key.strip()] = value.strip()
-    unknown = set(fields) - {"action", "phase", "step", "rank", "delay_s", "once"}
+    unknown = set(fields) - {"action", "phase", "step", "rank", "delay_s", "when", "once"}
     if unknown:
         raise ValueError(f"CQK_FAULT: unknown keys {sorted(unknown)}")
     if fields.get("action") not in ACTIONS:
@@ -76,28 +82,30 @@ def parse(text: str) -> Fault:
         step=int(fields["step"]) if "step" in fields else None,
         rank=int(fields.get("rank", 0)),
         delay_s=float(fields.get("delay_s", 0)),
+        when=fields.get("when"),
         once=fields.get("once"),
     )
 
 
-_FAULT: Fault | None = None
-_PARSED = False
+_FAULTS: list[Fault] | None = None
 
 
-def planned() -> Fault | None:
-    global _FAULT, _PARSED
-    if not _PARSED:
+def planned() -> list[Fault]:
+    global _FAULTS
+    if _FAULTS is None:
         text = os.environ.get("CQK_FAULT", "")
-        _FAULT = parse(text) if text.strip() else None
-        _PARSED = True
-    return _FAULT
+        _FAULTS = [parse(part) for part in text.split(";") if part.strip()]
+    return _FAULTS
 
 
 def on_phase(phase: str, step: int, rank: int) -> None:
     """Called as ``phase`` begins (by the watchdog, and before rendezvous)."""
-    fault = planned()
-    if fault is None or not fault.matches(phase, step, rank):
-        return
+    for fault in planned():
+        if fault.matches(phase, step, rank):
+            _fire(fault, phase, step, rank)
+
+
+def _fire(fault: Fault, phase: str, step: int, rank: int) -> None:
     if fault.once is not None:
         marker = Path(fault.once)
         try:
@@ -111,10 +119,21 @@ def on_phase(phase: str, step: int, rank: int) -> None:
         f"{phase} at step {step}",
         flush=True,
     )
+    if fault.action in ("kill", "stop") and fault.when:
+        threading.Thread(target=_act_when, args=(fault.action, fault.when), daemon=True).start()
+        return
     if fault.action in ("kill", "stop") and fault.delay_s > 0:
         threading.Timer(fault.delay_s, _act, args=(fault.action,)).start()
         return
     _act(fault.action)
+
+
+def _act_when(action: str, pattern: str) -> None:
+    deadline = time.monotonic() + 60
+    while not glob.glob(pattern) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    print(f"CQK_FAULT: {pattern} exists: '{action}' now", flush=True)
+    _act(action)
 
 
 def _act(action: str) -> None:

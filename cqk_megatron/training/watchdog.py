@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import queue
 import socket
@@ -112,6 +113,7 @@ class _Phase:
 class _Peer:
     seq: int = -1
     changed: float = field(default_factory=time.monotonic)
+    quiet_beats: int = 0  # this rank's beats since the peer's last change
     state: dict[str, Any] = field(default_factory=dict)
 
 
@@ -221,6 +223,11 @@ class Watchdog:
         self._crash: str | None = None
         self._symptom: str | None = None
         self._store_failed: tuple[float, str] | None = None
+        # Silence counts only while this rank itself keeps beating: on an oversubscribed
+        # machine every Python thread can stall for seconds at once (the GIL's holder
+        # descheduled), and a stall here must not look like a peer's.
+        self._beats_needed = max(2, math.ceil(bounds.heartbeat_timeout_s / bounds.interval_s))
+        self._pending_beats = 0
         self._store = (
             _StoreCalls(store_addr, store_port, bounds.heartbeat_timeout_s)
             if world_size > 1
@@ -381,7 +388,7 @@ class Watchdog:
                 mine = self._state_json()
                 outcome = self._store.collect() or self._store.call(
                     lambda client, mine=mine: exchange(client, mine),
-                    self.bounds.heartbeat_timeout_s,
+                    self.bounds.interval_s,  # a slow answer is collected at the next beat
                 )
                 verdict = self._judge(outcome)
             if verdict is not None and not self._stop.is_set():
@@ -396,11 +403,15 @@ class Watchdog:
             if status == "error" and not self._store_failed:
                 self._store_failed = (now, _first_line(value, 120))
             busy = self._store.busy_since
+            self._pending_beats += 1
             if status == "error" or (
-                busy is not None and now - busy > self.bounds.heartbeat_timeout_s
+                busy is not None
+                and now - busy > self.bounds.heartbeat_timeout_s
+                and self._pending_beats >= self._beats_needed
             ):
                 return self._store_lost(now, status == "error", busy)
             return None
+        self._pending_beats = 0
         states = {}
         for r, raw in value.items():
             try:
@@ -419,11 +430,13 @@ class Watchdog:
         for r, peer in self._peers.items():
             state = states.get(r)  # None: never heard of; silent since the watchdog began
             if state is not None and state["seq"] != peer.seq:
-                peer.seq, peer.changed, peer.state = state["seq"], now, state
+                peer.seq, peer.changed, peer.state, peer.quiet_beats = state["seq"], now, state, 0
+            else:
+                peer.quiet_beats += 1
             if peer.state.get("phase") == "done":
                 continue
             silent = now - peer.changed
-            if silent > self.bounds.heartbeat_timeout_s:
+            if silent > self.bounds.heartbeat_timeout_s and peer.quiet_beats >= self._beats_needed:
                 return self._verdict(
                     [r],
                     peer.state,
@@ -527,6 +540,7 @@ class Watchdog:
             self._store.call(lambda c: c.set(self._key(self.rank), self._state_json(verdict)), 1.0)
             time.sleep(min(2 * self.bounds.interval_s, 5.0))
         sys.stdout.flush()
+        _end_helper_processes()
         os._exit(EXIT_WATCHDOG)
 
     def _record(self, record: dict) -> None:
@@ -538,6 +552,16 @@ class Watchdog:
                 handle.write(json.dumps({**record, "time": time.time()}) + "\n")
         except OSError:
             pass  # the verdict is on stderr anyway
+
+
+def _end_helper_processes() -> None:
+    """os._exit skips multiprocessing's cleanup: end this process's children (Megatron's
+    checkpoint-writer manager) so that they do not outlive it."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(Exception):
+            child.kill()
 
 
 def _first_line(error: BaseException, limit: int) -> str:
