@@ -191,7 +191,8 @@ def rendezvous(dist_env: DistEnv, timeout_s: float) -> dist.Store:
         named = f"rank{'s' if len(missing) != 1 else ''} {', '.join(map(str, missing))}"
         raise RendezvousError(
             f"rank {dist_env.rank} on {me['host']}: {named or 'some rank'} never arrived at "
-            f"rendezvous {where} within {timeout_s:g} s (train.init_timeout_s); "
+            f"rendezvous {where} within {time.monotonic() - started:.0f} s "
+            f"(train.init_timeout_s={timeout_s:g}); "
             f"{dist_env.world_size - len(missing)} of {dist_env.world_size} signed in"
         ) from error
     return store

@@ -193,9 +193,7 @@ def record_failure(
 ) -> dict:
     """Work out the cause, decide, append the ``failed`` event; returns it."""
     cause = find_cause(run_dir, exits, first_bad, since, hosts)
-    reached = _step_reached(run_dir, since)
-    if cause.get("step") is not None and (reached is None or cause["step"] > reached):
-        reached = cause["step"]
+    reached = _step_reached(run_dir, since)  # the last step completed in this attempt
     checkpoint_step = _checkpoint_step(run_dir)
     record = {
         "job_id": job_id,
@@ -215,15 +213,18 @@ def record_failure(
 
 
 def summary_line(record: dict) -> str:
-    """``rank 1 on node2 killed by signal 9 (SIGKILL) at step 140``."""
+    """``rank 1 on node2 killed by signal 9 (SIGKILL) after step 140``."""
     cause = record.get("cause", {})
     who = f"rank {cause['rank']}" if cause.get("rank") is not None else "the job"
     if cause.get("host"):
         who += f" on {cause['host']}"
-    step = record.get("step_reached")
-    where = f" at step {step}" if step is not None else " before its first step"
-    if cause.get("phase") and cause.get("phase") not in ("step", None):
-        where += f" (phase {cause['phase']})"
+    reached = record.get("step_reached")
+    if cause.get("step") is not None:  # the rank's own (or its watchdog's) word
+        where = f" in phase {cause.get('phase') or '?'} of step {cause['step']}"
+    elif reached is not None:
+        where = f" after step {reached}"
+    else:
+        where = " before its first step"
     return f"{who} {cause.get('reason', 'failed')}{where}"
 
 

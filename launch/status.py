@@ -1,8 +1,10 @@
 """``python launch/submit.py status RUN_DIR...``: where a run stands.
 
 For each run folder: the latest job and its state (Slurm's, or the local process's), the
-attempt it is on, the latest step, training and validation loss, the newest complete
-checkpoint, whether the run finished, and the tail of its rank-0 log.
+attempt it is on, each failed attempt with its cause, where it restarted and the steps
+lost (launch/attempts.py), the latest step, training and validation loss, the newest
+complete checkpoint, whether the run finished, and the tail of its rank-0 log (and of
+the failed rank's, when another rank failed).
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from launch import attempts, slurm_state
 from launch import run_dir as runs
-from launch import slurm_state
 
 
 def _tail(path: Path, lines: int) -> list[str]:
@@ -46,6 +48,7 @@ def describe(run_dir: Path, log_lines: int = 10) -> str:
             out.append(
                 f"last stop  exit {stops[-1].get('exit')}, requeue: {stops[-1].get('requeue')}"
             )
+        out.extend(_failed_attempts(run_dir, job_id))
     summary = runs.summary(run_dir)
     train = runs.latest_train_record(run_dir)
     valid = runs.latest_valid_record(run_dir)
@@ -68,7 +71,29 @@ def describe(run_dir: Path, log_lines: int = 10) -> str:
             tail = _tail(path, log_lines)
             out.append(f"log tail   {path} ({len(tail)} lines)")
             out.extend(f"  | {line}" for line in tail)
+        out.extend(_failed_rank_log(history, logs[-1], log_lines))
     return "\n".join(out)
+
+
+def _failed_attempts(run_dir: Path, job_id: str) -> list[str]:
+    """Each failed attempt of the job: its cause, where it restarted, the work lost."""
+    lines = attempts.attempt_lines(run_dir, job_id)
+    if not lines:
+        return []
+    lost = sum(e.get("work_lost_steps") or 0 for e in attempts.failures(run_dir, job_id))
+    return [f"failures   {len(lines)}, {lost} steps redone in all", *(f"  - {x}" for x in lines)]
+
+
+def _failed_rank_log(history: list[dict], rank0_log: dict, log_lines: int) -> list[str]:
+    """The error is in the log of the rank that failed, not always rank 0's: show it."""
+    failed = [e for e in history if e["event"] == "failed"]
+    rank = (failed[-1].get("cause") or {}).get("rank") if failed else None
+    if not isinstance(rank, int) or rank == 0:
+        return []
+    path = Path(rank0_log["stderr"].replace("_0_log.", f"_{rank}_log."))
+    tail = [line for line in _tail(path, 20 * log_lines) if not line.startswith("frame #")]
+    tail = tail[-log_lines:]
+    return [f"rank {rank} log {path} ({len(tail)} lines)", *(f"  | {line}" for line in tail)]
 
 
 def main(argv: list[str]) -> int:

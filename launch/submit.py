@@ -291,7 +291,10 @@ def wait_for(
                 _update_bar(bars, pending[name][0])
                 if name in bars:
                     bars.pop(name).close()
-                print(f"{name}: job {job.job_id} ended ({state})", flush=True)
+                plan = pending[name][0]
+                done = runs.is_finished(plan.run_dir, plan.config.train.train_steps)
+                outcome = "the run finished" if done else "the run did not finish"
+                print(f"{name}: job {job.job_id} ended ({state}): {outcome}", flush=True)
                 del pending[name]
         for plan, _ in pending.values():
             _update_bar(bars, plan)

@@ -130,13 +130,18 @@ def _fire(fault: Fault, phase: str, step: int, rank: int) -> None:
 
 def _act_when(action: str, pattern: str) -> None:
     deadline = time.monotonic() + 60
-    while not glob.glob(pattern) and time.monotonic() < deadline:
+    while not glob.glob(pattern):
+        if time.monotonic() > deadline:
+            print(f"CQK_FAULT: gave up: no {pattern} within 60 s", flush=True)
+            return
         time.sleep(0.005)
-    print(f"CQK_FAULT: {pattern} exists: '{action}' now", flush=True)
+    print(f"CQK_FAULT: {pattern} exists", flush=True)
     _act(action)
 
 
 def _act(action: str) -> None:
+    # The moment of the fault, for measuring how long its detection takes.
+    print(f"CQK_FAULT: {action} at t={time.time():.3f}", flush=True)
     if action == "crash":
         raise InjectedFault("CQK_FAULT: injected crash")
     if action == "exit":

@@ -1,0 +1,432 @@
+"""A rank that dies or hangs never stalls a job: every case injects a real fault into a
+real 2-rank training job (gloo on 127.0.0.1) and checks how long detection took, what was
+printed and how the job ended. Each job has a bound; past it its processes are killed and
+the test fails.
+
+- Plain ranks (no launcher, so nothing but the watchdog ends them), all four at once: a
+  SIGSTOPped rank, a killed rank 0 (the store's host), a deadlocked main thread, and a
+  rank that never reaches rendezvous (both ways round).
+- Through ``launch/submit.py --cluster local``: one run that is hit by five faults in turn
+  (kill -9 of rank 1 and of rank 0 mid-step, SIGSTOP of rank 1 mid-step and of rank 0
+  mid-save, kill -9 of rank 1 while its checkpoint shard is being written), relaunches
+  itself after each and ends with the weights of an uninterrupted run bit for bit; and a
+  run that crashes the same way at the same step every time, which stops after two
+  attempts instead of spending its restart budget.
+- cqk-torchrun: a preemption (SIGTERM to torchrun and its workers) ends with 75.
+
+Measured numbers are printed as ``measured: ...`` lines (``pytest -s``); the README's
+fault table comes from them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _faults import (
+    FAST,
+    REPO,
+    Ranks,
+    events,
+    fault_times,
+    faults_records,
+    kill_group,
+    measured,
+    run_all,
+    steps_logged,
+    watchdog_lines,
+)
+
+from cqk_megatron.exit_codes import EXIT_REQUEUE, EXIT_WATCHDOG
+
+HOST = socket.gethostname()
+HEARTBEAT_TIMEOUT_S, STEP_TIMEOUT_S, RENDEZVOUS_S = 5.0, 15.0, 10.0
+# Detection may take a few heartbeats past its timeout on a loaded 2-core machine.
+SLACK_S = 10.0
+BOUND_S = 600  # per group of concurrent jobs
+
+
+# -- plain ranks: the watchdog alone ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> dict[str, Ranks]:
+    root = tmp_path_factory.mktemp("plain")
+    long = ["train.train_steps=2000"]
+    groups = {
+        "stopped": Ranks(root, "stopped", overrides=long),
+        "host-killed": Ranks(root, "host-killed", overrides=long),
+        "deadlock": Ranks(
+            root,
+            "deadlock",
+            env={"CQK_FAULT": "rank=1,phase=step,step=12,action=hang"},
+            overrides=long,
+        ),
+        "no-rank1": Ranks(
+            root,
+            "no-rank1",
+            env={"CQK_FAULT": "rank=1,phase=rendezvous,action=exit"},
+            overrides=[f"train.init_timeout_s={RENDEZVOUS_S}"],
+        ),
+        "no-rank0": Ranks(
+            root,
+            "no-rank0",
+            env={"CQK_FAULT": "rank=0,phase=rendezvous,action=exit"},
+            overrides=[f"train.init_timeout_s={RENDEZVOUS_S}"],
+        ),
+    }
+    faulted_at: dict[str, float] = {}
+
+    def signal_rank(rank: int, sig: int):
+        def act(group: Ranks) -> None:
+            faulted_at[group.name] = time.time()
+            os.kill(group.processes[rank].pid, sig)
+
+        return act
+
+    def past_step(step: int):
+        return lambda group: steps_logged(group.run_dir) >= step
+
+    for group in groups.values():
+        group.start()
+    run_all(
+        list(groups.values()),
+        {
+            "stopped": (past_step(12), signal_rank(1, signal.SIGSTOP)),
+            "host-killed": (past_step(12), signal_rank(0, signal.SIGKILL)),
+        },
+        BOUND_S,
+    )
+    for name, at in faulted_at.items():
+        groups[name].faulted_at = at
+    return groups
+
+
+def _one_line(text: str) -> str:
+    lines = watchdog_lines(text)
+    assert len(lines) == 1, f"expected one watchdog line, got {lines}\n{text[-3000:]}"
+    return lines[0]
+
+
+def test_a_stopped_rank_is_named_by_its_peer_within_the_heartbeat_timeout(plain):
+    group = plain["stopped"]
+    code, ended = group.ended[0]
+    assert code == EXIT_WATCHDOG, group.text(0)[-3000:]
+    detected = ended - group.faulted_at
+    assert HEARTBEAT_TIMEOUT_S - 1 <= detected <= HEARTBEAT_TIMEOUT_S + SLACK_S
+    line = _one_line(group.text(0))
+    pid = group.processes[1].pid
+    assert f"rank 1 on {HOST} (pid {pid}, last heard at step " in line
+    assert "sent no heartbeat for" in line and "stopped (SIGSTOP)" in line
+    assert f"Rank 0 on {HOST} exits {EXIT_WATCHDOG}" in line
+    (lost,) = [r for r in faults_records(group.run_dir) if r["event"] == "lost"]
+    assert lost["ranks"] == [1] and lost["by_rank"] == 0 and lost["pid"] == pid
+    assert lost["step"] >= 12
+    measured("SIGSTOP of rank 1 mid-step, plain ranks", detected_after_s=detected)
+
+
+def test_a_killed_store_host_is_named_by_the_survivor(plain):
+    group = plain["host-killed"]
+    code, ended = group.ended[1]
+    assert code == EXIT_WATCHDOG, group.text(1)[-3000:]
+    detected = ended - group.faulted_at
+    assert detected <= HEARTBEAT_TIMEOUT_S + SLACK_S
+    line = _one_line(group.text(1))
+    assert f"rank 0 on {HOST} (pid {group.processes[0].pid}, last heard at step" in line
+    assert "hosts the job's store at 127.0.0.1:" in line
+    measured(
+        "kill -9 of rank 0 (the store's host) mid-step, plain ranks", detected_after_s=detected
+    )
+
+
+def test_a_deadlocked_main_thread_is_named_by_every_rank(plain):
+    group = plain["deadlock"]
+    fault_at = fault_times(group.text(1))[0]
+    for rank in (0, 1):
+        code, ended = group.ended[rank]
+        assert code == EXIT_WATCHDOG, group.text(rank)[-3000:]
+        line = _one_line(group.text(rank))
+        assert f"rank 1 on {HOST} (pid {group.processes[1].pid}, last heard at step 12" in line
+        assert "overran phase 'step'" in line and "bound 15 s" in line
+        assert "faults.py" in line  # where its main thread was: not in a collective
+        detected = ended - fault_at
+        assert STEP_TIMEOUT_S <= detected <= STEP_TIMEOUT_S + SLACK_S
+    measured("a deadlocked main thread (rank 1), plain ranks", detected_after_s=detected)
+
+
+@pytest.mark.parametrize("missing", [1, 0])
+def test_a_rank_that_never_arrives_ends_the_job_within_init_timeout(plain, missing):
+    group = plain[f"no-rank{missing}"]
+    other = 1 - missing
+    assert group.ended[missing][0] == 3  # the drill's exit code
+    code, _ = group.ended[other]
+    assert code == EXIT_WATCHDOG, group.text(other)[-3000:]
+    line = _one_line(group.text(other))
+    waited = float(re.search(r"within (\d+(?:\.\d+)?) s", line).group(1))
+    assert waited <= RENDEZVOUS_S + 1
+    if missing == 1:
+        assert "rank 1 never arrived at rendezvous 127.0.0.1:" in line and "1 of 2" in line
+    else:
+        assert "rank 0 never arrived" in line and "could not be reached" in line
+    (record,) = faults_records(group.run_dir)
+    assert record["event"] == "rendezvous" and record["by_rank"] == other
+    measured(f"rank {missing} exits before rendezvous, plain ranks", detected_after_s=waited)
+
+
+# -- through the launcher: relaunch -----------------------------------------------------------
+
+
+STEPS, SAVE_INTERVAL = 60, 10
+SUBMIT = [
+    sys.executable,
+    str(REPO / "launch" / "submit.py"),
+    "--config",
+    "configs/runs/tiny_cpu.yaml",
+    "--profile",
+    "configs/clusters/local.yaml",
+    "--cluster",
+    "local",
+    "--tasks",
+    "2",
+    f"train.train_steps={STEPS}",
+    f"train.save_interval={SAVE_INTERVAL}",
+    "train.eval_interval=1000",
+    "train.checkpoint_hashes=false",
+    *FAST,
+]
+
+
+def _faults_in_turn(run_dir: Path, marks: Path) -> str:
+    shard = run_dir / "checkpoints" / "iter_{:07d}.tmp" / "model" / "*"
+    return ";".join(
+        [
+            f"rank=1,phase=step,step=15,action=kill,delay_s=0.005,once={marks}/1",
+            f"rank=0,phase=step,step=25,action=kill,delay_s=0.005,once={marks}/2",
+            f"rank=1,phase=step,step=35,action=stop,delay_s=0.005,once={marks}/3",
+            f"rank=0,phase=save,step=40,action=stop,when={str(shard).format(40)},once={marks}/4",
+            f"rank=1,phase=save,step=50,action=kill,when={str(shard).format(50)},once={marks}/5",
+        ]
+    )
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict:
+    """Three runs through the local launcher at once: uninterrupted, hit by five faults,
+    and crashing at step 15 every time."""
+    root = tmp_path_factory.mktemp("launched")
+    (root / "marks").mkdir()
+    base = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+    jobs = {
+        "reference": ([], {}),
+        "faulted": (
+            ["--max-restarts", "5"],
+            {"CQK_FAULT": _faults_in_turn(root / "faulted", root / "marks")},
+        ),
+        "crashing": (
+            ["--max-restarts", "3"],
+            {"CQK_FAULT": "rank=1,phase=step,step=15,action=crash"},
+        ),
+    }
+    processes = {}
+    for name, (options, env) in jobs.items():
+        processes[name] = subprocess.Popen(
+            [*SUBMIT, *options, f"log.root={root}", f"name={name}"],
+            cwd=REPO,
+            env={**base, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+    out = {"root": root}
+    deadline = time.monotonic() + 900
+    try:
+        for name, process in processes.items():
+            stdout, stderr = process.communicate(timeout=max(1, deadline - time.monotonic()))
+            out[name] = subprocess.CompletedProcess(
+                process.args, process.returncode, stdout, stderr
+            )
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                kill_group(process)
+        for job in (root / name for name in jobs):  # the job's controller and tasks
+            for started in events(job, "submitted"):
+                try:
+                    os.killpg(int(started["job_id"]), signal.SIGKILL)
+                except (ProcessLookupError, PermissionError, ValueError):
+                    pass
+    return out
+
+
+def _records(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def _final_weights(run_dir: Path) -> dict:
+    path = run_dir / "checkpoints" / f"iter_{STEPS:07d}" / "engine" / "pp0" / "ds"
+    return torch.load(path / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+
+
+def _task_logs(run_dir: Path) -> str:
+    return "\n".join(
+        p.read_text(errors="replace") for p in sorted(run_dir.glob("submitit/*_log.*"))
+    )
+
+
+def test_a_run_hit_by_five_faults_relaunches_itself_and_ends_like_an_uninterrupted_one(launched):
+    reference, run = launched["root"] / "reference", launched["root"] / "faulted"
+    out = launched["faulted"]
+    assert launched["reference"].returncode == 0, launched["reference"].stderr[-3000:]
+    assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    assert "all runs finished" in out.stdout
+    assert [e["attempt"] for e in events(run, "started")] == [1, 2, 3, 4, 5, 6]
+    failed = events(run, "failed")
+    assert [f["decision"] for f in failed] == ["relaunch"] * 5
+    causes = [f["cause"] for f in failed]
+    # 1, 2: killed mid-step: the launcher saw the signal and ended the other rank at once.
+    assert (causes[0]["rank"], causes[0].get("signal")) == (1, 9)
+    assert (causes[1]["rank"], causes[1].get("signal")) == (0, 9)
+    assert failed[0]["exits"]["1"] == -9 and failed[0]["ended_by_launcher"] == [0]
+    # 3: rank 1 stopped mid-step: rank 0's watchdog named it, the launcher killed it.
+    assert causes[2]["rank"] == 1 and "sent no heartbeat" in causes[2]["reason"]
+    assert causes[2]["detected_by"] == 0 and failed[2]["exits"]["0"] == EXIT_WATCHDOG
+    # 4: rank 0 (the store's host) stopped mid-save: rank 1 named it.
+    assert causes[3]["rank"] == 0 and "hosts the job's store" in causes[3]["reason"]
+    assert causes[3]["phase"] == "save" and causes[3]["step"] == 40
+    # 5: rank 1 killed while its shard of iter_0000050 was being written.
+    assert (causes[4]["rank"], causes[4].get("signal")) == (1, 9)
+    # Each resumed from the newest complete checkpoint: a half-written one never counts.
+    assert [f["checkpoint_step"] for f in failed] == [10, 20, 30, 30, 40]
+    assert all(0 <= f["work_lost_steps"] <= SAVE_INTERVAL for f in failed)
+    logs = _task_logs(run)
+    for step in (10, 20, 30, 40):
+        assert f"resumed from {run}/checkpoints/iter_{step:07d} at step {step} (exactly)" in logs
+    assert "iter_0000050 at step 50" not in logs
+    # The run is the uninterrupted one: every step's loss (each record, also the redone
+    # ones), the final validation loss, the final weights, bit for bit.
+    expected = {r["step"]: r["loss"] for r in _records(reference, "train")}
+    assert sorted(expected) == list(range(1, STEPS + 1))
+    for record in _records(run, "train"):
+        assert record["loss"] == expected[record["step"]], record["step"]
+    assert _records(run, "valid")[-1]["val_loss"] == _records(reference, "valid")[-1]["val_loss"]
+    ours, theirs = _final_weights(run), _final_weights(reference)
+    tensors = [k for k, v in theirs.items() if isinstance(v, torch.Tensor)]
+    assert len(tensors) > 10
+    for name in tensors:
+        assert torch.equal(ours[name], theirs[name]), name
+    # Detection: from the moment each fault acted to the attempt's failure record.
+    acted = sorted(fault_times(logs))
+    assert len(acted) == 5
+    names = [
+        "kill -9 of rank 1 mid-step",
+        "kill -9 of rank 0 mid-step",
+        "SIGSTOP of rank 1 mid-step",
+        "SIGSTOP of rank 0 mid-save",
+        "kill -9 of rank 1 mid-checkpoint-write",
+    ]
+    for name, at, record in zip(names, acted, failed, strict=True):
+        detected = record["time"] - at
+        bound = HEARTBEAT_TIMEOUT_S + SLACK_S if "SIGSTOP" in name else SLACK_S
+        assert 0 <= detected <= bound, (name, detected)
+        measured(
+            f"{name}, local launcher",
+            detected_after_s=detected,
+            steps_redone=record["work_lost_steps"],
+            outcome=f"relaunched from step {record['checkpoint_step']}",
+        )
+    # status tells each attempt's cause and the work lost.
+    report = subprocess.run(
+        [*SUBMIT[:2], "status", str(run)], capture_output=True, text=True, timeout=60
+    ).stdout
+    assert f"failures   5, {sum(f['work_lost_steps'] for f in failed)} steps redone" in report
+    assert f"attempt 1: rank 1 on {HOST} killed by signal 9 (SIGKILL) after step" in report
+    assert "; restarted from step 10 (" in report and "steps since the last checkpoint" in report
+    assert f"finished   yes: {STEPS} steps" in report
+
+
+def test_the_same_crash_every_attempt_stops_early_naming_the_step(launched):
+    run, out = launched["root"] / "crashing", launched["crashing"]
+    assert out.returncode == 1, f"{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
+    assert "not finished: crashing" in out.stderr
+    failed = events(run, "failed")
+    assert [f["decision"] for f in failed] == ["relaunch", "stop"]  # max_restarts was 3
+    for record in failed:
+        assert record["cause"]["rank"] == 1
+        assert record["cause"]["reason"] == "crashed: InjectedFault: CQK_FAULT: injected crash"
+        assert record["cause"]["step"] == 15 and record["checkpoint_step"] == 10
+    assert "the last 2 attempts failed the same way" in failed[-1]["why"]
+    assert "in phase step of step 15" in out.stderr  # the summary names the step
+    assert len(events(run, "started")) == 2
+    measured(
+        "the same crash at step 15 on every attempt, local launcher",
+        attempts=len(failed),
+        outcome="stopped after 2 attempts",
+    )
+
+
+# -- torchrun -------------------------------------------------------------------------------
+
+
+def test_a_preempted_torchrun_job_exits_75(tmp_path):
+    """SIGTERM to torchrun's process group after a first save (as Slurm signals a step):
+    the workers save and stop with 75; torchrun itself would end with 1."""
+    command = [
+        sys.executable,
+        "-m",
+        "cqk_megatron.torchrun",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(_free_port()),
+        "-m",
+        "cqk_megatron.train",
+        "--config",
+        "configs/runs/tiny_cpu.yaml",
+        f"log.root={tmp_path}",
+        "name=preempted",
+        "train.train_steps=2000",
+        "train.save_interval=5",
+        "train.checkpoint_hashes=false",
+        *FAST,
+    ]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    run_dir = tmp_path / "preempted"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and process.poll() is None:
+            if (run_dir / "checkpoints" / "latest").exists() and steps_logged(run_dir) >= 7:
+                break
+            time.sleep(0.2)
+        os.killpg(process.pid, signal.SIGTERM)
+        output = process.communicate(timeout=300)[0]
+    finally:
+        kill_group(process)
+    assert process.returncode == EXIT_REQUEUE, output[-3000:]
+    assert "cqk-torchrun: exit 75 (workers: {0: 75, 1: 75})" in output
+    assert "stopping at step" in output and "SIGTERM" in output
+
+
+def _free_port() -> int:
+    from _multiproc import free_port
+
+    return free_port()
