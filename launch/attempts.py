@@ -126,6 +126,7 @@ def find_cause(
             "phase": first.get("phase"),
             "reason": first.get("reason"),
             "detected_by": first.get("by_rank"),
+            "verdict_time": first.get("time"),
         }
         if rank in exits and is_bad_exit(exits[rank]):
             cause["ended_by_launcher"] = exits[rank]
@@ -190,8 +191,11 @@ def record_failure(
     policy: Policy,
     hosts: dict[int, str] | None = None,
     ended_by_launcher: list[int] | None = None,
+    detected_at: float | None = None,
 ) -> dict:
-    """Work out the cause, decide, append the ``failed`` event; returns it."""
+    """Work out the cause, decide, append the ``failed`` event; returns it.
+    ``detected_at``: when the launcher saw the first bad exit (else the watchdog's
+    verdict time, if one was recorded)."""
     cause = find_cause(run_dir, exits, first_bad, since, hosts)
     reached = _step_reached(run_dir, since)  # the last step completed in this attempt
     checkpoint_step = _checkpoint_step(run_dir)
@@ -205,6 +209,8 @@ def record_failure(
         "checkpoint_step": checkpoint_step,
         "work_lost_steps": max(0, (reached or checkpoint_step) - checkpoint_step),
         "attempt_started": since,
+        # the watchdog's verdict when it named the cause, else when the launcher saw it
+        "detected_at": cause.pop("verdict_time", None) or detected_at,
     }
     decision, why = decide(failures(run_dir, job_id), record, policy)
     record.update(decision=decision, why=why)

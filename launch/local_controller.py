@@ -50,6 +50,7 @@ class Controller(local.Controller):
             int(os.environ.get(ENV_MAX_RESTARTS, 3)), int(os.environ.get(ENV_MAX_IDENTICAL, 2))
         )
         self.max_requeues = int(os.environ.get(ENV_MAX_REQUEUES, 10))
+        self.detected_at: float | None = None
 
     def start_tasks(self) -> None:
         """submitit's, with each task leading a process group of its own."""
@@ -97,12 +98,14 @@ class Controller(local.Controller):
         warned = False
         order: list[int] = []
         killed: list[int] = []
+        self.detected_at = None
         while True:
             codes = [t.poll() for t in self.tasks]
             order += [k for k, c in enumerate(codes) if c is not None and k not in order]
             if all(c is not None for c in codes):
                 return codes, order, killed
             if not killed and any(attempts.is_bad_exit(codes[k]) for k in order):
+                self.detected_at = time.time()
                 for k, task in enumerate(self.tasks):
                     if task.poll() is None:
                         self._kill_group(task)
@@ -143,6 +146,7 @@ class Controller(local.Controller):
                 self.policy,
                 hosts=dict.fromkeys(exits, socket.gethostname()),
                 ended_by_launcher=killed,
+                detected_at=self.detected_at,
             )
             line = attempts.attempt_lines(self.run_dir, self.pid)[-1]
             print(f"cqk-attempt: {line}", file=sys.stderr, flush=True)

@@ -62,6 +62,12 @@ BOUND_S = 600  # per group of concurrent jobs
 def plain(tmp_path_factory) -> dict[str, Ranks]:
     root = tmp_path_factory.mktemp("plain")
     long = ["train.train_steps=2000"]
+    # init_timeout_s bounds the collective timeout and the step bound (validate())
+    short_start = [
+        f"train.init_timeout_s={RENDEZVOUS_S}",
+        "train.collective_timeout_s=8",
+        "train.step_timeout_s=6",
+    ]
     groups = {
         "stopped": Ranks(root, "stopped", overrides=long),
         "host-killed": Ranks(root, "host-killed", overrides=long),
@@ -75,13 +81,13 @@ def plain(tmp_path_factory) -> dict[str, Ranks]:
             root,
             "no-rank1",
             env={"CQK_FAULT": "rank=1,phase=rendezvous,action=exit"},
-            overrides=[f"train.init_timeout_s={RENDEZVOUS_S}"],
+            overrides=short_start,
         ),
         "no-rank0": Ranks(
             root,
             "no-rank0",
             env={"CQK_FAULT": "rank=0,phase=rendezvous,action=exit"},
-            overrides=[f"train.init_timeout_s={RENDEZVOUS_S}"],
+            overrides=short_start,
         ),
     }
     faulted_at: dict[str, float] = {}
@@ -130,7 +136,7 @@ def test_a_stopped_rank_is_named_by_its_peer_within_the_heartbeat_timeout(plain)
     assert f"Rank 0 on {HOST} exits {EXIT_WATCHDOG}" in line
     (lost,) = [r for r in faults_records(group.run_dir) if r["event"] == "lost"]
     assert lost["ranks"] == [1] and lost["by_rank"] == 0 and lost["pid"] == pid
-    assert lost["step"] >= 12
+    assert 1 <= lost["step"] <= steps_logged(group.run_dir) + 1  # its last heartbeat's
     measured("SIGSTOP of rank 1 mid-step, plain ranks", detected_after_s=detected)
 
 
@@ -335,13 +341,15 @@ def test_a_run_hit_by_five_faults_relaunches_itself_and_ends_like_an_uninterrupt
         "SIGSTOP of rank 0 mid-save",
         "kill -9 of rank 1 mid-checkpoint-write",
     ]
-    for name, at, record in zip(names, acted, failed, strict=True):
-        detected = record["time"] - at
+    starts = events(run, "started")[1:]
+    for name, at, record, start in zip(names, acted, failed, starts, strict=True):
+        detected = record["detected_at"] - at
         bound = HEARTBEAT_TIMEOUT_S + SLACK_S if "SIGSTOP" in name else SLACK_S
         assert 0 <= detected <= bound, (name, detected)
         measured(
             f"{name}, local launcher",
             detected_after_s=detected,
+            relaunched_after_s=start["time"] - at,
             steps_redone=record["work_lost_steps"],
             outcome=f"relaunched from step {record['checkpoint_step']}",
         )

@@ -54,6 +54,8 @@ from cqk_megatron.exit_codes import EXIT_WATCHDOG
 from cqk_megatron.training import faults
 
 FAULTS_FILE = "faults.jsonl"
+# Phases that are long and rare: a beat at once tells the peers (steps beat on the clock).
+_ANNOUNCED = ("eval", "save", "shutdown")
 _KEY = "cqk/watchdog/"
 # A main thread whose innermost Python frame is in one of these waits on its peers.
 _COLLECTIVE_CODE = (f"{os.sep}torch{os.sep}distributed{os.sep}", f"{os.sep}deepspeed{os.sep}comm")
@@ -219,6 +221,7 @@ class Watchdog:
         self._seq = 0
         self._peers = {r: _Peer() for r in range(world_size) if r != rank}
         self._stop = threading.Event()
+        self._wake = threading.Event()  # beat now (a long phase began, or stop)
         self._verdict_ready = threading.Event()
         self._crash: str | None = None
         self._symptom: str | None = None
@@ -251,6 +254,8 @@ class Watchdog:
                 self._lower_collective_timeout()
         first = name == "step" and self._steps_begun == 1
         self._phase = _Phase(name, step, time.monotonic(), self.bounds.phase(name, first))
+        if name in _ANNOUNCED:
+            self._wake.set()
         faults.on_phase(name, step, self.rank)
 
     @contextlib.contextmanager
@@ -293,6 +298,7 @@ class Watchdog:
         if not self._crash:  # a crash stays published where it happened
             self._phase = _Phase("done", self._phase.step, time.monotonic(), float("inf"))
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=self.bounds.heartbeat_timeout_s + 1)
         if self._store is None:
@@ -394,7 +400,8 @@ class Watchdog:
             if verdict is not None and not self._stop.is_set():
                 self._fire(verdict)
                 return
-            self._stop.wait(max(0.0, self.bounds.interval_s - (time.monotonic() - beat)))
+            self._wake.wait(max(0.0, self.bounds.interval_s - (time.monotonic() - beat)))
+            self._wake.clear()
 
     def _judge(self, outcome: tuple[str, Any]) -> dict | None:
         now = time.monotonic()
@@ -446,6 +453,9 @@ class Watchdog:
                     silent,
                     kind="silent",
                 )
+        for r, peer in self._peers.items():  # a peer's phase age as of now, not its last beat
+            if r in states and states[r].get("seq") == peer.seq:
+                states[r] = {**states[r], "age_s": states[r]["age_s"] + (now - peer.changed)}
         states[self.rank] = json.loads(self._state_json())
         return self._judge_phases(states)
 
@@ -464,7 +474,16 @@ class Watchdog:
         culprits = [r for r, s in over.items() if not s.get("waiting")]
         if culprits:
             why = "overran"
-        else:  # everyone waits in a collective: name the ones furthest behind
+        else:
+            # Only ranks that wait in a collective overran: the one they wait for is
+            # likely just behind (its clock started later, or its last beat is older).
+            # Give it a heartbeat timeout to overrun too; then name the waiters furthest
+            # behind (a collective that never completes on any rank).
+            if (
+                max(s["age_s"] - s["bound_s"] for s in over.values())
+                < self.bounds.heartbeat_timeout_s
+            ):
+                return None
             low = min(s["step"] for s in over.values())
             culprits = [r for r, s in over.items() if s["step"] == low]
             why = "overran (waiting in a collective)"
