@@ -218,6 +218,35 @@ def record_failure(
     return record
 
 
+def record_lost_attempt(run_dir: Path, job_id: str, attempt: int, since: float) -> dict:
+    """An attempt that ended without its launcher's record: Slurm lost its node or
+    allocation (NODE_FAIL) and requeued the job itself (``--requeue``), so no teardown ran.
+    The watchdog's verdict, if a surviving rank gave one, names the lost rank."""
+    cause = find_cause(run_dir, {}, None, since)
+    note = "the allocation was lost and Slurm requeued the job itself"
+    if cause.get("rank") is None and not cause.get("phase"):
+        cause = {"rank": None, "reason": f"ended without a record: {note}"}
+    else:
+        cause["reason"] = f"{cause.get('reason')}; {note}"
+    reached = _step_reached(run_dir, since)
+    checkpoint_step = _checkpoint_step(run_dir)
+    record = {
+        "job_id": job_id,
+        "attempt": attempt,
+        "exits": {},
+        "cause": cause,
+        "step_reached": reached,
+        "checkpoint_step": checkpoint_step,
+        "work_lost_steps": max(0, (reached or checkpoint_step) - checkpoint_step),
+        "attempt_started": since,
+        "detected_at": cause.pop("verdict_time", None),
+        "decision": "relaunch",
+        "why": "requeued by Slurm (node failure)",
+    }
+    runs.append_event(run_dir, "failed", **record)
+    return record
+
+
 def summary_line(record: dict) -> str:
     """``rank 1 on node2 killed by signal 9 (SIGKILL) after step 140``."""
     cause = record.get("cause", {})

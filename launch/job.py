@@ -202,9 +202,11 @@ class TrainingJob(submitit.helpers.Checkpointable):
 
 
 def _record_unended_attempt(run_dir: Path, job_id: str, attempt: int) -> None:
-    """An earlier attempt of this job that left no ending record lost its batch host or
-    its allocation (a node failure: Slurm requeued the job itself, with ``--requeue``,
-    and no teardown ran). Say so, so that ``status`` counts it."""
+    """An earlier attempt of this job that left no ending record lost its node or its
+    allocation (Slurm requeued the job itself, with ``--requeue``, and no teardown ran):
+    record it now, so that ``status`` counts it."""
+    from launch import attempts
+
     history = [e for e in runs.events(run_dir) if str(e.get("job_id")) == str(job_id)]
     starts = [e for e in history if e["event"] == "started"]
     if not starts or attempt <= starts[-1].get("attempt", 0):
@@ -212,20 +214,4 @@ def _record_unended_attempt(run_dir: Path, job_id: str, attempt: int) -> None:
     after = [e for e in history if e["time"] >= starts[-1]["time"]]
     if any(e["event"] in ("failed", "stopped", "finished") for e in after):
         return
-    runs.append_event(
-        run_dir,
-        "failed",
-        job_id=job_id,
-        attempt=starts[-1].get("attempt"),
-        exits={},
-        cause={
-            "rank": None,
-            "reason": "ended without a record: its node or allocation was lost "
-            "(Slurm requeued the job itself)",
-        },
-        step_reached=None,
-        checkpoint_step=None,
-        work_lost_steps=None,
-        decision="relaunch",
-        why="requeued by Slurm",
-    )
+    attempts.record_lost_attempt(run_dir, job_id, starts[-1].get("attempt"), starts[-1]["time"])
