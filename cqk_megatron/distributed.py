@@ -177,7 +177,8 @@ def rendezvous(dist_env: DistEnv, timeout_s: float) -> dist.Store:
         ) from error
     if dist_env.world_size == 1:
         return store
-    keys = [f"cqk/roll-call/{r}" for r in range(dist_env.world_size)]
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's agent store
+    keys = [f"cqk/roll-call/{restart}/{r}" for r in range(dist_env.world_size)]
     me = {"host": socket.gethostname(), "pid": os.getpid()}
     store.set(keys[dist_env.rank], json.dumps(me))
     left = max(timeout_s - (time.monotonic() - started), 0.1)

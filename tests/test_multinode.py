@@ -15,6 +15,7 @@ tests/test_launch.py.
 - node2 vanishing from the network mid-run (its link down: no TCP reset reaches node1):
   rank 0's watchdog names rank 1 within the heartbeat timeout, slurmctld declares the node
   DOWN and requeues the job, and once the link is back the job resumes and finishes.
+- A 2 nodes x 2 tasks job (DP=4) against the same run on one node, bit for bit.
 """
 
 from __future__ import annotations
@@ -125,17 +126,17 @@ def one_node(root) -> subprocess.Popen:
     )
 
 
-def _reference(root: Path, process: subprocess.Popen) -> Path:
+def _reference(root: Path, process: subprocess.Popen, name: str = "one-node") -> Path:
     try:
         output = process.communicate(timeout=JOB_TIMEOUT_S)[0]
     finally:
         if process.poll() is None:
             kill_group(process)
     assert process.returncode == 0, output[-3000:]
-    return root / "one-node"
+    return root / name
 
 
-def _submit(root: Path, name: str, env: dict | None = None, *extra: str) -> str:
+def _submit(root: Path, name: str, env: dict | None = None, *extra: str, tasks: int = 1) -> str:
     out = _run(
         [
             *SUBMIT,
@@ -145,7 +146,7 @@ def _submit(root: Path, name: str, env: dict | None = None, *extra: str) -> str:
             "--nodes",
             "2",
             "--tasks",
-            "1",
+            str(tasks),
             f"log.root={root}",
             f"name={name}",
             *extra,
@@ -187,13 +188,13 @@ def _steps(run_dir: Path) -> int:
     return max((r["step"] for r in lines), default=0)
 
 
-def _assert_same_run(run_dir: Path, reference: Path) -> None:
+def _assert_same_run(run_dir: Path, reference: Path, steps: int = STEPS) -> None:
     def records(folder: Path, kind: str) -> list[dict]:
         lines = (folder / "metrics.jsonl").read_text().splitlines()
         return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
     expected = {r["step"]: r["loss"] for r in records(reference, "train")}
-    assert sorted(expected) == list(range(1, STEPS + 1))
+    assert sorted(expected) == list(range(1, steps + 1))
     ours = records(run_dir, "train")
     assert {r["step"] for r in ours} == set(expected)
     for record in ours:
@@ -201,7 +202,7 @@ def _assert_same_run(run_dir: Path, reference: Path) -> None:
     assert records(run_dir, "valid")[-1]["val_loss"] == records(reference, "valid")[-1]["val_loss"]
 
     def weights(folder: Path) -> dict:
-        path = folder / "checkpoints" / f"iter_{STEPS:07d}" / "engine" / "pp0" / "ds"
+        path = folder / "checkpoints" / f"iter_{steps:07d}" / "engine" / "pp0" / "ds"
         return torch.load(path / "mp_rank_00_model_states.pt", weights_only=False)["module"]
 
     a, b = weights(run_dir), weights(reference)
@@ -294,3 +295,37 @@ def test_node2_vanishing_from_the_network_is_named_and_the_job_resumes_when_it_r
         outcome="node DOWN, job requeued, resumed when the node returned",
     )
     _assert_same_run(run_dir, _reference(root, one_node))
+
+
+def test_a_2x2_job_matches_the_same_run_on_one_node(two_nodes, root):
+    """Two tasks on each node (local ranks 0 and 1 on node1 and node2), DP=4, against the
+    same 4-rank run on one node."""
+    steps = 12
+    short = [f"train.train_steps={steps}"]
+    reference = subprocess.Popen(
+        [
+            *SUBMIT,
+            *COMMON,
+            *short,
+            "--cluster",
+            "local",
+            "--tasks",
+            "4",
+            f"log.root={root}",
+            "name=one-node-4",
+        ],
+        cwd=REPO,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    run_dir = root / "two-by-two"
+    job_id = _submit(root, "two-by-two", None, *short, tasks=2)
+    _wait(lambda: _finished(run_dir), f"job {job_id} to finish", run_dir=run_dir)
+    (start,) = events(run_dir, "started")
+    assert start["hosts"] == ["node1", "node2"] and start["slurm"]["SLURM_NTASKS"] == "4"
+    assert start["rendezvous"]["LOCAL_WORLD_SIZE"] == "2"
+    assert start["slurm"]["SLURM_TASKS_PER_NODE"] == "2(x2)"
+    _assert_same_run(run_dir, _reference(root, reference, "one-node-4"), steps)

@@ -209,8 +209,10 @@ class Watchdog:
         generation: int = 0,
     ) -> None:
         self.rank, self.world_size, self.bounds = rank, world_size, bounds
-        # Keys of their own for each run trained in this process (tests train several).
-        self._prefix = f"{_KEY}{generation}/"
+        # Keys of their own for each run trained in this process (tests train several),
+        # and for each of torchrun's restarts (its agent's store may outlive a worker group).
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self._prefix = f"{_KEY}{restart}/{generation}/"
         self.run_dir = run_dir
         self.store_where = f"{store_addr}:{store_port}"
         self.store_host = store_host
@@ -242,6 +244,7 @@ class Watchdog:
 
     def start(self) -> Watchdog:
         self._thread.start()
+        faults.on_phase("startup", 0, self.rank)
         return self
 
     def enter(self, name: str, step: int) -> None:
