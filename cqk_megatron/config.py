@@ -105,6 +105,9 @@ class AttentionConfig:
     # the natural choice on GPU); both compute coupling.py's function
     coupling_impl: str = "eager"
     recompute_coupling: bool = False  # recompute the coupling in backward, store only q, k
+    # differential scoring: paired (2 attention calls, values 2 head_dim wide) | split (4
+    # calls, for kernels needing values as wide as queries) | auto (from backend and device)
+    differential_kernel: str = "auto"
 
     @property
     def variant(self) -> str:
@@ -443,6 +446,7 @@ def validate(config: RunConfig, world_size: int | None = None) -> RunConfig:
     choice(a.scoring, SCORINGS, "attention.scoring")
     choice(a.position, ("pre_rope", "post_rope"), "attention.position")
     choice(a.coupling_impl, ("eager", "compiled"), "attention.coupling_impl")
+    choice(a.differential_kernel, ("auto", "paired", "split"), "attention.differential_kernel")
     choice(m.normalization, ("RMSNorm", "LayerNorm"), "model.normalization")
     choice(t.precision, ("fp32", "bf16", "fp64"), "train.precision")
     choice(config.backend, ("local", "transformer_engine"), "backend")

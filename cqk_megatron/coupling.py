@@ -24,7 +24,10 @@ receives the mean over its group of whatever the queries send it (``group_mean``
 
 Scoring: ``DifferentialScoring`` holds the per-layer parameters of Differential Attention
 (Ye et al., 2024) and combines two attention maps; the kernels that produce the maps are
-the caller's (SDPA in both Megatron and Hugging Face code).
+the caller's (SDPA in both Megatron and Hugging Face code). It has two forms of the same
+function: ``paired`` attends once per map with the differential head's whole value
+(``2 head_dim`` wide), ``split`` twice per map, once per value half, for kernels that need
+values as wide as queries.
 """
 
 from __future__ import annotations
@@ -278,6 +281,14 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
+DIFFERENTIAL_KERNELS = ("paired", "split")
+
+
+def pair_values(v: torch.Tensor) -> torch.Tensor:
+    """``[b, Hk, s, d] -> [b, Hk/2, s, 2d]``: value heads ``2j`` and ``2j+1`` side by side."""
+    return v.unflatten(1, (v.shape[1] // 2, 2)).transpose(2, 3).flatten(-2)
+
+
 class DifferentialScoring(nn.Module):
     """Per-layer parameters and combination rule of Differential Attention.
 
@@ -286,10 +297,20 @@ class DifferentialScoring(nn.Module):
     value of width ``2 head_dim``. The output of a differential head is
     ``(1 - lambda_init) * RMSNorm((A1 - lambda A2) v)`` with
     ``lambda = exp(lq1.lk1) - exp(lq2.lk2) + lambda_init``.
+
+    ``kernel`` says how the two maps meet the value (same function either way):
+    ``paired`` (two attention calls, each with the ``2 head_dim`` value) or ``split``
+    (four calls, each map once per ``head_dim`` half of the value: a kernel that needs
+    values as wide as queries, e.g. flash attention, takes these).
     """
 
-    def __init__(self, head_dim: int, layer_index: int, eps: float = 1e-5) -> None:
+    def __init__(
+        self, head_dim: int, layer_index: int, eps: float = 1e-5, kernel: str = "paired"
+    ) -> None:
         super().__init__()
+        if kernel not in DIFFERENTIAL_KERNELS:
+            raise ValueError(f"kernel must be one of {DIFFERENTIAL_KERNELS}, got {kernel!r}")
+        self.kernel = kernel
         self.head_dim = head_dim
         self.lambda_init = differential_lambda_init(layer_index)
         self.lambda_q1 = nn.Parameter(torch.zeros(head_dim).normal_(0, 0.1))
@@ -314,20 +335,35 @@ class DifferentialScoring(nn.Module):
         """Differential attention in SDPA layout.
 
         ``q``: ``[b, H, s, d]``; ``k``, ``v``: ``[b, Hk, s, d]``; ``attend(q, k, v)`` is the
-        caller's softmax attention (causal, grouped-query aware). Returns
-        ``[b, H/2, s, 2d]``: differential head ``i`` in the place of heads ``2i, 2i+1``.
+        caller's softmax attention (causal, grouped-query aware, values of any width).
+        Returns ``[b, H/2, s, 2d]``: differential head ``i`` in the place of heads
+        ``2i, 2i+1``. Under GQA, differential query head ``i`` reads key/value pair
+        ``i // (H / Hk)``, as ``attend`` does for its heads.
         """
+        return self.combine(*self.attend_maps(q, k, v, attend))
+
+    def attend_maps(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A1 v, A2 v)``, each ``[b, H/2, s, 2d]``, in the form ``self.kernel`` names."""
         q1, q2 = q[:, 0::2], q[:, 1::2]
         k1, k2 = k[:, 0::2], k[:, 1::2]
-        # The value of a differential head is value heads 2j and 2j+1 side by side. Each
-        # half is attended separately (four calls instead of two with a 2d-wide value):
-        # flash kernels need values as wide as queries.
+        if self.kernel == "paired":
+            value = pair_values(v)
+            return attend(q1, k1, value), attend(q2, k2, value)
         v_even, v_odd = v[:, 0::2], v[:, 1::2]
         out1 = torch.cat((attend(q1, k1, v_even), attend(q1, k1, v_odd)), dim=-1)
         out2 = torch.cat((attend(q2, k2, v_even), attend(q2, k2, v_odd)), dim=-1)
-        return self.combine(out1, out2)
+        return out1, out2
 
     def combine(self, out1: torch.Tensor, out2: torch.Tensor) -> torch.Tensor:
         """``(1 - lambda_init) RMSNorm(out1 - lambda out2)``; inputs ``[..., 2 head_dim]``."""
-        diff = out1 - self.lambda_full().type_as(out1) * out2
+        return self.normalize(out1 - self.lambda_full().type_as(out1) * out2)
+
+    def normalize(self, diff: torch.Tensor) -> torch.Tensor:
+        """``(1 - lambda_init) RMSNorm(diff)`` over the ``2 head_dim`` of a differential head."""
         return self.subln(diff) * (1 - self.lambda_init)

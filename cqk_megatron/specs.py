@@ -87,7 +87,10 @@ def gpt_layer_spec(
         **{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
         coupling=coupling_spec(attention, head_dim),
     )
-    submodules.core_attention = SCORING_CLASSES[attention.scoring]
+    scoring = SCORING_CLASSES[attention.scoring]
+    submodules.core_attention = ModuleSpec(
+        module=scoring, params=scoring.spec_params(attention, backend)
+    )
     attention_spec = ModuleSpec(
         module=QKSelfAttention,
         params={

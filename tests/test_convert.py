@@ -201,6 +201,40 @@ def test_hf_logits_equal_megatron_logits(exports, case):
     assert expected.std() > 0.05  # the comparison is not between two near-constant outputs
 
 
+@pytest.mark.parametrize(
+    "case", [("differential", "mha"), ("coupled_differential", "gqa")], ids="-".join
+)
+def test_hf_differential_runs_the_paired_form(exports, case, monkeypatch):
+    """The exported model attends once per map with 2 head_dim values (two SDPA calls per
+    layer), equals its own split form, and matches Megatron's logits (its layers run the
+    paired form too, on CPU as block-causal maps)."""
+    config, model, _, folder = exports.get(*case)
+    hf = load_hf(folder)
+    scorings = [m for m in hf.modules() if type(m).__name__ == "DifferentialScoring"]
+    assert len(scorings) == config.model.num_layers
+    assert {m.kernel for m in scorings} == {"paired"}
+    widths = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(q, k, v, *args, **kwargs):
+        widths.append(v.shape[-1])
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+    tokens = tokens_for(VOCAB)
+    with torch.no_grad():
+        paired = hf(tokens).logits
+        for scoring in scorings:
+            scoring.kernel = "split"
+        widths_paired, widths[:] = list(widths), []
+        split = hf(tokens).logits
+    d = config.model.head_dim
+    assert widths_paired == [2 * d] * 2 * config.model.num_layers
+    assert widths == [d] * 4 * config.model.num_layers
+    assert (paired - split).abs().max().item() < 1e-5
+    assert (paired - megatron_logits(model, tokens)).abs().max().item() < TOLERANCE
+
+
 @pytest.mark.parametrize("case", LOGIT_CASES, ids=lambda case: "-".join(case))
 def test_round_trip_gives_identical_tensors(exports, case):
     config, _, state, folder = exports.get(*case)

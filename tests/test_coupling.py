@@ -746,3 +746,61 @@ def test_differential_gradients(heads, kv_heads):
         assert torch.isfinite(grad).all() and grad.abs().max() > 0, name
     for t in (q, k, v):
         assert t.grad is not None and t.grad.abs().max() > 0
+
+
+# --- the two forms: paired (two calls, 2d-wide values) and split (four calls) --------------
+
+
+def sdpa_attend_counting(calls: list):
+    def attend(q, k, v):
+        calls.append((q.shape[1], k.shape[1], v.shape[-1]))
+        return sdpa_attend(q, k, v)
+
+    return attend
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 4), (8, 2), (4, 2)])
+def test_paired_and_split_forms_equal_reference_with_gradients(heads, kv_heads):
+    """Outputs and every gradient (q, k, v, lambdas, subln) of both forms equal the explicit
+    formula's, in float64 to 1e-6; the paired form makes two calls with 2d-wide values."""
+    b, s, d = 2, 7, 8
+    results = {}
+    for kernel in (*C.DIFFERENTIAL_KERNELS, "reference"):
+        mod = make_diff(d, 2, seed=heads * kv_heads)
+        mod.kernel = "paired" if kernel == "reference" else kernel
+        q = _randn(b, heads, s, d, seed=200).requires_grad_()
+        k = _randn(b, kv_heads, s, d, seed=201).requires_grad_()
+        v = _randn(b, kv_heads, s, d, seed=202).requires_grad_()
+        calls = []
+        if kernel == "reference":
+            out = ref_differential(mod, q, k, v, 2)
+        else:
+            out = mod(q, k, v, sdpa_attend_counting(calls))
+        (out * _randn(*out.shape, seed=203)).sum().backward()
+        grads = {"q": q.grad, "k": k.grad, "v": v.grad}
+        grads.update({n: p.grad for n, p in mod.named_parameters()})
+        results[kernel] = (out, grads, calls)
+    assert results["paired"][2] == [(heads // 2, kv_heads // 2, 2 * d)] * 2
+    assert results["split"][2] == [(heads // 2, kv_heads // 2, d)] * 4
+    ref_out, ref_grads, _ = results["reference"]
+    for kernel in C.DIFFERENTIAL_KERNELS:
+        out, grads, _ = results[kernel]
+        torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-6)
+        assert set(grads) == set(ref_grads)
+        for name, grad in grads.items():
+            assert ref_grads[name].abs().max() > 1e-3, name  # a real gradient to compare
+            torch.testing.assert_close(grad, ref_grads[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_pair_values_puts_value_heads_side_by_side():
+    v = _randn(2, 6, 5, 3, seed=7)
+    paired = C.pair_values(v)
+    assert paired.shape == (2, 3, 5, 6)
+    for j in range(3):
+        assert torch.equal(paired[:, j], torch.cat([v[:, 2 * j], v[:, 2 * j + 1]], dim=-1))
+
+
+def test_differential_kernel_is_checked():
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        C.DifferentialScoring(head_dim=4, layer_index=0, kernel="fused")
+    assert C.DifferentialScoring(head_dim=4, layer_index=0).kernel == "paired"

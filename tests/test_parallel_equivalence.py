@@ -70,3 +70,14 @@ def test_tp2_pp2_matches_single_process(tmp_path):
     results = run_layout(tmp_path, 2, 2, variants, MHA)
     assert failures(results, variants) == []
     assert sum(r["coupled"]["has_loss"] for r in results.values()) == 2
+
+
+@pytest.mark.parametrize("kernel", ["paired", "split"])
+def test_differential_forms_match_single_process_under_tp2(tmp_path, kernel):
+    """Both forms of differential attention (attention.differential_kernel) under TP=2,
+    GQA, with the negative control of the replicated lambda/RMSNorm gradient sum."""
+    variants = ["differential", "coupled_differential"]
+    overrides = [*GQA, f"attention.differential_kernel={kernel}"]
+    results = run_layout(tmp_path, 2, 1, variants, overrides, control="differential")
+    assert failures(results, variants) == []
+    assert results[0]["differential[no-tp-grad-sum]"]["grad"] > 1e-3

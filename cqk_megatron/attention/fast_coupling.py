@@ -14,7 +14,10 @@ less is computed and an elementwise chain can fuse:
   next evaluate ``f`` at the same ``q``, so ``n`` steps evaluate ``f`` ``n + 1`` times,
   not ``2n`` (the Euler step already evaluates it once per step, on ``q`` only: there is
   no ``f(k)`` to batch with ``f(q)`` in either integrator).
-- ``x + dt * y`` is one ``addcmul`` (the step size is a tensor, so ``add(alpha=)`` can't).
+- ``k + dt * f(q)``: ``fc2`` has no bias, so ``dt`` is folded into its ``d x hidden``
+  weight; the product with ``dt`` and ``dt``'s gradient then cost an op on that weight
+  instead of two passes over every token's ``k``-sized kick in the backward.
+- ``q + dt * k`` is one ``addcmul`` (the step size is a tensor, so ``add(alpha=)`` can't).
 - The invertible coupling's ``s1, t1`` come from the key heads and are broadcast over the
   group (the reference evaluates the net on the expanded keys); the shift ``t2`` is
   linear in the hidden activation, so its group mean is also taken before its matmul.
@@ -85,31 +88,33 @@ def _kick(q: torch.Tensor, fc1_weight, fc1_bias, fc2_weight, group: int) -> torc
 
 def euler(q, k, fc1_weight, fc1_bias, fc2_weight, dt_raw, *, steps: int, group: int):
     dt = F.softplus(dt_raw)
+    dt_fc2 = fc2_weight * dt  # dt f = f with dt folded into its output layer
     for _ in range(steps):
-        kick = _kick(q, fc1_weight, fc1_bias, fc2_weight, group)
+        kick = _kick(q, fc1_weight, fc1_bias, dt_fc2, group)
         q = _add_expanded_kv(q, dt, k, group)
-        k = torch.addcmul(k, dt, kick)
+        k = k + kick
     return q, k
 
 
 def leapfrog(q, k, fc1_weight, fc1_bias, fc2_weight, dt_raw, *, steps: int, group: int):
     dt = F.softplus(dt_raw)
-    half = dt / 2
-    kick = _kick(q, fc1_weight, fc1_bias, fc2_weight, group)
+    half_fc2 = fc2_weight * (dt / 2)  # (dt / 2) f = f with dt / 2 folded into fc2
+    kick = _kick(q, fc1_weight, fc1_bias, half_fc2, group)
     for _ in range(steps):
-        k = torch.addcmul(k, half, kick)
+        k = k + kick
         q = _add_expanded_kv(q, dt, k, group)
-        kick = _kick(q, fc1_weight, fc1_bias, fc2_weight, group)  # also the next step's
-        k = torch.addcmul(k, half, kick)
+        kick = _kick(q, fc1_weight, fc1_bias, half_fc2, group)  # also the next step's
+        k = k + kick
     return q, k
 
 
 def mlp_only(q, k, q_fc1_w, q_fc1_b, q_fc2_w, k_fc1_w, k_fc1_b, k_fc2_w, dt_raw, *, steps: int):
     dt = F.softplus(dt_raw)
+    q_fc2_w, k_fc2_w = q_fc2_w * dt, k_fc2_w * dt  # dt folded into the output layers
     for _ in range(steps):
         q, k = (
-            torch.addcmul(q, dt, F.linear(_hidden(q, q_fc1_w, q_fc1_b), q_fc2_w)),
-            torch.addcmul(k, dt, F.linear(_hidden(k, k_fc1_w, k_fc1_b), k_fc2_w)),
+            q + F.linear(_hidden(q, q_fc1_w, q_fc1_b), q_fc2_w),
+            k + F.linear(_hidden(k, k_fc1_w, k_fc1_b), k_fc2_w),
         )
     return q, k
 

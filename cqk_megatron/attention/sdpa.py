@@ -17,6 +17,31 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
+# torch.nn.attention.SDPBackend's values, as torch._fused_sdp_choice returns them
+SDPA_BACKENDS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
+
+
+def sdpa_backend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> str:
+    """The kernel ``scaled_dot_product_attention`` would run for these tensors (causal
+    unless ``mask``): flash, cudnn, efficient or math.
+
+    Asks PyTorch's own dispatcher (``_fused_sdp_choice``, the gate every SDPA call goes
+    through, on CPU and CUDA), so the answer follows the installed version's rules, the
+    enabled backends and their priority order. On CUDA, give tensors that require grad
+    to include the backward's constraints.
+    """
+    choice = torch._fused_sdp_choice(
+        q, k, v, mask, dropout_p, mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return SDPA_BACKENDS.get(int(choice), f"backend {int(choice)}")
+
 
 class SDPACoreAttention(MegatronModule):
     """``[s, b, heads, d]`` query/key/value -> ``[s, b, heads * d]`` context."""
@@ -49,6 +74,11 @@ class SDPACoreAttention(MegatronModule):
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
+
+    @classmethod
+    def spec_params(cls, attention, backend: str) -> dict:
+        """Constructor options this scoring takes from ``AttentionConfig`` and backend."""
+        return {}
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None

@@ -23,9 +23,16 @@ per-round ratio), model FLOPs per token and MFU (GPU), and memory:
 A variant name may carry tags that choose how its coupling runs, so that the ways
 of running one coupling are timed side by side: ``coupled@compiled`` sets
 ``attention.coupling_impl=compiled``, ``coupled@eager`` the default fused eager form,
-``coupled@reference`` the plain modules of ``coupling.py`` (a benchmark-only choice),
+``coupled@reference`` the plain modules of ``coupling.py`` (a benchmark-only choice;
+for differential scoring too: ``differential@split@reference`` is the four calls and
+the plain combination of ``DifferentialScoring``, the form that ran before the paired one),
 and ``@recompute`` sets ``attention.recompute_coupling=true`` (e.g.
-``coupled@compiled@recompute``). An untagged name takes the config's settings.
+``coupled@compiled@recompute``). On a variant with differential scoring, ``@paired`` and
+``@split`` set ``attention.differential_kernel`` (e.g. ``differential@paired,
+differential@split``). An untagged name takes the config's settings. The ``attention``
+column names the differential form that ran and the kernel(s) its attention ran on,
+observed in one profiled forward: SDPA's ``flash``, ``cudnn``, ``efficient`` or ``math``;
+``maps`` for ``attention/differential.py``'s ``paired_maps``; ``te`` for Transformer Engine.
 On GPU the model is built in bf16 (``train.precision=bf16``) unless ``--precision``
 says otherwise; on CPU in the config's precision (fp32 by default).
 """
@@ -69,7 +76,9 @@ def load_bench_config(spec: str, overrides: list[str] | None = None) -> RunConfi
     return load_config(spec, overrides)
 
 
-VARIANT_TAGS = ("eager", "compiled", "reference", "recompute")
+IMPL_TAGS = ("eager", "compiled", "reference")  # attention.coupling_impl (+ reference)
+KERNEL_TAGS = ("paired", "split")  # attention.differential_kernel
+VARIANT_TAGS = (*IMPL_TAGS, *KERNEL_TAGS, "recompute")
 
 
 def split_variant(variant: str) -> tuple[str, list[str]]:
@@ -78,11 +87,18 @@ def split_variant(variant: str) -> tuple[str, list[str]]:
     if name not in VARIANTS:
         raise ValueError(f"unknown variant {name!r}; choose from {list(VARIANTS)}")
     unknown = [tag for tag in tags if tag not in VARIANT_TAGS]
-    impls = [tag for tag in tags if tag != "recompute"]
-    if unknown or len(impls) > 1:
+    impls = [tag for tag in tags if tag in IMPL_TAGS]
+    kernels = [tag for tag in tags if tag in KERNEL_TAGS]
+    if unknown or len(impls) > 1 or len(kernels) > 1 or len(set(tags)) < len(tags):
         raise ValueError(
-            f"variant {variant!r}: tags are one of eager/compiled/reference and/or "
-            f"recompute, as in coupled@compiled@recompute"
+            f"variant {variant!r}: tags are at most one of eager/compiled/reference, at most "
+            f"one of paired/split and/or recompute, as in coupled@compiled@recompute or "
+            f"coupled_differential@paired"
+        )
+    if kernels and VARIANTS[name][1] != "differential":
+        raise ValueError(
+            f"variant {variant!r}: @{kernels[0]} chooses differential attention's form, but "
+            f"{name} has {VARIANTS[name][1]} scoring; use it on a differential variant"
         )
     return name, tags
 
@@ -97,6 +113,9 @@ def variant_of(config: RunConfig, variant: str) -> RunConfig:
             attention = dataclasses.replace(attention, coupling_impl=impl)
     if "recompute" in tags:
         attention = dataclasses.replace(attention, recompute_coupling=True)
+    for kernel in KERNEL_TAGS:
+        if kernel in tags:
+            attention = dataclasses.replace(attention, differential_kernel=kernel)
     parallel = dataclasses.replace(
         config.parallel, tensor_parallel=1, pipeline_parallel=1, virtual_pipeline=None
     )
@@ -128,12 +147,42 @@ def init_world(config: RunConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def sdpa_kernel_for(config: RunConfig, device: torch.device) -> str:
-    """Which SDPA path the planner should assume: PyTorch's CPU flash kernel needs
-    values as wide as queries, so differential attention takes the math path on CPU."""
-    if device.type == "cpu" and config.attention.scoring == "differential":
-        return "math"
-    return "fused"
+def sdpa_kernel_for(kernels: list[str]) -> str:
+    """Which SDPA path the planner should assume, from the kernels that ran: ``math``
+    where the ``s x s`` maps are kept (SDPA's math path; ``paired_maps``, which keeps
+    them block by block), else ``fused``."""
+    return "math" if {"math", "maps"} & set(kernels) else "fused"
+
+
+# The aten ops behind scaled_dot_product_attention, by the kernel each one is.
+SDPA_OPS = {
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "flash",
+    "aten::_scaled_dot_product_flash_attention": "flash",
+    "aten::_scaled_dot_product_cudnn_attention": "cudnn",
+    "aten::_scaled_dot_product_efficient_attention": "efficient",
+    "aten::_scaled_dot_product_attention_math": "math",
+    "aten::_scaled_dot_product_fused_attention_overrideable": "overrideable",
+}
+
+
+def attention_kernels(module: torch.nn.Module, forward: Callable[[], torch.Tensor]) -> dict:
+    """Which differential form the model uses and which SDPA kernels one forward ran
+    (observed with the profiler, not predicted); ``te`` where Transformer Engine's
+    attention runs the paired calls, ``maps`` where ``differential.paired_maps`` does."""
+    from torch.profiler import ProfilerActivity, profile
+
+    # with autograd on: a kernel's backward constraints take part in SDPA's choice
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        output = forward()
+    del output
+    kernels = {SDPA_OPS[e.key] for e in prof.key_averages() if e.key in SDPA_OPS}
+    forms = set()
+    for sub in module.modules():
+        if hasattr(sub, "differential") and hasattr(sub, "last_path"):
+            forms.add(sub.kernel)
+            if sub.last_path in ("te", "maps"):  # not SDPA: its own kernel
+                kernels.add(sub.last_path)
+    return {"differential_kernel": "/".join(sorted(forms)) or None, "kernels": sorted(kernels)}
 
 
 @dataclass
@@ -149,6 +198,7 @@ class Workload:
     times: list[float] = field(default_factory=list)
     step_bytes: list[int] = field(default_factory=list)
     activation_bytes: int = 0
+    attention: dict = field(default_factory=dict)  # attention_kernels()
 
 
 def build_workload(
@@ -276,8 +326,9 @@ def run_benchmark(
         works.append(
             build_workload(config, variant, micro_batch, device, attention_only, optimizer)
         )
-    for work in works:  # activation bytes, measured apart from the timed steps
+    for work in works:  # activation bytes and kernels, measured apart from the timed steps
         work.activation_bytes = saved_activation_bytes(work.module, work.forward)
+        work.attention = attention_kernels(work.module, work.forward)
     for round_index in range(warmup + rounds):
         for work in works:
             timed_step(work, device, clock)
@@ -307,7 +358,7 @@ def run_benchmark(
                 micro_batch,
                 seq,
                 recompute_coupling=vconfig.attention.recompute_coupling,
-                sdpa_kernel=sdpa_kernel_for(vconfig, device),
+                sdpa_kernel=sdpa_kernel_for(work.attention["kernels"]),
             )
             estimate = (
                 vconfig.model.num_layers * act.layer_bytes + act.embedding_bytes + act.output_bytes
@@ -318,6 +369,8 @@ def run_benchmark(
                 "variant": work.variant,
                 "coupling_impl": vconfig.attention.coupling_impl,
                 "recompute_coupling": vconfig.attention.recompute_coupling,
+                "differential_kernel": work.attention["differential_kernel"],
+                "sdpa_kernels": work.attention["kernels"],
                 "parameters": work.parameters,
                 "step_ms": 1000 * median,
                 "step_ms_all": [1000 * t for t in work.times],
@@ -365,15 +418,17 @@ def format_report(result: dict) -> str:
         f"{meta['device']} ({meta['threads']} threads); {step}, {meta['rounds']} interleaved "
         f"rounds after {meta['warmup']} warm-up; {meta['clock']} clock",
         f"{'variant':<28}{'step ms':>10}{'tokens/s':>11}{'ratio':>8}{'GFLOP/tok':>11}"
-        f"{'MFU':>7}{'act MiB':>9}{'est MiB':>9}{'step MiB':>10}",
+        f"{'MFU':>7}{'act MiB':>9}{'est MiB':>9}{'step MiB':>10}  attention",
     ]
     for row in rows:
+        kernels = "+".join(row["sdpa_kernels"]) or "-"
+        form = row["differential_kernel"]
         lines.append(
             f"{row['variant']:<28}{row['step_ms']:>10.1f}{row['tokens_per_s']:>11.0f}"
             f"{row['ratio']:>8.3f}{row['gflop_per_token']:>11.3f}"
             f"{_cell(row['mfu'] and 100 * row['mfu'], '.1f'):>7}"
             f"{row['activation_mib']:>9.1f}{_cell(row['activation_estimate_mib'], '.1f'):>9}"
-            f"{_cell(row['step_peak_mib'], '.0f'):>10}"
+            f"{_cell(row['step_peak_mib'], '.0f'):>10}  {f'{form}:{kernels}' if form else kernels}"
         )
     lines.append(
         f"ratio: median over rounds of step time / {meta['baseline']}'s in the same round; "
@@ -382,6 +437,10 @@ def format_report(result: dict) -> str:
     lines.append(
         "act MiB: saved-tensor bytes of one forward (measured); est MiB: the planner's "
         "estimate; step MiB (GPU): max_memory_allocated during a step above its start"
+    )
+    lines.append(
+        "attention: differential form (paired/split) and the kernels its attention ran on "
+        "(flash, cudnn, efficient, math: SDPA's; maps: paired_maps; te: Transformer Engine)"
     )
     return "\n".join(lines)
 
@@ -398,7 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants",
         default=DEFAULT_VARIANTS,
         help="comma-separated names, each optionally tagged @eager, @compiled, @reference, "
-        "@recompute (e.g. standard,coupled,coupled@compiled)",
+        "@recompute, and on differential variants @paired or @split (e.g. "
+        "standard,coupled,coupled@compiled,differential@paired,differential@split)",
     )
     parser.add_argument("--steps", type=int, default=5, help="timed rounds (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds (default 1)")

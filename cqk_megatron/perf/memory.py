@@ -15,7 +15,7 @@ and the log-sum-exp, never the ``s x s`` score matrix. PyTorch's math path (used
 no fused kernel applies: e.g. differential attention on CPU, whose values are twice as
 wide as its queries) keeps the softmax probabilities: ``sdpa_kernel="math"``. The
 coupling keeps its MLP's input, hidden pre-activation and activation for every
-evaluation of ``f`` plus the operands of its ``dt`` products; differential attention
+evaluation of ``f`` plus the operands of its ``q + dt k`` products; differential attention
 keeps two attention outputs and its RMSNorm's tensors. A kept view keeps its whole
 storage alive: when SDPA keeps ``v``, a view of the fused QKV projection output, all of
 that output stays. Tensors over the hidden size are split by TP only with sequence
@@ -183,8 +183,9 @@ def _coupling_terms(config: RunConfig) -> dict[str, ActivationTerm]:
         return rows * (d + 2 * width)
 
     # one kick group_mean(f(q)): fc1's output on the query heads, the (group-meaned) SiLU
-    # output on the key heads (fc2's input), and the kick itself (dt's gradient needs it)
-    kick = hq * hidden + hkv * hidden + hkv * d
+    # output on the key heads (fc2's input); dt is folded into fc2's weight, so the kick
+    # itself is not kept for dt's gradient
+    kick = hq * hidden + hkv * hidden
     new_qk = hq * d + hkv * d  # a step's output, the next step's input
     if a.coupling == "none":
         per_call = 0.0
@@ -194,7 +195,7 @@ def _coupling_terms(config: RunConfig) -> dict[str, ActivationTerm]:
         per_call = hq * d + (a.steps + 1) * kick + a.steps * new_qk
     elif a.coupling == "mlp_only":
         h_q, h_k = hidden // 2, hidden - hidden // 2
-        per_call = a.steps * (mlp(hq, h_q) + hq * d + mlp(hkv, h_k) + hkv * d)
+        per_call = a.steps * (mlp(hq, h_q) + mlp(hkv, h_k))  # dt folded into fc2 as well
     elif a.coupling == "invertible":
         # per layer: the q-net on the key heads (fc1 output, SiLU output), its bounded
         # scale and exp on the key heads; q' (the k-net's input); the k-net's fc1 and SiLU

@@ -78,8 +78,12 @@ class CQKAttention(nn.Module):
         self.coupling = build_coupling(config.coupling, head_dim=d, **config.coupling_options)
         self.differential = None
         if config.scoring == "differential":
-            # lambda_init follows the 0-based layer index, as in the Megatron layer
-            self.differential = DifferentialScoring(d, layer_index=layer_idx, eps=config.norm_eps)
+            # lambda_init follows the 0-based layer index, as in the Megatron layer. Paired:
+            # each attention map once, two SDPA calls with values 2 head_dim wide (SDPA's
+            # math path on CPU; its memory-efficient or cuDNN kernel on GPU)
+            self.differential = DifferentialScoring(
+                d, layer_index=layer_idx, eps=config.norm_eps, kernel="paired"
+            )
         for module in (self.coupling, self.differential):
             if module is not None:  # these initialise themselves (identity maps, dt, lambda)
                 for sub in module.modules():
