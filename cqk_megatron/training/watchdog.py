@@ -129,6 +129,7 @@ class _StoreCalls:
         self._addr, self._port, self._timeout_s = addr, port, timeout_s
         self.busy_since: float | None = None
         self._pending: tuple[threading.Event | None, dict | None] = (None, None)
+        self._lock = threading.Lock()  # the watchdog thread and the main thread both call
         threading.Thread(target=self._serve, name="cqk-watchdog-store", daemon=True).start()
 
     def _serve(self) -> None:
@@ -154,6 +155,10 @@ class _StoreCalls:
 
     def call(self, fn, deadline_s: float) -> tuple[str, Any]:
         """("ok", value) | ("error", exception) | ("pending", None) if still blocked."""
+        with self._lock:
+            return self._call(fn, deadline_s)
+
+    def _call(self, fn, deadline_s: float) -> tuple[str, Any]:
         if self.busy_since is not None:  # an earlier call never came back
             return "pending", None
         done, box = threading.Event(), {}
@@ -167,6 +172,10 @@ class _StoreCalls:
 
     def collect(self) -> tuple[str, Any] | None:
         """The late answer of a call that was pending, if it came."""
+        with self._lock:
+            return self._collect()
+
+    def _collect(self) -> tuple[str, Any] | None:
         done, box = self._pending
         if done is None or not done.is_set():
             return None
@@ -306,7 +315,7 @@ class Watchdog:
             self._thread.join(timeout=self.bounds.heartbeat_timeout_s + 1)
         if self._store is None:
             return
-        self._store.call(lambda c: c.set(self._key(self.rank), self._state_json()), 1.0)
+        self._publish_last()
         if self.rank != 0 or self.store_host != "rank 0" or self._crash:
             return
         keys = [self._key(r) for r in self._peers]
@@ -324,6 +333,19 @@ class Watchdog:
             if status != "ok" or done:
                 return
             time.sleep(min(0.05, self.bounds.interval_s))
+
+    def _publish_last(self) -> None:
+        """This rank's final state (done, or crashed), waiting out a store call still
+        pending from the thread (bounded): peers must not take its silence for a fault."""
+        deadline = time.monotonic() + self.bounds.heartbeat_timeout_s
+        while time.monotonic() < deadline:
+            self._store.collect()
+            status, _ = self._store.call(
+                lambda c: c.set(self._key(self.rank), self._state_json()), 1.0
+            )
+            if status != "pending":
+                return
+            time.sleep(0.1)
 
     def on_error(self, error: BaseException) -> None:
         """The main thread got ``error``. A communication error waits (bounded) for the
@@ -348,7 +370,7 @@ class Watchdog:
             }
         )
         if self._store is not None:  # peers stop now instead of after the heartbeat timeout
-            self._store.call(lambda c: c.set(self._key(self.rank), self._state_json()), 1.0)
+            self._publish_last()
 
     # -- the thread --------------------------------------------------------------------------
 
@@ -443,8 +465,8 @@ class Watchdog:
                 peer.seq, peer.changed, peer.state, peer.quiet_beats = state["seq"], now, state, 0
             else:
                 peer.quiet_beats += 1
-            if peer.state.get("phase") == "done":
-                continue
+            if peer.state.get("phase") in ("shutdown", "done"):
+                continue  # past its last collective: its silence stalls nobody
             silent = now - peer.changed
             if silent > self.bounds.heartbeat_timeout_s and peer.quiet_beats >= self._beats_needed:
                 return self._verdict(
