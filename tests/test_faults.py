@@ -438,3 +438,73 @@ def _free_port() -> int:
     from _multiproc import free_port
 
     return free_port()
+
+
+# -- no processes: the rules ------------------------------------------------------------------
+
+
+def test_srun_lines_give_each_task_its_exit_and_node():
+    from launch.attempts import srun_exits
+
+    text = "\n".join(
+        [
+            "cqk-attempt: begins 0 on node1",
+            "srun: error: node2: task 1: Killed",
+            "srun: launch/slurm: _step_signal: Terminating StepId=5.0",
+            "srun: error: node1: task 0: Exited with exit code 76",
+            "srun: error: node3: tasks 2-3: Terminated",
+        ]
+    )
+    exits, order, hosts = srun_exits(text)
+    assert exits == {1: -9, 0: 76, 2: -15, 3: -15} and order == [1, 0, 2, 3]
+    assert hosts == {1: "node2", 0: "node1", 2: "node3", 3: "node3"}
+
+
+def test_a_failure_repeated_the_same_way_stops_and_the_budget_is_bounded():
+    from launch.attempts import Policy, decide
+
+    def failure(rank, signal_number, step, decision="relaunch"):
+        return {
+            "cause": {"rank": rank, "signal": signal_number},
+            "step_reached": step,
+            "decision": decision,
+        }
+
+    policy = Policy(max_restarts=3, max_identical_failures=2)
+    assert decide([], failure(1, 9, 14), policy)[0] == "relaunch"
+    decision, why = decide([failure(1, 9, 14)], failure(1, 9, 14), policy)
+    assert decision == "stop" and "the last 2 attempts failed the same way" in why
+    # a different step, rank or signal is another failure: relaunched, up to max_restarts
+    assert decide([failure(1, 9, 14)], failure(1, 9, 24), policy)[0] == "relaunch"
+    assert decide([failure(1, 9, 14)], failure(0, 9, 14), policy)[0] == "relaunch"
+    three = [failure(1, 9, 4), failure(0, 9, 14), failure(1, 9, 24)]
+    decision, why = decide(three, failure(0, 9, 34), policy)
+    assert decision == "stop" and "relaunched 3 times already (max_restarts=3)" in why
+    assert decide([], failure(1, 9, 14), Policy(0, 2)) == (
+        "stop",
+        "relaunched 0 times already (max_restarts=0)",
+    )
+
+
+def test_fault_drills_and_watchdog_bounds_are_checked():
+    from cqk_megatron.config import ConfigError, load_config, validate
+    from cqk_megatron.training import faults
+
+    fault = faults.parse("rank=1,phase=save,step=50,action=kill,when=/x/*,once=/m")
+    assert (fault.rank, fault.phase, fault.step, fault.action) == (1, "save", 50, "kill")
+    assert fault.matches("save", 50, 1) and not fault.matches("save", 50, 0)
+    for bad, message in [
+        ("phase=step,action=explode", "action must be one of"),
+        ("phase=nap,action=kill", "phase must be one of"),
+        ("phase=step,action=kill,colour=red", "unknown keys ['colour']"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            faults.parse(bad)
+    with pytest.raises(ConfigError) as error:
+        validate(load_config(None, ["train.heartbeat_timeout_s=200"]))
+    assert "train.heartbeat_timeout_s=200.0 must be below train.collective_timeout_s" in str(
+        error.value
+    )
+    with pytest.raises(ConfigError, match="train.init_timeout_s=0.0 must be a positive"):
+        validate(load_config(None, ["train.init_timeout_s=0"]))
+    validate(load_config(None, FAST))
