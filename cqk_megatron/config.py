@@ -39,6 +39,12 @@ VARIANTS: dict[str, tuple[str, str]] = {
 }
 
 
+# train.recompute (Megatron-Core's recompute_granularity) and, for full, its method; the
+# planner (perf/memory.py, perf/plan.py) offers exactly these.
+RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
 class ConfigError(ValueError):
     """A configuration that cannot work; the message names the field(s) and the fix."""
 
@@ -159,6 +165,13 @@ class TrainConfig:
     offload_optimizer: bool = False
     # train.engine=megatron: reduce-scatter gradients bucket by bucket during the backward
     overlap_grad_reduce: bool = False
+    # activation recompute: none | selective (the core attention: scores, softmax and
+    # context recomputed from q, k, v in the backward) | full (whole layers from their
+    # inputs). full: recompute_method uniform (units of recompute_num_layers layers, default
+    # 1) | block (the first recompute_num_layers layers of each model chunk, default all)
+    recompute: str = "none"
+    recompute_method: str = "uniform"
+    recompute_num_layers: int | None = None
     # evaluation and checkpoints (in optimizer steps)
     eval_interval: int = 50
     eval_iters: int = 4  # global batches of the validation split per evaluation
@@ -427,6 +440,41 @@ def check_fault_bounds(t: TrainConfig, check) -> None:
     )
 
 
+def _transformer_engine_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def _check_recompute(t: TrainConfig, layers_per_chunk: int, check) -> None:
+    """``train.recompute*`` against the layers each model chunk holds (Megatron-Core's
+    ``recompute_num_layers`` counts per chunk: per pipeline stage and virtual stage)."""
+    n = t.recompute_num_layers
+    if t.recompute != "full":
+        check(
+            n is None,
+            f"train.recompute_num_layers={n} applies to train.recompute=full only; remove it "
+            f"(train.recompute={t.recompute!r})",
+        )
+        return
+    if n is None or layers_per_chunk < 1:
+        return
+    check(n >= 1, f"train.recompute_num_layers={n} must be at least 1")
+    if t.recompute_method == "uniform":
+        check(
+            n >= 1 and layers_per_chunk % n == 0,
+            f"train.recompute_num_layers={n} with train.recompute_method=uniform must divide "
+            f"the {layers_per_chunk} layers of each model chunk (model.num_layers over "
+            "pipeline and virtual stages); pick a divisor",
+        )
+    else:
+        check(
+            n <= layers_per_chunk,
+            f"train.recompute_num_layers={n} with train.recompute_method=block is more than "
+            f"the {layers_per_chunk} layers of each model chunk; use at most {layers_per_chunk}",
+        )
+
+
 def validate(config: RunConfig, world_size: int | None = None) -> RunConfig:
     """Refuse configs that cannot work; every message names the field and the fix.
 
@@ -452,6 +500,8 @@ def validate(config: RunConfig, world_size: int | None = None) -> RunConfig:
     choice(config.backend, ("local", "transformer_engine"), "backend")
     choice(t.lr_schedule, ("cosine", "wsd", "constant"), "train.lr_schedule")
     choice(t.engine, ("deepspeed", "megatron"), "train.engine")
+    choice(t.recompute, RECOMPUTE, "train.recompute")
+    choice(t.recompute_method, RECOMPUTE_METHODS, "train.recompute_method")
     choice(config.log.wandb_mode, ("offline", "online", "disabled"), "log.wandb_mode")
     choice(config.log.progress_bar, ("auto", "on", "off"), "log.progress_bar")
     check(t.zero_stage in (1, 2, 3), f"train.zero_stage={t.zero_stage} must be 1, 2 or 3")
@@ -603,6 +653,21 @@ def validate(config: RunConfig, world_size: int | None = None) -> RunConfig:
         not p.sequence_parallel or tp > 1,
         "parallel.sequence_parallel=true needs parallel.tensor_parallel > 1",
     )
+    _check_recompute(t, m.num_layers // layers_per_chunk if layers_per_chunk else 0, check)
+    if config.backend == "transformer_engine":
+        check(
+            _transformer_engine_importable(),
+            "backend=transformer_engine but Transformer Engine is not importable here; set "
+            "backend=local (every layout runs with it, sequence parallelism included) or "
+            "install transformer-engine[pytorch] built for this torch and CUDA",
+        )
+        check(
+            not (p.sequence_parallel and t.engine == "deepspeed"),
+            "backend=transformer_engine with parallel.sequence_parallel=true and "
+            "train.engine=deepspeed: Transformer Engine's norms leave the sum of their "
+            "sequence-parallel gradients to Megatron's finalize_model_grads, which only "
+            "train.engine=megatron runs; use train.engine=megatron, or backend=local",
+        )
     check(
         1 <= a.steps <= 7,
         f"attention.steps={a.steps} is out of range; the integrators take 1 to 7 steps",

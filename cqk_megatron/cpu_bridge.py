@@ -5,6 +5,8 @@ Megatron hard-codes CUDA in a few spots that matter on a CPU/gloo run:
 RoPE frequencies and for the sequence-parallel gather buffers; ``torch.cuda.synchronize()``
 after ``batch_isend_irecv``; and the schedules' token counter made with
 ``device="cuda"``; and the distributed checkpoint writer's synchronize and flag tensors.
+Activation recompute (``tensor_parallel.checkpoint``) saves and restores the CUDA generator
+and Megatron's CUDA RNG tracker around each recomputed forward (see ``_RNG_BRIDGE``).
 DeepSpeed's CPU accelerator, for its part, JIT-builds a shared-memory all-reduce op at every
 start (see ``skip_deepspeed_shm_op``).
 Instead of patching ``torch`` for everyone, each of those modules gets
@@ -54,9 +56,12 @@ def _cpu_device(device):
 class _CpuTorch(types.ModuleType):
     """``torch`` with CUDA device requests in tensor factories mapped to CPU."""
 
-    def __init__(self) -> None:
+    def __init__(self, rng: bool = False) -> None:
         super().__init__("torch")
         self.cuda = _CpuCuda(current_device=lambda: "cpu", synchronize=lambda *a, **k: None)
+        if rng:  # the RNG tracker's module: the CPU generator stands in for the CUDA one
+            self.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+            self.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
 
     def __getattr__(self, name: str):
         return getattr(torch, name)
@@ -75,6 +80,28 @@ def needed() -> bool:
     return not torch.cuda.is_available()
 
 
+# Megatron's CUDA RNG tracker keeps named generator states ("model-parallel-rng", ...) and
+# swaps one in around work in a tensor-parallel region (``tracker.fork()``: the sequence-
+# parallel embedding and layers use it) and around a recomputed forward
+# (``CheckpointFunction``, full and selective recompute). On CPU its "CUDA" generator is
+# the CPU generator, the one dropout draws from there: the tracker's module reads and sets
+# it in place of the CUDA one, ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` included,
+# and ``distributed.seed_cuda_rng_tracker`` seeds it as on GPU.
+_RNG_MODULE = "megatron.core.tensor_parallel.random"
+
+
+def _cpu_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state: torch.Tensor, *args, **kwargs) -> None:
+    torch.set_rng_state(new_state)
+
+
+_RNG_BRIDGE = {"_get_cuda_rng_state": _cpu_rng_state, "_set_cuda_rng_state": _set_cpu_rng_state}
+_RNG_ORIGINALS: dict[str, object] = {}
+
+
 def install() -> None:
     """Give Megatron's pipeline modules the CPU view of ``torch`` (no-op with CUDA)."""
     if not needed():
@@ -87,6 +114,14 @@ def install() -> None:
         function = getattr(owner, attribute)
         if not hasattr(function, "_cpu_bridge_original"):
             setattr(owner, attribute, _with_cuda_type_names(function))
+    rng = importlib.import_module(_RNG_MODULE)
+    if not isinstance(rng.torch, _CpuTorch):
+        rng.torch = _CpuTorch(rng=True)
+    for name, replacement in _RNG_BRIDGE.items():
+        current = getattr(rng, name)
+        if current is not replacement:
+            _RNG_ORIGINALS[name] = current
+            setattr(rng, name, replacement)
 
 
 def uninstall() -> None:
@@ -95,6 +130,10 @@ def uninstall() -> None:
     for owner, attribute in _type_name_checkers():
         function = getattr(owner, attribute)
         setattr(owner, attribute, getattr(function, "_cpu_bridge_original", function))
+    rng = importlib.import_module(_RNG_MODULE)
+    rng.torch = torch
+    for name, original in _RNG_ORIGINALS.items():
+        setattr(rng, name, original)
 
 
 # The distributed optimizer sorts parameters, and gradient clipping checks gradients, by

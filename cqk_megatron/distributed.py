@@ -3,7 +3,9 @@
 Works under torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/
 ``MASTER_PORT``), plain ``srun`` (``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``
 and the first node of ``SLURM_JOB_NODELIST``) and submitit (which sets the Slurm
-variables too). NCCL on GPU, gloo on CPU.
+variables too). The default process group is NCCL on GPU and gloo on CPU (why not both
+backends at once: ``cqk_megatron.training.collectives``), and the rank's GPU is bound
+(``cqk_megatron.device.bind``) before it is created.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from megatron.core import parallel_state
 
 from cqk_megatron import cpu_bridge
 from cqk_megatron.config import RunConfig
+from cqk_megatron.device import bind
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,11 @@ class RendezvousError(RuntimeError):
     """Not every rank arrived at rendezvous within ``train.init_timeout_s``."""
 
 
+def backend() -> str:
+    """The default group's backend: ``nccl`` where CUDA is available, else ``gloo``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
 def init_process_group(dist_env: DistEnv | None = None, timeout_s: float | None = None) -> DistEnv:
     """Start the default process group (NCCL on GPU, gloo on CPU), once.
 
@@ -94,17 +102,15 @@ def init_process_group(dist_env: DistEnv | None = None, timeout_s: float | None 
         ("MASTER_PORT", dist_env.master_port),
     ):
         os.environ.setdefault(name, str(value))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(dist_env.local_rank % torch.cuda.device_count())
-    else:
-        cpu_bridge.install()
+    bind()  # cuda:LOCAL_RANK, read from the variables just set (no-op on CPU)
+    cpu_bridge.install()  # no-op with CUDA
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
+        pg_backend = backend()
+        if pg_backend == "nccl":
             nccl_error_handling(dist_env.rank)
         if timeout_s is None:
             dist.init_process_group(
-                backend=backend,
+                backend=pg_backend,
                 init_method=f"tcp://{dist_env.master_addr}:{dist_env.master_port}",
                 rank=dist_env.rank,
                 world_size=dist_env.world_size,
@@ -112,7 +118,7 @@ def init_process_group(dist_env: DistEnv | None = None, timeout_s: float | None 
         else:
             store = rendezvous(dist_env, timeout_s)
             dist.init_process_group(
-                backend=backend,
+                backend=pg_backend,
                 store=store,
                 rank=dist_env.rank,
                 world_size=dist_env.world_size,
@@ -229,7 +235,9 @@ def set_collective_timeout(seconds: float) -> None:
 
 
 def init_model_parallel(config: RunConfig) -> None:
-    """(Re)build Megatron's tensor/pipeline/data-parallel groups for ``config``."""
+    """(Re)build Megatron's tensor/pipeline/data-parallel groups for ``config``, and seed
+    the CUDA RNG tracker that goes with them (``config.seed``; the training loop seeds it
+    again per pipeline stage)."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     p = config.parallel
@@ -241,12 +249,33 @@ def init_model_parallel(config: RunConfig) -> None:
         # group's: start-up's bound, until set_collective_timeout lowers every group's.
         distributed_timeout_minutes=max(1, math.ceil(config.train.init_timeout_s / 60)),
     )
+    seed_cuda_rng_tracker(config.seed)
 
 
 def init_single_process(config: RunConfig | None = None) -> None:
-    """A world of one (no network) with TP=PP=1 groups: for tools and tests that only
-    build models, such as the parameter counter."""
+    """A world of one (no network) with TP=PP=1 groups, for the tools that build a model
+    in one process (parameter counter, conversion, MQAR, benchmark): the same backend,
+    device and seeded CUDA RNG tracker (which Megatron's layers initialise their weights
+    under on GPU) as training."""
+    config = config or RunConfig()
     if not dist.is_initialized():
+        bind()
         cpu_bridge.install()
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    init_model_parallel(config or RunConfig())
+        dist.init_process_group(backend(), store=dist.HashStore(), rank=0, world_size=1)
+    init_model_parallel(config)
+
+
+def seed_cuda_rng_tracker(seed: int) -> None:
+    """Seed Megatron's CUDA RNG tracker, which its layers initialise their weights under on
+    GPU and which sequence parallelism and recompute swap states of. On CPU (through the
+    CPU bridge) its states are CPU-generator states, and seeding it leaves the CPU
+    generator as it was."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if torch.cuda.is_available():
+        model_parallel_cuda_manual_seed(seed)
+        return
+    cpu_bridge.install()
+    state = torch.get_rng_state()
+    model_parallel_cuda_manual_seed(seed)
+    torch.set_rng_state(state)

@@ -6,9 +6,15 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from cqk_megatron.config import RunConfig
+from cqk_megatron.device import device
+from cqk_megatron.norm import TorchNorm
 from cqk_megatron.specs import layer_spec_from_config
 
 # fp64 is for numerical checks on CPU (layout equivalence far below fp32 rounding).
@@ -18,7 +24,7 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float
 def transformer_config(config: RunConfig) -> TransformerConfig:
     """Megatron's ``TransformerConfig`` for our model, layout and precision."""
     m, p = config.model, config.parallel
-    on_gpu = torch.cuda.is_available()
+    on_gpu = device().type == "cuda"
     bf16 = config.train.precision == "bf16"
     dtype = PRECISIONS[config.train.precision]
     return TransformerConfig(
@@ -59,7 +65,29 @@ def transformer_config(config: RunConfig) -> TransformerConfig:
         # activations and gradients would swap. Megatron's unbatched path sends each
         # direction through its own group. NCCL keeps the batched default.
         batch_p2p_comm=on_gpu,
+        **recompute_options(config),
     )
+
+
+def recompute_options(config: RunConfig) -> dict:
+    """``train.recompute`` as Megatron-Core's ``recompute_granularity`` / ``_method`` /
+    ``_num_layers``: ``selective`` checkpoints the core attention (``core_attn``: scores,
+    softmax and context are recomputed from q, k, v; a post-RoPE coupling, run in the core
+    attention's pre-hook, with it), ``full`` whole layers from their inputs."""
+    t = config.train
+    if t.recompute == "none":
+        return {}
+    if t.recompute == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    per_chunk = config.model.num_layers // (
+        config.parallel.pipeline_parallel * (config.parallel.virtual_pipeline or 1)
+    )
+    default = 1 if t.recompute_method == "uniform" else per_chunk
+    return {
+        "recompute_granularity": "full",
+        "recompute_method": t.recompute_method,
+        "recompute_num_layers": t.recompute_num_layers or default,
+    }
 
 
 def build_model(
@@ -77,9 +105,10 @@ def build_model(
         post_process = parallel_state.is_pipeline_last_stage(
             ignore_virtual=False, vp_stage=vp_stage
         )
+    megatron_config = transformer_config(config)
     model = GPTModel(
-        config=transformer_config(config),
-        transformer_layer_spec=layer_spec_from_config(config),
+        config=megatron_config,
+        transformer_layer_spec=block_spec(config, megatron_config, vp_stage),
         vocab_size=config.model.padded_vocab_size,
         max_sequence_length=config.model.seq_length,
         pre_process=pre_process,
@@ -89,9 +118,29 @@ def build_model(
         rotary_base=config.model.rotary_base,
         vp_stage=vp_stage,
     )
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    return model
+    # Megatron's torch norms are made in fp32 whatever params_dtype says; Megatron-LM's
+    # Float16Module and DeepSpeed's bf16 mode both cast the whole model, and so do we, once,
+    # here, so that both engines and the tools train and load the same tensors. A model
+    # built on the meta device (the parameter counter) stays there.
+    dtype = PRECISIONS[config.train.precision]
+    if next(model.parameters()).is_meta:
+        return model.to(dtype=dtype)
+    return model.to(device=device(), dtype=dtype)
+
+
+def block_spec(
+    config: RunConfig, megatron_config: TransformerConfig, vp_stage: int | None
+) -> TransformerBlockSubmodules:
+    """This stage's layers and its final norm. Megatron builds the final norm from a
+    module-level choice (Transformer Engine's, Apex's, else one that refuses sequence
+    parallelism); with ``backend=local`` it is the layers' ``TorchNorm`` too."""
+    layer = layer_spec_from_config(config)
+    layers = get_num_layers_to_build(megatron_config, vp_stage=vp_stage)
+    if config.backend != "local":
+        from megatron.core.transformer.transformer_block import LayerNormImpl
+
+        return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=LayerNormImpl)
+    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=TorchNorm)
 
 
 class ModelChunks(torch.nn.ModuleList):

@@ -4,7 +4,8 @@ A layer's attention has two orthogonal choices: the **coupling** applied to (q, 
 before scoring, and the **scoring**. Each is one table entry here (a class), and a
 named variant is a preset of the pair: a new coupling or scoring is one class and one
 line, never a factory per pair. Everything else in the layer is Megatron's own local
-spec (or its Transformer Engine spec on GPU, where TE is installed).
+spec (or its Transformer Engine spec on GPU, where TE is installed), except that the local
+spec's norms are ``norm.TorchNorm``, which also runs under sequence parallelism.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from cqk_megatron.attention import (
 )
 from cqk_megatron.config import VARIANTS, AttentionConfig, RunConfig
 from cqk_megatron.coupling import COUPLING_CLASSES
+from cqk_megatron.norm import TorchNorm
 
 SCORING_CLASSES: dict[str, type] = {
     "standard": SDPACoreAttention,
@@ -70,7 +72,15 @@ def _base_layer_spec(normalization: str, backend: str) -> ModuleSpec:
                 "backend=transformer_engine needs Transformer Engine installed; "
                 "set backend=local or install transformer-engine"
             ) from error
-    return get_gpt_layer_local_spec(normalization=normalization)
+    layer = get_gpt_layer_local_spec(normalization=normalization)
+    # Megatron's choice here is Apex's FusedLayerNorm where installed, else WrappedTorchNorm,
+    # which refuses sequence parallelism: one norm everywhere, that accepts it.
+    return dataclasses.replace(
+        layer,
+        submodules=dataclasses.replace(
+            layer.submodules, input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm
+        ),
+    )
 
 
 def gpt_layer_spec(

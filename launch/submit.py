@@ -226,8 +226,11 @@ def record_submission(plan: RunPlan, job, cluster: str, array: bool, argv: list[
     print(f"submitted {plan.name}: job {job.job_id} ({cluster}) -> {plan.run_dir}", flush=True)
 
 
-def submit_group(group: list[RunPlan], profile, cluster: str, sweep, argv: list[str]) -> list:
-    """Submit runs that share resources: one Slurm job, or one job array for several."""
+def submit_group(
+    group: list[RunPlan], profile, cluster: str, sweep, argv: list[str], progress: Progress
+) -> list:
+    """Submit runs that share resources: one Slurm job, or one job array for several.
+    Each submitted job is added to ``progress``."""
     from launch.executors import local_executor, slurm_executor
     from launch.job import TrainingJob, free_local_port
 
@@ -249,16 +252,19 @@ def submit_group(group: list[RunPlan], profile, cluster: str, sweep, argv: list[
             TrainingJob(to_dict(p.config), resources.max_requeues, **relaunch) for p in group
         ]
     if cluster == "local":
-        # No job arrays here: at most array_parallelism runs at once on this machine.
+        # No job arrays here: at most array_parallelism runs at once on this machine; the
+        # sweep's progress is shown while a run waits for its turn.
         jobs = []
         for plan, job_callable in zip(group, callables, strict=True):
             while sum(not job.done() for job in jobs) >= resources.array_parallelism:
-                time.sleep(2)
+                progress.poll()
+                time.sleep(progress.poll_s)
             executor = local_executor(
                 plan.run_dir / "submitit", profile, plan.resources, plan.run_dir
             )
             jobs.append(executor.submit(job_callable))
             record_submission(plan, jobs[-1], cluster, False, argv)
+            progress.add(plan, jobs[-1])
         return jobs
     folder = submitit_folder(group, sweep)
     executor = slurm_executor(folder, profile, resources, job_name(group, sweep))
@@ -269,63 +275,82 @@ def submit_group(group: list[RunPlan], profile, cluster: str, sweep, argv: list[
             jobs = [executor.submit(c) for c in callables]
     for plan, job in zip(group, jobs, strict=True):
         record_submission(plan, job, cluster, len(group) > 1, argv)
+        progress.add(plan, job)
     return jobs
 
 
-def wait_for(
-    plans: list[RunPlan], jobs: list, cluster: str, progress: str = "auto", poll_s: float = 5.0
-) -> None:
-    """Until every job has ended. The jobs write to their own log files, so progress is
-    read from each run's metrics: a bar per run on a terminal (``progress="bar"``), else a
-    line per run every 30 s (``"lines"``)."""
-    if progress == "auto":
-        progress = "bar" if sys.stdout.isatty() else "lines"
-    pending = dict(zip([p.name for p in plans], zip(plans, jobs, strict=True), strict=True))
-    bars = _progress_bars(plans) if progress == "bar" else {}
-    last_print = 0.0
-    while pending:
-        for name, (_, job) in list(pending.items()):
+class Progress:
+    """Where the submitted jobs stand, read from each run's metrics (the jobs write to
+    their own log files): a bar per run on a terminal (``mode="bar"``), else a line per
+    run every 30 s (``"lines"``), and a line when a job ends, with the sweep's count."""
+
+    def __init__(
+        self, cluster: str, mode: str = "auto", total: int = 0, poll_s: float = 5.0
+    ) -> None:
+        self.cluster, self.poll_s, self.total = cluster, poll_s, total  # total: runs to submit
+        self.mode = ("bar" if sys.stdout.isatty() else "lines") if mode == "auto" else mode
+        self.pending: dict[str, tuple[RunPlan, object]] = {}
+        self.bars: dict = {}
+        self.ended = 0
+        self._last_print = 0.0
+
+    def add(self, plan: RunPlan, job) -> None:
+        self.pending[plan.name] = (plan, job)
+
+    def _open_bars(self) -> None:
+        # Opened at the first poll, not at submission: --no-wait draws none.
+        from tqdm import tqdm
+
+        for name, (plan, _) in self.pending.items():
+            if name not in self.bars:
+                self.bars[name] = tqdm(total=plan.config.train.train_steps, desc=name, unit="step")
+
+    def poll(self) -> None:
+        """One look at every pending job: report those that ended, show the others."""
+        if self.mode == "bar":
+            self._open_bars()
+        for name, (plan, job) in list(self.pending.items()):
             # A local job's own process handle is the surest word on it.
-            state = job.state if cluster == "local" else slurm_state.job_state(job.job_id, cluster)
+            local = self.cluster == "local"
+            state = job.state if local else slurm_state.job_state(job.job_id, self.cluster)
             if not slurm_state.is_active(state):
-                _update_bar(bars, pending[name][0])
-                if name in bars:
-                    bars.pop(name).close()
-                plan = pending[name][0]
+                self._update_bar(plan)
+                if name in self.bars:
+                    self.bars.pop(name).close()
+                self.ended += 1
+                count = f" [{self.ended}/{self.total} ended]" if self.total > 1 else ""
                 done = runs.is_finished(plan.run_dir, plan.config.train.train_steps)
                 outcome = "the run finished" if done else "the run did not finish"
-                print(f"{name}: job {job.job_id} ended ({state}): {outcome}", flush=True)
-                del pending[name]
-        for plan, _ in pending.values():
-            _update_bar(bars, plan)
-        if not bars and pending and time.monotonic() - last_print > 30:
-            last_print = time.monotonic()
-            for name, (plan, _) in pending.items():
+                print(f"{name}: job {job.job_id} ended ({state}): {outcome}{count}", flush=True)
+                del self.pending[name]
+        for plan, _ in self.pending.values():
+            self._update_bar(plan)
+        if self.mode != "bar" and self.pending and time.monotonic() - self._last_print > 30:
+            self._last_print = time.monotonic()
+            for name, (plan, _) in self.pending.items():
                 record = runs.latest_train_record(plan.run_dir)
-                progress_text = (
-                    f"step {record['step']}, loss {record['loss']:.4f}" if record else "starting"
+                steps = plan.config.train.train_steps
+                text = (
+                    f"step {record['step']}/{steps}, loss {record['loss']:.4f}"
+                    if record
+                    else "starting"
                 )
-                print(f"{name}: {progress_text}", flush=True)
-        if pending:
-            time.sleep(poll_s)  # each poll reads every pending run's metrics file
+                print(f"{name}: {text}", flush=True)
 
+    def wait(self) -> None:
+        """Until every job has ended (each poll reads every pending run's metrics file)."""
+        while self.pending:
+            self.poll()
+            if self.pending:
+                time.sleep(self.poll_s)
 
-def _progress_bars(plans: list[RunPlan]) -> dict:
-    from tqdm import tqdm
-
-    return {
-        plan.name: tqdm(total=plan.config.train.train_steps, desc=plan.name, unit="step")
-        for plan in plans
-    }
-
-
-def _update_bar(bars: dict, plan: RunPlan) -> None:
-    bar = bars.get(plan.name)
-    record = runs.latest_train_record(plan.run_dir) if bar is not None else None
-    if record is None:
-        return
-    bar.n = record["step"]
-    bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+    def _update_bar(self, plan: RunPlan) -> None:
+        bar = self.bars.get(plan.name)
+        record = runs.latest_train_record(plan.run_dir) if bar is not None else None
+        if record is None:
+            return
+        bar.n = record["step"]
+        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
 
-    submitted_plans, jobs = [], []
+    todos = []
     for group in groups:
         todo = []
         for plan in group:
@@ -366,18 +391,22 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"skipped {plan.name}: {reason} ({plan.run_dir})", flush=True)
         if todo:
-            if cluster == "slurm" and "SLURM_CONF" not in os.environ:
-                print(
-                    "note: SLURM_CONF is not set; sbatch uses its default configuration",
-                    file=sys.stderr,
-                )
-            try:
-                jobs += submit_group(todo, profile, cluster, args.sweep, argv)
-            except (RuntimeError, OSError) as error:  # sbatch's refusal, no srun, ...
-                names = ", ".join(p.name for p in todo)
-                print(f"error: submitting {names} failed: {error}", file=sys.stderr)
-                return 1
-            submitted_plans += todo
+            todos.append(todo)
+    submitted_plans = []
+    progress = Progress(cluster, args.progress, total=sum(map(len, todos)))
+    for todo in todos:
+        if cluster == "slurm" and "SLURM_CONF" not in os.environ:
+            print(
+                "note: SLURM_CONF is not set; sbatch uses its default configuration",
+                file=sys.stderr,
+            )
+        try:
+            submit_group(todo, profile, cluster, args.sweep, argv, progress)
+        except (RuntimeError, OSError) as error:  # sbatch's refusal, no srun, ...
+            names = ", ".join(p.name for p in todo)
+            print(f"error: submitting {names} failed: {error}", file=sys.stderr)
+            return 1
+        submitted_plans += todo
     if not submitted_plans:
         print("nothing submitted")
         return (
@@ -385,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     wait = args.wait if args.wait is not None else cluster == "local"
     if wait:
-        wait_for(submitted_plans, jobs, cluster, args.progress)
+        progress.wait()
         unfinished = [
             p.name for p in plans if not runs.is_finished(p.run_dir, p.config.train.train_steps)
         ]

@@ -22,6 +22,14 @@ from cqk_megatron.analysis.fits import (
 )
 from cqk_megatron.analysis.ingest import ingest
 from cqk_megatron.analysis.ladder import expand_sweep
+from cqk_megatron.analysis.report import (
+    Options,
+    analyze,
+    compute_budgets,
+    interpretation,
+    render_markdown,
+)
+from cqk_megatron.analysis.step_time import format_ratio, run_step_time
 from cqk_megatron.config import CONFIGS_DIR, ConfigError, load_config, save_config
 from cqk_megatron.params import count_variant_parameters
 
@@ -223,8 +231,14 @@ def write_run(
     summary_counts=True,
     noise_seed=0,
     extra=(),
+    cpu_per_step=None,
+    tokens_per_s=None,
 ):
-    """A run folder: config.yaml and metrics.jsonl following a known scaling law."""
+    """A run folder: config.yaml and metrics.jsonl following a known scaling law.
+
+    ``cpu_per_step``: the process's CPU seconds per step (a number, or a function of the
+    step), recorded as the loop does (cumulative ``process_cpu_s``); None: records without
+    it, as before the loop had it. ``tokens_per_s``: the wall-clock throughput logged."""
     name = f"test-{shape}-{variant}-s{seed}"
     folder = root / name
     folder.mkdir(parents=True)
@@ -238,9 +252,13 @@ def write_run(
     law = VARIANT_LAWS[variant]
     rng = np.random.default_rng(noise_seed + 17 * seed)
     lines = []
+    cpu_total = 12.0  # the process's start-up
     for step in range(10, steps + 1, 10):
         tokens = step * tokens_per_step
         clean = float(law.predict(non_embedding, tokens))
+        if cpu_per_step is not None:
+            per_step = cpu_per_step(step) if callable(cpu_per_step) else cpu_per_step
+            cpu_total += 10 * per_step  # a record every 10 steps
         lines.append(
             {
                 "kind": "train",
@@ -249,12 +267,13 @@ def write_run(
                 "loss": clean * (1 + rng.normal(0, 0.01)),
                 "lr": 1e-3,
                 "grad_norm": 1.0,
-                "tokens_per_s": 5000.0 + 10 * step,
+                "tokens_per_s": tokens_per_s or 5000.0 + 10 * step,
                 "step_time_s": 0.1,
                 "tflops": 0.01,
                 "mfu": None,
                 "mem_gb": None,
                 "time": 1.7e9 + step,
+                **({"process_cpu_s": cpu_total} if cpu_per_step is not None else {}),
             }
         )
         if step % 40 == 0:
@@ -474,3 +493,115 @@ def test_ladder_refuses_an_impossible_layout(tmp_path):
     with pytest.raises(ConfigError, match="bad-7b-differential-s0") as error:
         expand_sweep(sweep)
     assert "parallel.tensor_parallel=8" in str(error.value)
+
+
+# ---------------------------------------------------------------------------------------
+# step time: from process CPU time, or flagged
+# ---------------------------------------------------------------------------------------
+
+
+def step_time_root(root, cpu_per_step):
+    """Two sizes x {standard, coupled}; wall clock says coupled is 0.8x standard's step time
+    (it logged more tokens/s), CPU time says ``cpu_per_step[variant]``."""
+    for shape in ("s", "m"):
+        for variant in ("standard", "coupled"):
+            write_run(
+                root,
+                variant,
+                shape,
+                cpu_per_step=cpu_per_step[variant],
+                tokens_per_s=5000.0 if variant == "standard" else 6250.0,
+            )
+    return analyze(ingest([root]), Options(n_boot=4))
+
+
+def gains_cell(analysis, shape_index: int, variant: str) -> str:
+    gains = analysis.gains
+    size = sorted(gains["size"].unique(), key=lambda s: gains[gains["size"] == s].index[0])[
+        shape_index
+    ]
+    row = gains[(gains["size"] == size) & (gains["variant"] == variant)].iloc[0]
+    return format_ratio(row["ratio"], row["clock"], bool(row["steady"]))
+
+
+def test_report_step_time_ratio_comes_from_process_cpu_time(tmp_path):
+    analysis = step_time_root(tmp_path, {"standard": 0.2, "coupled": 0.26})
+    for shape in (0, 1):
+        assert gains_cell(analysis, shape, "coupled") == "1.30x (CPU)"  # not wall's 0.80x
+        assert gains_cell(analysis, shape, "standard") == "1.00x (CPU)"
+    runs = analysis.runs.set_index("run")
+    assert runs.loc["test-s-coupled-s0", "cpu_s_per_step"] == pytest.approx(0.26)
+    markdown = render_markdown(analysis, {"curves": tmp_path / "c.png"}, tmp_path)
+    assert "| 1.30x (CPU) |" in markdown and "0.80x" not in markdown
+    assert "process CPU time" in markdown and "tokens/s (wall)" in markdown
+
+
+def test_report_step_time_without_cpu_records_is_flagged_unreliable(tmp_path):
+    analysis = step_time_root(tmp_path, {"standard": None, "coupled": None})
+    assert gains_cell(analysis, 0, "coupled") == "0.80x (wall clock, unreliable)"
+    markdown = render_markdown(analysis, {"curves": tmp_path / "c.png"}, tmp_path)
+    assert "0.80x (wall clock, unreliable)" in markdown
+    assert "unreliable on a shared machine" in markdown and "cqk-bench --clock cpu" in markdown
+
+
+def test_report_step_time_that_drifts_within_the_runs_is_flagged_unsteady(tmp_path):
+    # coupled's steps got 40% dearer half way through (another job took the core's cache)
+    drift = {"standard": 0.2, "coupled": lambda step: 0.2 if step <= 100 else 0.28}
+    analysis = step_time_root(tmp_path, drift)
+    assert gains_cell(analysis, 0, "coupled").endswith("(CPU, unsteady)")
+    markdown = render_markdown(analysis, {"curves": tmp_path / "c.png"}, tmp_path)
+    assert "1.00x over the first half of the steps, 1.40x over the second" in markdown
+
+
+def test_cpu_seconds_per_step_skip_resumes_evaluations_and_checkpoints():
+    # 0.5 s a step, an evaluation (+3 s) after step 4, a resume (a new process) at step 7
+    cpu = [10.5, 11.0, 11.5, 12.0, 15.5, 16.0, 9.0, 9.5, 10.0, 10.5]
+    train = pd.DataFrame({"step": range(1, 11), "process_cpu_s": cpu, "step_time_s": [0.9] * 10})
+    timing = run_step_time(train)
+    assert timing.cpu == pytest.approx(0.5)
+    assert timing.first_half == pytest.approx(0.5) and timing.second_half == pytest.approx(0.5)
+    assert timing.wall == pytest.approx(0.9)
+    assert math.isnan(run_step_time(train.drop(columns="process_cpu_s")).cpu)
+
+
+def test_multiplier_at_measured_budgets_and_compute_budgets_follow_the_runs(tmp_path):
+    steps = {"s": 200, "m": 160, "l": 120}  # each size its own budget
+    for shape in SHAPES:
+        for variant in ("standard", "coupled"):
+            write_run(tmp_path, variant, shape, steps=steps[shape])
+    ingested = ingest([tmp_path])
+    measured = analyze(ingested, Options(n_boot=4, multiplier_at="measured"))
+    frame = measured.multipliers["coupled"]
+    runs = ingested.runs[ingested.runs["variant"] == "standard"]
+    budget_by_n = dict(zip(runs["params_non_embedding"], runs["tokens"], strict=True))
+    assert len(frame) == len(SHAPES) and not frame["extrapolated"].any()
+    for n, tokens in zip(frame["params"], frame["tokens"], strict=True):
+        assert tokens == budget_by_n[n]  # read at the size's own budget, not 20 N
+    # the synthetic coupled law is worth 2x tokens everywhere (six runs: a rough fit)
+    assert ((frame["multiplier"] > 1.5) & (frame["multiplier"] < 3.0)).all(), frame
+    per_param = analyze(ingested, Options(n_boot=4)).multipliers["coupled"]
+    measured_rows = per_param[~per_param["extrapolated"]]
+    assert (measured_rows["tokens"] == 20 * measured_rows["params"]).all()
+    flops = measured.points["flops"]
+    budgets = compute_budgets(measured.points)
+    assert budgets[0] <= flops.min() * 10 and flops.max() < budgets[-1] <= 1000 * flops.max()
+    paragraph = interpretation(measured)
+    assert "3 model size(s)" in paragraph and "1 seed(s)" in paragraph
+    assert "not as a measurement of coupled attention" in paragraph  # all below 10M
+
+
+def test_steps_logged_again_after_a_resume_count_once(tmp_path):
+    folder, _, _ = write_run(tmp_path, "standard", "s", steps=80, finished=False)
+    metrics = folder / "metrics.jsonl"
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    # resumed from a step-40 checkpoint: steps 50-80 logged again, with the resumed losses
+    again = [
+        dict(line, loss=1.0) if line["kind"] == "train" else dict(line, val_loss=1.0)
+        for line in lines
+        if line["step"] > 40
+    ]
+    metrics.write_text("".join(json.dumps(line) + "\n" for line in lines + again))
+    table = ingest([tmp_path]).table
+    assert not table.duplicated(["split", "step"]).any()
+    later = table[table["step"] > 40]
+    assert (later["loss"] == 1.0).all() and len(later) == len(again)

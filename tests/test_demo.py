@@ -1,49 +1,120 @@
-"""The README's demo, shortened (6 steps per run, same path through every stage), from the
-installed environment: every artefact exists and is valid, and a second run skips what is
-done."""
+"""The README's demo, shortened (8 steps per run, the same path through every stage), from
+an environment chosen by VENV: the mini-ladder goes through the launcher as one sweep
+(job records and one run folder per size and variant), the report fits L(N, D) for both
+variants with bootstrap intervals, the coupled export loads, a second run skips what is
+done; and .ci/run takes its Python from VENV too."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+STEPS = 8
+SIZES = ("w64", "w96", "w128")  # configs/sweeps/demo.yaml
+VARIANTS = ("standard", "coupled")
+PARAMS = ("E", "A", "B", "alpha", "beta")
 
 
-def run_demo(out: Path) -> subprocess.CompletedProcess:
+def elsewhere_venv(folder: Path, real_python: str) -> tuple[Path, Path]:
+    """A VENV at another path whose python logs every call and then runs ``real_python``
+    (the installed environment): the scripts must reach it through VENV alone."""
+    log = folder / "calls.log"
+    python = folder / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\necho "$*" >> "{log}"\nexec "{real_python}" "$@"\n')
+    python.chmod(0o755)
+    return folder, log
+
+
+def run_demo(out: Path, venv: Path) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
+        "VENV": str(venv),
         "DEMO_OUT": str(out),
-        "DEMO_STEPS": "6",
+        "DEMO_STEPS": str(STEPS),
+        "DEMO_BOOTSTRAP": "40",
         "DEMO_SKIP_INSTALL": "1",
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     }
     return subprocess.run(
         ["bash", str(REPO / "scripts" / "demo.sh")],
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1500,
         cwd=REPO,
     )
 
 
-def test_demo_end_to_end(tmp_path):
+def fit_rows(report: str) -> dict[str, list[str]]:
+    """The L(N, D) fit table's rows by variant: the cells of E, A, B, alpha, beta."""
+    section = report.split("## Scaling-law fits", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    rows = {}
+    for line in lines[2:]:
+        cells = dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
+        rows[cells["variant"]] = [cells[name] for name in PARAMS]
+    return rows
+
+
+def test_demo_ladder_end_to_end(tmp_path):
     out = tmp_path / "demo"
-    result = run_demo(out)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    for variant in ("standard", "coupled"):
-        run = out / "runs" / f"demo-{variant}"
-        lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in lines if r["kind"] == "train"] == list(range(1, 7))
-        assert any(r.get("final") for r in lines) and lines[-1]["kind"] == "summary"
-        assert (run / "checkpoints" / "latest").read_text().strip() == "iter_0000006"
-        assert list((run / "wandb").glob("offline-run-*"))
-    # the Hugging Face folder loads and generates in a fresh process, with no network
-    hf = out / "hf" / "demo-coupled"
+    venv, calls = elsewhere_venv(tmp_path / "elsewhere", sys.executable)
+    result = run_demo(out, venv)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+    # every stage ran on VENV's python (nothing on a hard-coded .venv)
+    called = calls.read_text()
+    for stage in ("data_tools.demo_corpus", "launch/submit.py --sweep", "cqk_megatron.analysis"):
+        assert stage in called, called
+
+    # one sweep through the launcher: a run folder per size and variant, with job records
+    names = {f"demo-{size}-{variant}-s0" for size in SIZES for variant in VARIANTS}
+    assert {p.name for p in (out / "runs").iterdir() if p.is_dir()} >= names
+    for name in names:
+        run = out / "runs" / name
+        events = [json.loads(line) for line in (run / "jobs.jsonl").read_text().splitlines()]
+        kinds = [e["event"] for e in events]
+        assert kinds[0] == "submitted" and "started" in kinds and kinds[-1] == "finished"
+        assert "--sweep" in events[0]["command"]
+        assert list((run / "submitit").glob("*_0_log.out"))
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        train = [r for r in records if r["kind"] == "train"]
+        assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+        assert all(r["process_cpu_s"] > 0 for r in train)
+        assert len([r for r in records if r["kind"] == "valid"]) >= 4  # evaluates 4 times
+        assert records[-1]["kind"] == "summary"
+        assert (run / "checkpoints" / "latest").read_text().strip() == f"iter_{STEPS:07d}"
+    assert "[6/6 ended]" in result.stdout  # the sweep's own progress
+
+    # the analysis: an L(N, D) fit per variant, every constant with its interval
+    report = (out / "report" / "report.md").read_text()
+    rows = fit_rows(report)
+    assert set(rows) == set(VARIANTS), rows
+    interval = re.compile(r"^\S+ \[\S+, \S+\]$")
+    for variant, cells in rows.items():
+        for name, cell in zip(PARAMS, cells, strict=True):
+            assert interval.match(cell), (variant, name, cell)
+    for heading in (
+        "## Data-efficiency multiplier over standard attention",
+        "## Loss vs compute",
+        "## What these fits can and cannot mean",
+    ):
+        assert heading in report, heading
+    assert "each measured size's own training budget" in report
+    assert "(CPU" in report  # step time from process CPU time
+    for figure in ("loss_curves", "fits_loss_vs_tokens", "loss_vs_compute", "multiplier_vs_size"):
+        png = out / "report" / "figures" / f"{figure}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", figure
+    assert "Done. Where everything is" in result.stdout
+
+    # the largest coupled model's Hugging Face folder loads in a fresh process, offline
+    hf = out / "hf" / "demo-w128-coupled-s0"
     check = subprocess.run(
         [
             sys.executable,
@@ -60,19 +131,40 @@ def test_demo_end_to_end(tmp_path):
     )
     assert check.returncode == 0, check.stderr[-2000:]
     assert check.stdout.split()[0] == "CQKForCausalLM"
-    report = (out / "report" / "report.md").read_text()
-    assert "| demo-coupled | coupled |" in report and "| demo-standard | standard |" in report
-    assert "step time / standard" in report
-    assert "![loss curves](figures/loss_curves.png)" in report
-    png = out / "report" / "figures" / "loss_curves.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "Done. Where everything is" in result.stdout
-    # trained as jobs of the launcher: its job records and per-task logs are in the run
-    events = (out / "runs" / "demo-coupled" / "jobs.jsonl").read_text()
-    assert '"event": "started"' in events and '"event": "finished"' in events
-    assert list((out / "runs" / "demo-coupled" / "submitit").glob("*_1_log.out"))
 
-    again = run_demo(out)  # finished stages are skipped, nothing is retrained
+    again = run_demo(out, venv)  # finished runs are skipped, nothing is retrained
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert "demo-standard: already trained" in again.stdout
-    assert "demo-coupled: already trained" in again.stdout
+    for name in names:
+        assert f"skipped {name}: finished" in again.stdout
+    assert "nothing submitted" in again.stdout
+
+
+def test_ci_takes_its_python_from_venv(tmp_path):
+    """.ci/run with VENV=elsewhere (relative to where it is started): the install and the
+    test run both go to that environment's python. Its python here only records its
+    arguments, and Slurm's tools are stand-ins on PATH so the Slurm install is a no-op:
+    this checks which environment the scripts use, not the install itself."""
+    log = tmp_path / "calls.log"
+    python = tmp_path / "elsewhere" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\necho "$*" >> "{log}"\n')
+    python.chmod(0o755)
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    for tool in ("munged", "slurmctld", "slurmd", "sbatch"):
+        (tools / tool).write_text("#!/bin/sh\necho stand-in\n")
+        (tools / tool).chmod(0o755)
+    env = {**os.environ, "VENV": "elsewhere", "PATH": f"{tools}:{os.environ['PATH']}"}
+    result = subprocess.run(
+        ["bash", str(REPO / ".ci" / "run")],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    calls = log.read_text().splitlines()
+    assert any(c.startswith("-m pip") and "install" in c for c in calls), calls
+    assert "-m pytest -q --durations=15 tests" in calls, calls
+    assert not (tmp_path / ".venv").exists()

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -393,22 +391,3 @@ def test_bench_rejects_unknown_variant(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--variants", "standard,nonsense"])
     assert "nonsense" in capsys.readouterr().err
-
-
-def test_gpu_check_dry_run_parses_its_arguments():
-    script = REPO / "tests/gpu/check.py"
-    run = subprocess.run(
-        [sys.executable, str(script), "--dry-run", "--steps", "2", "--micro-batch", "8,4"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
-    assert run.returncode == 0, run.stderr
-    assert "350m.yaml coupled" in run.stdout and "1b.yaml differential" in run.stdout
-    bad = subprocess.run(
-        [sys.executable, str(script), "--dry-run", "--micro-batch", "8,4,2"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
-    assert bad.returncode == 2 and "one per config" in bad.stderr

@@ -34,6 +34,13 @@ def _add_fit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples")
     parser.add_argument("--level", type=float, default=0.95, help="interval level")
     parser.add_argument("--tokens-per-param", type=float, default=compare.TOKENS_PER_PARAM)
+    parser.add_argument(
+        "--multiplier-at",
+        choices=("per-param", "measured"),
+        default="per-param",
+        help="read the data-efficiency multiplier at D = tokens-per-param x N (and ladder "
+        "sizes beyond the runs), or at each measured size's own training budget",
+    )
     parser.add_argument("--baseline", default="standard")
     parser.add_argument(
         "--crossover",
@@ -58,6 +65,7 @@ def _options(args):
         n_boot=args.bootstrap,
         level=args.level,
         tokens_per_param=args.tokens_per_param,
+        multiplier_at=args.multiplier_at.replace("-", "_"),
         baseline=args.baseline,
         crossovers=crossovers,
     )

@@ -47,8 +47,10 @@ def multiplier_vs_size(
     sizes,
     tokens_per_param: float = TOKENS_PER_PARAM,
     level: float = 0.9,
+    tokens=None,
 ) -> pd.DataFrame:
-    """Multiplier at each size (``D = tokens_per_param * N``) with a bootstrap interval.
+    """Multiplier at each size (``D = tokens_per_param * N``, or ``tokens``: one D per
+    size, such as the budget each size was trained for) with a bootstrap interval.
 
     Replicate ``i`` of the variant is paired with replicate ``i`` of the baseline; the
     two were resampled independently, so the interval carries both fits' uncertainty.
@@ -56,10 +58,12 @@ def multiplier_vs_size(
     above every finite one in the percentiles.
     """
     sizes = np.asarray(sizes, dtype=float)
+    budgets = tokens_per_param * sizes if tokens is None else np.asarray(tokens, dtype=float)
+    if budgets.shape != sizes.shape:
+        raise ValueError(f"one token budget per size: {len(sizes)} sizes, {len(budgets)} budgets")
     pairs = list(zip(variant.samples, baseline.samples, strict=False))
     rows = []
-    for n in sizes:
-        tokens = tokens_per_param * n
+    for n, tokens in zip(sizes, budgets, strict=True):
         point = float(data_efficiency_multiplier(variant.point, baseline.point, n, tokens))
         replicas = np.array([float(data_efficiency_multiplier(v, b, n, tokens)) for v, b in pairs])
         low, high = _interval(np.where(np.isinf(replicas), 1e300, replicas), level)

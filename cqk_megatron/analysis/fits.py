@@ -27,6 +27,7 @@ from scipy.optimize import minimize
 from scipy.special import logsumexp
 
 HUBER_DELTA = 1e-3
+MAX_LOG_CONSTANT = 300.0  # log A, log B, log E beyond this: the fit ran off
 CHINCHILLA_GRID = {
     "alpha": np.arange(0.0, 2.01, 0.5),
     "beta": np.arange(0.0, 2.01, 0.5),
@@ -190,8 +191,17 @@ def _fit_chinchilla(
             method="L-BFGS-B",
             options={"maxiter": 2000, "ftol": 1e-12, "gtol": 1e-9},
         )
+        # A start whose constants ran off (exp() would overflow) fits nothing usable:
+        # points that barely constrain a term let L-BFGS push it out along a flat valley.
+        if not np.all(np.isfinite(result.x)) or max(result.x[:3]) > MAX_LOG_CONSTANT:
+            continue
         if best is None or result.fun < best.fun:
             best = result
+    if best is None:
+        raise FitError(
+            "the L(N, D) fit diverged from every start (a constant ran off to infinity): "
+            "the points do not constrain it; more sizes or budgets would"
+        )
     a, b, e, alpha, beta = best.x
     return ChinchillaFit(
         E=math.exp(e),

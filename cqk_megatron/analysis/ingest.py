@@ -8,7 +8,9 @@ preempted run (no summary, maybe a truncated last line) is kept and marked parti
 
 The table has one row per logged loss: ``run, variant, seed, size, shape, params_total,
 params_non_embedding, flops_per_token, split ("train" | "valid"), step, tokens, flops,
-loss, final, lr, tokens_per_s, time, finished, source``. FLOPs are
+loss, final, lr, tokens_per_s, step_time_s, process_cpu_s, time, finished, source``
+(``tokens_per_s`` and ``step_time_s`` are wall clock; ``process_cpu_s`` is the training
+process's cumulative CPU time, see ``step_time``). FLOPs are
 ``flops_per_token * tokens`` where the run's summary gives ``flops_per_token``, else
 ``6 * params_total * tokens`` (the usual estimate; ``flops_source`` says which).
 """
@@ -26,6 +28,7 @@ from pathlib import Path
 import pandas as pd
 
 from cqk_megatron.analysis import wandb_runs
+from cqk_megatron.analysis.step_time import run_step_time
 from cqk_megatron.config import VARIANTS, ConfigError, RunConfig, from_dict, load_config
 
 METRICS_FILE = "metrics.jsonl"
@@ -49,6 +52,8 @@ COLUMNS = [
     "final",
     "lr",
     "tokens_per_s",
+    "step_time_s",
+    "process_cpu_s",
     "time",
     "finished",
     "source",
@@ -251,9 +256,12 @@ def record_rows(record: RunRecord) -> tuple[list[dict], list[str]]:
         "source": record.path,
     }
     rows, dropped = [], 0
+    # A run resumed from a checkpoint logs the steps after it again: the later line of a
+    # (kind, step) is the one the finished run stands on; keep it alone.
+    latest = {(line.get("kind"), line.get("step")): line for line in record.lines}
     for line in record.lines:
         kind = line.get("kind")
-        if kind not in ("train", "valid"):
+        if kind not in ("train", "valid") or latest[(kind, line.get("step"))] is not line:
             continue
         loss = _finite(line["loss"] if kind == "train" else line["val_loss"])
         if math.isnan(loss):
@@ -276,6 +284,8 @@ def record_rows(record: RunRecord) -> tuple[list[dict], list[str]]:
                 "final": bool(line.get("final", False)),
                 "lr": _finite(line.get("lr")),
                 "tokens_per_s": _finite(line.get("tokens_per_s")),
+                "step_time_s": _finite(line.get("step_time_s")),
+                "process_cpu_s": _finite(line.get("process_cpu_s")),
                 "time": _finite(line.get("time")),
             }
         )
@@ -379,13 +389,22 @@ def ingest(paths: list[str | Path], wandb_project: str | None = None) -> Ingeste
 
 
 def run_summary(table: pd.DataFrame) -> pd.DataFrame:
-    """One row per run: counts, tokens seen, last validation loss, throughput, status."""
+    """One row per run: counts, tokens seen, last validation loss, throughput (wall
+    clock), CPU seconds per step (``step_time``), status."""
     if table.empty:
         return pd.DataFrame()
     valid = table[table["split"] == "valid"].sort_values("step")
     train = table[table["split"] == "train"]
     last_valid = valid.groupby("run").tail(1).set_index("run")
     first = table.groupby("run").first()
+    step_times = {run: run_step_time(rows) for run, rows in train.groupby("run")}
+    step_time = pd.DataFrame(
+        {
+            "cpu_s_per_step": {run: t.cpu for run, t in step_times.items()},
+            "cpu_s_first_half": {run: t.first_half for run, t in step_times.items()},
+            "cpu_s_second_half": {run: t.second_half for run, t in step_times.items()},
+        }
+    ).reindex(first.index)
     summary = pd.DataFrame(
         {
             "variant": first["variant"],
@@ -399,6 +418,7 @@ def run_summary(table: pd.DataFrame) -> pd.DataFrame:
             "final_val_ppl": last_valid["loss"].map(math.exp),
             "final_eval": last_valid["final"],
             "tokens_per_s": train.groupby("run")["tokens_per_s"].median(),
+            **{column: step_time[column] for column in step_time.columns},
             "finished": first["finished"],
         }
     )

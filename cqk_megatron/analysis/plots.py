@@ -63,13 +63,30 @@ def _grid(count: int, width: float = 4.6, height: float = 3.6):
     return fig, list(axes.flat[:count])
 
 
-def loss_curves(table: pd.DataFrame, path: Path) -> Path:
-    """One panel per model size: training (thin) and validation (markers) loss vs tokens."""
+def loss_curves(table: pd.DataFrame, path: Path, baseline: str = "standard") -> Path:
+    """One panel per model size: training (thin) and validation (markers) loss vs tokens,
+    from the first evaluation on (the flat start says nothing about the variants); under
+    it, when the baseline is there, each variant's validation loss minus the baseline's at
+    the same step, the gap the top panel is too coarse to show."""
+    from matplotlib.gridspec import GridSpec
+
     sizes = table.groupby("size")["params_total"].min().sort_values().index.tolist()
-    fig, axes = _grid(len(sizes))
-    for ax, size in zip(axes, sizes, strict=True):
+    with_gap = baseline in set(table["variant"]) and table["variant"].nunique() > 1
+    cols = min(len(sizes), 3)
+    grid_rows = math.ceil(len(sizes) / cols)
+    panel_rows = 2 if with_gap else 1
+    fig = plt.figure(figsize=(4.8 * cols, (5.4 if with_gap else 3.6) * grid_rows))
+    grid = GridSpec(
+        panel_rows * grid_rows, cols, figure=fig, height_ratios=[3, 1.6][:panel_rows] * grid_rows
+    )
+    first_gap = None
+    for i, size in enumerate(sizes):
+        row, col = divmod(i, cols)
+        ax = fig.add_subplot(grid[panel_rows * row, col])
         here = table[table["size"] == size]
-        labelled = set()
+        valid_here = here[here["split"] == "valid"]
+        start = valid_here["tokens"].min() / 2 if len(valid_here) else here["tokens"].min()
+        shown, labelled = [], set()
         for _, rows in here.groupby("run"):
             variant = rows["variant"].iloc[0]
             color = variant_color(variant)
@@ -77,7 +94,9 @@ def loss_curves(table: pd.DataFrame, path: Path) -> Path:
             if len(train):
                 window = max(1, len(train) // 20)
                 smooth = train["loss"].rolling(window, min_periods=1).mean()
-                ax.plot(train["tokens"], smooth, color=color, alpha=0.35, lw=1)
+                visible = train["tokens"] >= start
+                ax.plot(train["tokens"][visible], smooth[visible], color=color, alpha=0.35, lw=1)
+                shown.extend(smooth[visible])
             valid = rows[rows["split"] == "valid"].sort_values("tokens")
             if len(valid):
                 label = variant if variant not in labelled else None
@@ -85,24 +104,63 @@ def loss_curves(table: pd.DataFrame, path: Path) -> Path:
                 ax.plot(
                     valid["tokens"], valid["loss"], "o-", color=color, ms=3.5, lw=1.4, label=label
                 )
+                shown.extend(valid["loss"])
+        if shown:
+            low, high = min(shown), max(shown)
+            ax.set_ylim(low - 0.05 * (high - low), high + 0.05 * (high - low))
         non_embedding = here["params_non_embedding"].min()
         ax.set_title(f"{size} parameters ({humanize_count(non_embedding)} non-embedding)")
         _log_count_axis(ax)
-        ax.set_xlabel("tokens seen")
         ax.set_ylabel("loss (nats/token)")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8, title="validation (dots), train (thin)", title_fontsize=7)
+        if not with_gap:
+            ax.set_xlabel("tokens seen")
+            continue
+        # one gap scale for every size, so that sizes compare at a glance
+        gap_ax = fig.add_subplot(grid[panel_rows * row + 1, col], sharex=ax, sharey=first_gap)
+        first_gap = first_gap or gap_ax
+        _validation_gap(gap_ax, valid_here, baseline)
+        ax.tick_params(labelbottom=False)
     fig.suptitle("Loss curves per model size and attention variant")
     fig.tight_layout()
     return save(fig, path)
 
 
+def _validation_gap(ax, valid: pd.DataFrame, baseline: str) -> None:
+    """Each variant's mean validation loss (over seeds) minus the baseline's, per step."""
+    mean = valid.groupby(["variant", "step"]).agg(loss=("loss", "mean"), tokens=("tokens", "max"))
+    ax.axhline(0.0, color=variant_color(baseline), lw=1.2, label=baseline)
+    if baseline in mean.index.get_level_values("variant"):
+        base = mean.loc[baseline, "loss"]
+        for variant in mean.index.get_level_values("variant").unique():
+            if variant == baseline:
+                continue
+            mine = mean.loc[variant]
+            common = mine.index.intersection(base.index)
+            gap = mine.loc[common, "loss"] - base.loc[common]
+            ax.plot(
+                mine.loc[common, "tokens"], gap, "o-", color=variant_color(variant), ms=3, lw=1.2
+            )
+    _log_count_axis(ax)
+    ax.set_xlabel("tokens seen")
+    ax.set_ylabel(f"val. loss − {baseline}'s\n(nats; below 0: better)", fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+
+
 def compute_frontier(points: pd.DataFrame, compute_fits: dict, path: Path) -> Path:
-    """Validation loss vs training FLOPs, points and the fitted ``L(C)`` per variant."""
+    """Validation loss vs training FLOPs per variant: the frontier points the ``L(C)`` fit
+    uses (filled), the other evaluations (hollow), and the fitted curve."""
+    from cqk_megatron.analysis.fits import compute_frontier as frontier_mask
+
     fig, ax = plt.subplots(figsize=(7.5, 5))
     for variant, rows in points.groupby("variant"):
         color = variant_color(variant)
-        ax.scatter(rows["flops"], rows["loss"], s=14, color=color, alpha=0.55)
+        on = frontier_mask(rows["flops"], rows["loss"])
+        if on.sum() < 3:  # the fit then takes every point (fits._fit_compute_law)
+            on[:] = True
+        ax.scatter(rows["flops"][on], rows["loss"][on], s=22, color=color, zorder=3)
+        ax.scatter(rows["flops"][~on], rows["loss"][~on], s=16, facecolors="none", edgecolors=color)
         fit = compute_fits.get(variant)
         if fit is not None:
             grid = np.geomspace(rows["flops"].min() / 2, rows["flops"].max() * 4, 100)
@@ -110,10 +168,12 @@ def compute_frontier(points: pd.DataFrame, compute_fits: dict, path: Path) -> Pa
             ax.plot(grid, fit.predict(grid), color=color, lw=1.8, label=label)
         else:
             ax.plot([], [], "o", color=color, label=f"{variant} (no fit)")
+    ax.scatter([], [], s=22, color="gray", label="on the frontier (fitted)")
+    ax.scatter([], [], s=16, facecolors="none", edgecolors="gray", label="other evaluations")
     _log_flops_axis(ax)
     ax.set_xlabel("training compute C (FLOPs)")
     ax.set_ylabel(LOSS_LABEL)
-    ax.set_title("Loss vs compute: points and fitted frontier L(C) = E + A·C^-a")
+    ax.set_title("Loss vs compute: the frontier and its fit L(C) = E + A·C^-a")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -124,13 +184,13 @@ def chinchilla_fits(points: pd.DataFrame, fits: dict, path: Path, n_column: str)
     """One panel per variant: points by size and the fitted L(N, D) curve of each size."""
     variants = [v for v in points["variant"].unique()]
     fig, axes = _grid(len(variants))
-    cmap = plt.get_cmap("viridis")
+    cmap = plt.get_cmap("viridis")  # used up to 0.8: its yellow end vanishes on white
     for ax, variant in zip(axes, variants, strict=True):
         rows = points[points["variant"] == variant]
         sizes = sorted(rows[n_column].unique())
         fit = fits.get(variant)
         for i, n in enumerate(sizes):
-            color = cmap(i / max(len(sizes) - 1, 1))
+            color = cmap(0.8 * i / max(len(sizes) - 1, 1))
             here = rows[rows[n_column] == n]
             ax.scatter(
                 here["tokens"], here["loss"], s=14, color=color, label=f"N={humanize_count(n)}"
@@ -154,7 +214,7 @@ def chinchilla_fits(points: pd.DataFrame, fits: dict, path: Path, n_column: str)
     return save(fig, path)
 
 
-def multiplier_vs_size(multipliers: dict, path: Path, tokens_per_param: float) -> Path:
+def multiplier_vs_size(multipliers: dict, path: Path, budget: str) -> Path:
     """Data-efficiency multiplier over standard attention vs size, with bootstrap bars."""
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for offset, (variant, frame) in enumerate(multipliers.items()):
@@ -176,7 +236,7 @@ def multiplier_vs_size(multipliers: dict, path: Path, tokens_per_param: float) -
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("model size N (parameters)")
     ax.set_ylabel("tokens standard needs / tokens variant needs (×)")
-    ax.set_title(f"Data-efficiency multiplier over standard attention (D = {tokens_per_param:g}·N)")
+    ax.set_title(f"Data-efficiency multiplier over standard attention\nat {budget}")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()

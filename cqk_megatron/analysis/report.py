@@ -25,9 +25,10 @@ from cqk_megatron.analysis.fits import (
     bootstrap_compute_law,
 )
 from cqk_megatron.analysis.ingest import Ingested, fit_points, humanize_count, run_summary
+from cqk_megatron.analysis.step_time import CPU_CLOCK, format_ratio, step_time_ratios
 
 LADDER_SIZES = (60e6, 150e6, 350e6, 1e9, 3e9, 7e9)
-COMPUTE_BUDGETS = (1e19, 1e20, 1e21, 1e22, 1e23)
+MAX_BUDGETS = 6  # compute budgets in the compute-optimal table
 DEFAULT_CROSSOVERS = (("differential", "coupled"),)
 FIT_POINTS = {
     "final": "the final evaluation of each finished run",
@@ -42,6 +43,10 @@ class Options:
     n_boot: int = 200
     level: float = 0.95
     tokens_per_param: float = compare.TOKENS_PER_PARAM
+    # where the multiplier is read: "per_param" at D = tokens_per_param x N, at the
+    # measured sizes and ladder sizes beyond; "measured" at each measured size's own
+    # training budget (what a small ladder, far from 20 tokens per parameter, supports)
+    multiplier_at: str = "per_param"
     baseline: str = "standard"
     crossovers: tuple = DEFAULT_CROSSOVERS
     seed: int = 0
@@ -62,15 +67,38 @@ class Analysis:
     gains: pd.DataFrame | None = None
 
 
-def multiplier_sizes(points: pd.DataFrame, options: Options) -> tuple[list[float], float]:
-    """One N per measured size (the baseline's, else the smallest variant's), plus the
-    ladder sizes up to 30x beyond the largest (extrapolating further says nothing); and
-    the largest measured N."""
+def multiplier_sizes(
+    points: pd.DataFrame, options: Options
+) -> tuple[list[float], list[float] | None, float]:
+    """Where to read the multiplier: one N per measured size (the baseline's, else the
+    smallest variant's), plus, with ``multiplier_at="per_param"``, the ladder sizes up to
+    30x beyond the largest (extrapolating further says nothing); the token budget of
+    each (None: ``tokens_per_param`` x N; ``"measured"``: the most tokens the size's
+    runs saw); and the largest measured N."""
+    if options.multiplier_at not in ("per_param", "measured"):
+        raise ValueError(
+            f"multiplier_at must be 'per_param' or 'measured', not {options.multiplier_at!r}"
+        )
     per_size = points.groupby(["size", "variant"])[options.n_column].min().unstack("variant")
     measured = per_size.get(options.baseline, per_size.min(axis=1)).fillna(per_size.min(axis=1))
+    measured = measured.sort_values()
     largest = float(measured.max())
+    if options.multiplier_at == "measured":
+        budgets = points.groupby("size")["tokens"].max()
+        return [float(n) for n in measured], [float(budgets[s]) for s in measured.index], largest
     extra = [s for s in LADDER_SIZES if largest * 1.01 < s <= 30 * largest]
-    return sorted(float(n) for n in measured) + extra, largest
+    return [float(n) for n in measured] + extra, None, largest
+
+
+def compute_budgets(points: pd.DataFrame) -> list[float]:
+    """Decades of compute from the smallest measured to 100x beyond the largest (at most
+    ``MAX_BUDGETS``, the largest kept): where a compute-optimal allocation means
+    something for these runs, not a fixed list that a CPU ladder is 8 decades below."""
+    flops = points["flops"].dropna()
+    if flops.empty:
+        return []
+    low, high = math.floor(math.log10(flops.min())), math.floor(math.log10(flops.max())) + 2
+    return [10.0**k for k in range(max(low, high - MAX_BUDGETS + 1), high + 1)]
 
 
 def analyze(ingested: Ingested, options: Options | None = None) -> Analysis:
@@ -105,11 +133,11 @@ def analyze(ingested: Ingested, options: Options | None = None) -> Analysis:
 
     baseline = analysis.fits.get(options.baseline)
     if baseline is not None:
-        sizes, largest = multiplier_sizes(points, options)
+        sizes, budgets, largest = multiplier_sizes(points, options)
         for variant, fit in analysis.fits.items():
             if variant != options.baseline:
                 frame = compare.multiplier_vs_size(
-                    fit, baseline, sizes, options.tokens_per_param, options.level
+                    fit, baseline, sizes, options.tokens_per_param, options.level, budgets
                 )
                 frame["extrapolated"] = frame["params"] > largest * 1.01
                 analysis.multipliers[variant] = frame
@@ -131,13 +159,12 @@ def analyze(ingested: Ingested, options: Options | None = None) -> Analysis:
         )
         if options.baseline in set(finals["variant"]):
             gains = compare.percent_change_table(finals, options.baseline, metric="final_val_ppl")
-            # Throughput beside quality: the paper's gain came at ~2.4x step time.
-            speed = finals.groupby(["size", "variant"])["tokens_per_s"].median()
-            gains["tokens_per_s"] = [
-                speed.get((s, v)) for s, v in zip(gains["size"], gains["variant"], strict=True)
-            ]
-            base = gains[gains["variant"] == options.baseline].set_index("size")["tokens_per_s"]
-            gains["step_time_ratio"] = gains["size"].map(base) / gains["tokens_per_s"]
+            # Cost beside quality (the paper's gain came at ~2.4x step time), from a clock
+            # that other work on a shared machine barely moves, or flagged (step_time).
+            ratios = step_time_ratios(finished, options.baseline).set_index(["size", "variant"])
+            keys = list(zip(gains["size"], gains["variant"], strict=True))
+            for column in ("cpu_s_per_step", "ratio", "clock", "steady", "note"):
+                gains[column] = [ratios[column].get(key) for key in keys]
             analysis.gains = gains
     return analysis
 
@@ -217,10 +244,11 @@ def _compute_table(analysis: Analysis) -> pd.DataFrame:
 
 def _optimal_table(analysis: Analysis) -> pd.DataFrame:
     rows = []
+    most = analysis.points["flops"].max()
     for variant, boot in analysis.fits.items():
         fit = boot.point
         a_exp, b_exp = fit.exponents
-        for budget in COMPUTE_BUDGETS:
+        for budget in compute_budgets(analysis.points):
             n_opt, d_opt = fit.compute_optimal(budget)
             rows.append(
                 {
@@ -231,6 +259,7 @@ def _optimal_table(analysis: Analysis) -> pd.DataFrame:
                     "tokens/param": f"{float(d_opt / n_opt):.1f}",
                     "loss (nats)": f"{float(fit.predict(n_opt, d_opt)):.3f}",
                     "N ~ C^a, D ~ C^b": f"a={a_exp:.2f}, b={b_exp:.2f}",
+                    "": "beyond the runs" if budget > most else "within the runs",
                 }
             )
     return pd.DataFrame(rows)
@@ -259,6 +288,152 @@ def _relative(path: Path, folder: Path) -> str:
     return os.path.relpath(path, folder).replace(os.sep, "/")
 
 
+def _budget_words(options: Options) -> str:
+    if options.multiplier_at == "measured":
+        return "each measured size's own training budget D"
+    return f"D = {options.tokens_per_param:g} tokens per parameter"
+
+
+def _gains_section(analysis: Analysis) -> list[str]:
+    """Final perplexity against the baseline per size, with the step-time ratio from
+    process CPU time (or flagged, with the reason)."""
+    o = analysis.options
+    gains = analysis.gains
+    shown = pd.DataFrame(
+        {
+            "size": gains["size"],
+            "variant": gains["variant"],
+            "final val. ppl": gains["value"].map("{:.2f}".format),
+            f"vs {o.baseline}": gains["percent"].map("{:+.1f}%".format),
+            "seeds": gains["n"],
+            "CPU s/step": gains["cpu_s_per_step"].map(
+                lambda v: f"{v:.3f}" if pd.notna(v) else "n/a"
+            ),
+            f"step time / {o.baseline}": [
+                format_ratio(r, c, bool(st))
+                for r, c, st in zip(gains["ratio"], gains["clock"], gains["steady"], strict=True)
+            ],
+        }
+    )
+    lines = [
+        f"## Perplexity and step time against {o.baseline} attention, per size",
+        "",
+        markdown_table(shown),
+        "",
+    ]
+    clocks = set(gains["clock"].dropna()) - {""}
+    if clocks == {CPU_CLOCK}:
+        lines.append(
+            f"Step time / {o.baseline}: the ratio of the runs' CPU seconds per step (process "
+            "CPU time counts this process's work only, so other work on a shared machine "
+            "moves it far less than wall clock, though shared caches and cores still do), "
+            "checked on each half of the steps; for speed claims use `cqk-bench --clock "
+            "cpu`, which interleaves the variants."
+        )
+    notes = sorted({n for n in gains["note"].dropna() if n})
+    lines += [f"- {gains.loc[gains['note'] == n, 'variant'].iloc[0]}: {n}" for n in notes]
+    if (gains["n"] <= 1).all():
+        lines.append(
+            "\n_One seed per size: the spread between seeds is not measured, so no "
+            "perplexity gap in this table can be told from seed noise._"
+        )
+    return [*lines, ""]
+
+
+def interpretation(analysis: Analysis) -> str:
+    """One paragraph, in plain words, on what the fits support with these runs."""
+    o, runs, points = analysis.options, analysis.runs, analysis.points
+    if runs.empty or points.empty:
+        return "_No runs with validation points: nothing to interpret._"
+    sizes = runs.groupby("size")[o.n_column].min().sort_values()
+    seeds = int(runs.groupby(["size", "variant"])["seed"].nunique().max())
+    tokens = runs["tokens"]
+    per_param = tokens / runs[o.n_column]
+    embedding_share = 1 - float((runs["params_non_embedding"] / runs["params_total"]).median())
+    parts = [
+        f"These fits rest on {len(sizes)} model size(s), "
+        f"{humanize_count(sizes.iloc[0])} to {humanize_count(sizes.iloc[-1])} "
+        f"{'non-embedding ' if o.n_column == 'params_non_embedding' else ''}parameters, "
+        f"{seeds} seed(s) per size and variant, and {humanize_count(tokens.min())}"
+        f"{'' if tokens.min() == tokens.max() else ' to ' + humanize_count(tokens.max())} "
+        f"training tokens per run ({per_param.min():.2g} to {per_param.max():.2g} tokens per "
+        "parameter; Chinchilla-optimal is about 20)."
+    ]
+    runs_per_fit = int(runs.groupby("variant")["run"].nunique().min())
+    for variant, boot in analysis.fits.items():
+        low, high = boot.interval("alpha", o.level)
+        if math.isnan(low):
+            continue
+        parts.append(
+            f"For {variant}, five constants come from {boot.point.n_points} points of "
+            f"{runs[runs['variant'] == variant]['run'].nunique()} runs, and the bootstrap "
+            f"puts the size exponent α between {low:.2f} and {high:.2f}"
+            + (
+                ": the data do not pin it down."
+                if high - low > 0.5 * max(abs(boot.point.alpha), 0.1)
+                else "."
+            )
+        )
+        break  # one variant says it; the table has the others
+    if runs_per_fit < 6:
+        # distinct multisets of n runs drawn with replacement from n: C(2n - 1, n)
+        distinct = math.comb(2 * runs_per_fit - 1, runs_per_fit)
+        parts.append(
+            f"With {runs_per_fit} runs per fit the bootstrap can only redraw those runs "
+            f"({distinct} distinct resamples), so its intervals are coarse, not calibrated."
+        )
+    few = seeds == 1 or runs_per_fit < 6
+    for variant, frame in analysis.multipliers.items():
+        measured = frame[~frame["extrapolated"]]
+        if measured[["low", "high"]].isna().any().any():
+            parts.append(f"The {variant} multiplier has no bootstrap interval.")
+            continue
+        outside = measured[(measured["low"] > 1) | (measured["high"] < 1)]
+        if outside.empty:
+            parts.append(
+                f"The {variant} multiplier's {o.level:.0%} interval includes 1 at every "
+                f"measured size: these runs cannot tell {variant} from {o.baseline} "
+                "attention in data efficiency."
+            )
+            continue
+        where = ", ".join(
+            f"{humanize_count(r['params'])} ({_times(r['low'])} – {_times(r['high'])})"
+            for _, r in outside.iterrows()
+        )
+        parts.append(
+            f"The {variant} multiplier's {o.level:.0%} interval excludes 1 at {where}"
+            + (
+                f"; with {seeds} seed(s) per size and {runs_per_fit} runs per fit that is a "
+                "pattern to check with more seeds, not evidence of a difference."
+                if few
+                else ", a difference these runs can see."
+            )
+        )
+    if o.points == "all":
+        parts.append(
+            "The D axis comes from evaluations during each run: before the end of a cosine "
+            "schedule the loss sits above that of a run trained for that many tokens, which "
+            "bends the fitted token exponent β."
+        )
+    if embedding_share > 0.5:
+        parts.append(
+            f"The embedding and output layer hold {embedding_share:.0%} of the parameters "
+            "and much of the compute, which N leaves out."
+        )
+    if sizes.iloc[-1] < 1e7:
+        parts.append(
+            "Exponents measured below 10M parameters do not carry to the 60M-7B ladder: "
+            "read these fits as a check that the path from runs to scaling laws works, "
+            "not as a measurement of coupled attention."
+        )
+    else:
+        parts.append(
+            "Extrapolating beyond the measured sizes or budgets is the fits' assumption, "
+            "not their evidence."
+        )
+    return " ".join(parts)
+
+
 def render_markdown(analysis: Analysis, figures: dict[str, Path], folder: Path) -> str:
     o, ingested, runs = analysis.options, analysis.ingested, analysis.runs
     partial = int((~runs["finished"]).sum()) if not runs.empty else 0
@@ -285,48 +460,34 @@ def render_markdown(analysis: Analysis, figures: dict[str, Path], folder: Path) 
                     "steps",
                     "final_val_loss",
                     "final_val_ppl",
+                    "cpu_s_per_step",
                     "tokens_per_s",
                     "finished",
                 ]
             ].rename(
-                columns={"params_non_embedding": "non-emb params", "tokens_per_s": "tokens/s"}
+                columns={
+                    "params_non_embedding": "non-emb params",
+                    "cpu_s_per_step": "CPU s/step",
+                    "tokens_per_s": "tokens/s (wall)",
+                }
             ),
             {
                 "non-emb params": _count,
                 "tokens": _count,
                 "final_val_loss": lambda v: f"{v:.4f}" if pd.notna(v) else "",
                 "final_val_ppl": lambda v: f"{v:.2f}" if pd.notna(v) else "",
-                "tokens/s": lambda v: f"{v:,.0f}" if pd.notna(v) else "",
+                "CPU s/step": lambda v: f"{v:.3f}" if pd.notna(v) else "n/a",
+                "tokens/s (wall)": lambda v: f"{v:,.0f}" if pd.notna(v) else "",
             },
         ),
         "",
+        "CPU s/step: the training process's CPU time per step (median over steps, rank 0). "
+        "tokens/s (wall) is wall clock: it moves with whatever else the machine runs, so it "
+        "says how long this took, not how fast a variant is.",
+        "",
     ]
     if analysis.gains is not None:
-        gains = analysis.gains[
-            ["size", "variant", "value", "percent", "n", "tokens_per_s", "step_time_ratio"]
-        ].rename(
-            columns={
-                "value": "final val. ppl",
-                "percent": f"vs {o.baseline}",
-                "n": "seeds",
-                "tokens_per_s": "tokens/s",
-                "step_time_ratio": f"step time / {o.baseline}",
-            }
-        )
-        out += [
-            f"## Perplexity against {o.baseline} attention, per size",
-            "",
-            markdown_table(
-                gains,
-                {
-                    "final val. ppl": "{:.2f}".format,
-                    f"vs {o.baseline}": "{:+.1f}%".format,
-                    "tokens/s": lambda v: f"{v:,.0f}" if pd.notna(v) else "",
-                    f"step time / {o.baseline}": lambda v: f"{v:.2f}×" if pd.notna(v) else "",
-                },
-            ),
-            "",
-        ]
+        out += _gains_section(analysis)
     out += ["## Loss curves", "", f"![loss curves]({_relative(figures['curves'], folder)})", ""]
     out += ["## Scaling-law fits: L(N, D) = E + A/N^α + B/D^β", ""]
     if analysis.fits:
@@ -354,8 +515,9 @@ def render_markdown(analysis: Analysis, figures: dict[str, Path], folder: Path) 
             f"## Data-efficiency multiplier over {o.baseline} attention",
             "",
             f"Tokens {o.baseline} attention needs to reach the variant's loss, over the "
-            f"variant's tokens, at D = {o.tokens_per_param:g} tokens per parameter "
-            "(∞: standard never reaches it at that size).",
+            f"variant's tokens, at {_budget_words(o)}, from the two L(N, D) fits "
+            f"(∞: {o.baseline} never reaches it at that size; above 1: the variant needs "
+            "fewer tokens). The interval pairs bootstrap replicates of both fits.",
             "",
             markdown_table(_multiplier_table(analysis)),
             "",
@@ -409,6 +571,7 @@ def render_markdown(analysis: Analysis, figures: dict[str, Path], folder: Path) 
             ),
             "",
         ]
+    out += ["## What these fits can and cannot mean", "", interpretation(analysis), ""]
     problems = [f"- skipped `{s.path}`: {s.reason}" for s in ingested.skipped]
     problems += [f"- {w}" for w in ingested.warnings] + [f"- {n}" for n in analysis.notes]
     if problems:
@@ -472,7 +635,7 @@ def write_report(analysis: Analysis, folder: str | Path) -> Path:
         figures["multiplier"] = plots.multiplier_vs_size(
             analysis.multipliers,
             figures_dir / "multiplier_vs_size.png",
-            analysis.options.tokens_per_param,
+            _budget_words(analysis.options),
         )
     table.to_csv(folder / "runs.csv.tmp", index=False)
     os.replace(folder / "runs.csv.tmp", folder / "runs.csv")

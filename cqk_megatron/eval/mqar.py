@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from cqk_megatron.atomic import atomic_path, write_text_atomically
 from cqk_megatron.config import VARIANTS, RunConfig, load_config, validate
+from cqk_megatron.device import to_device
 
 IGNORE_INDEX = -100
 DEFAULT_SETTINGS = ("64x4", "128x8", "256x16")
@@ -223,11 +224,11 @@ def accuracy(
 ) -> float:
     """Fraction of labelled positions whose argmax prediction is the value."""
     model.eval()
-    device = next(model.parameters()).device
     correct = total = 0
     for start in range(0, inputs.shape[0], batch_size):
-        tokens = inputs[start : start + batch_size].to(device)
-        target = labels[start : start + batch_size].to(device)
+        tokens, target = to_device(
+            (inputs[start : start + batch_size], labels[start : start + batch_size])
+        )
         mask = target != IGNORE_INDEX
         predicted = _forward(model, tokens).argmax(dim=-1)
         correct += int((predicted[mask] == target[mask]).sum())
@@ -245,7 +246,6 @@ def train_and_evaluate(variant: str, setting: MQARSetting, options: TrainOptions
     init_single_process(config)
     torch.manual_seed(options.seed)
     model = build_model(config)
-    device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=options.lr, weight_decay=options.weight_decay, betas=(0.9, 0.98)
     )
@@ -264,9 +264,10 @@ def train_and_evaluate(variant: str, setting: MQARSetting, options: TrainOptions
         inputs, labels = generate(
             batch_size, setting, options.vocab_size, train_rng, options.power_a
         )
-        logits = _forward(model, inputs.to(device))
+        inputs, labels = to_device((inputs, labels))
+        logits = _forward(model, inputs)
         step_loss = F.cross_entropy(
-            logits.float().flatten(0, 1), labels.to(device).flatten(), ignore_index=IGNORE_INDEX
+            logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
         )
         optimizer.zero_grad(set_to_none=True)
         step_loss.backward()

@@ -128,23 +128,13 @@ def variant_of(config: RunConfig, variant: str) -> RunConfig:
 
 
 def init_world(config: RunConfig) -> torch.device:
-    """A world of one: NCCL on GPU (gloo on CPU), Megatron groups, CUDA RNG tracker."""
-    import torch.distributed as dist
-
+    """A world of one as the tools have it (NCCL on GPU, gloo on CPU, Megatron groups,
+    the CUDA RNG tracker seeded); returns this process's device."""
+    from cqk_megatron.device import device
     from cqk_megatron.distributed import init_single_process
 
-    if torch.cuda.is_available():
-        torch.cuda.set_device(0)
-        if not dist.is_initialized():
-            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     init_single_process(config)
-    if torch.cuda.is_available():
-        from megatron.core import tensor_parallel
-
-        # Megatron initialises weights on GPU under its model-parallel RNG tracker
-        tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
-        return torch.device("cuda", 0)
-    return torch.device("cpu")
+    return device()
 
 
 def sdpa_kernel_for(kernels: list[str]) -> str:
@@ -209,6 +199,7 @@ def build_workload(
     attention_only: bool = False,
     optimizer: str = "none",
 ) -> Workload:
+    from cqk_megatron.device import to_device
     from cqk_megatron.model import build_model
 
     config = variant_of(config, variant)
@@ -233,9 +224,9 @@ def build_workload(
     else:
         module = build_model(config)
         generator = torch.Generator().manual_seed(config.seed)
-        tokens = torch.randint(
-            0, config.model.vocab_size, (micro_batch, seq), generator=generator
-        ).to(device)
+        tokens = to_device(
+            torch.randint(0, config.model.vocab_size, (micro_batch, seq), generator=generator)
+        )
         positions = torch.arange(seq, device=device).expand(micro_batch, seq)
 
         def forward() -> torch.Tensor:

@@ -25,7 +25,8 @@ from cqk_megatron.config import RunConfig
 
 # Dense bf16 tensor-core peaks per GPU (no 2:4 sparsity), from the vendor data sheets.
 PEAK_BF16_FLOPS: dict[str, float] = {
-    "H200": 989e12,  # same GH100 compute as H100 SXM
+    "H200": 989e12,  # same GH100 compute as H100 SXM (torch names it "NVIDIA H200")
+    "H200 NVL": 835e12,  # the PCIe card, at the H100 NVL's clocks
     "H100 SXM": 989e12,
     "H100 PCIe": 756e12,
     "H100 NVL": 835e12,
@@ -169,8 +170,8 @@ def peak_flops(device_name: str | None = None, dtype: str = "bf16") -> float | N
     if dtype != "bf16":
         return None
     name = device_name.upper()
-    if "H200" in name or "GH200" in name:
-        return PEAK_BF16_FLOPS["H200"]
+    if "H200" in name:  # H200 SXM, GH200 (its Hopper part), H200 NVL
+        return PEAK_BF16_FLOPS["H200 NVL" if "NVL" in name else "H200"]
     if "H100" in name:
         if "PCIE" in name:
             return PEAK_BF16_FLOPS["H100 PCIe"]

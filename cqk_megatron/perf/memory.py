@@ -27,11 +27,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from cqk_megatron.config import RunConfig
+from cqk_megatron.config import RECOMPUTE, RECOMPUTE_METHODS, RunConfig
 
 BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}
 ENGINES = ("ddp", "zero1", "zero2", "zero3", "distopt")
-RECOMPUTE = ("none", "selective", "full")
+__all__ = ["RECOMPUTE", "RECOMPUTE_METHODS"]  # train.recompute's choices, from config.py
 SDPA_KERNELS = ("fused", "math")
 
 
@@ -280,6 +280,8 @@ class ActivationEstimate:
     per_layer: dict[str, float] = field(default_factory=dict)
     layer_bytes: float = 0.0  # one layer, as stored under the recompute policy
     full_layer_bytes: float = 0.0  # one layer without recomputation (full recompute's peak)
+    input_bytes: float = 0.0  # one layer's input: what a fully recomputed unit keeps
+    kept_layer_bytes: float = 0.0  # one layer outside full recompute (block's other layers)
     embedding_bytes: float = 0.0  # first stage
     output_bytes: float = 0.0  # last stage: final norm, output-layer input, CE softmax
     logits_transient_bytes: float = 0.0  # last stage: logits and their gradient in flight
@@ -298,8 +300,10 @@ def activation_estimate(
     """Activation bytes for one micro-batch of ``micro_batch x seq_length`` tokens.
 
     ``recompute``: ``none``; ``selective`` (Megatron's core-attention recomputation: the
-    SDPA outputs, log-sum-exp and differential norm are recomputed; its inputs are kept);
-    ``full`` (each layer keeps only its input, and one layer is rebuilt at a time).
+    SDPA outputs, log-sum-exp and differential norm are recomputed; its inputs are kept; a
+    post-RoPE coupling runs inside the core attention's pre-hook, so it is recomputed too);
+    ``full`` (each layer keeps only its input, and one layer is rebuilt at a time; see
+    ``stage_activation_bytes`` for ``train.recompute_method`` and ``_num_layers``).
     ``recompute_coupling`` drops the coupling's intermediates (its inputs are kept anyway).
     """
     if recompute not in RECOMPUTE:
@@ -323,12 +327,13 @@ def activation_estimate(
     if recompute == "selective":
         dropped |= {n for n, t in terms.items() if t.group == "core_attention"}
         dropped -= {"q_k_after_rope", "value_pairs"}  # the checkpoint keeps its inputs
+        if config.attention.position == "post_rope":
+            dropped |= {n for n, t in terms.items() if t.group == "coupling"}
     if recompute_coupling:
         dropped |= {n for n, t in terms.items() if t.group == "coupling"}
-    if recompute == "full":
-        layer = tokens * m.hidden_size * act / split_hidden  # the layer's input only
-    else:
-        layer = sum(v for n, v in per_layer.items() if n not in dropped)
+    layer_input = tokens * m.hidden_size * act / split_hidden
+    kept = sum(v for n, v in per_layer.items() if n not in dropped)
+    layer = layer_input if recompute == "full" else kept
     h, vocab = m.hidden_size, m.padded_vocab_size // tp
     stats = 1 if m.normalization == "RMSNorm" else 2
     output = (
@@ -345,11 +350,46 @@ def activation_estimate(
         per_layer=per_layer,
         layer_bytes=layer,
         full_layer_bytes=full_layer,
+        input_bytes=layer_input,
+        kept_layer_bytes=kept,
         embedding_bytes=tokens * 8,  # token ids (int64) for the embedding backward
         output_bytes=output,
         # bf16 logits, their fp32 copy and the gradient cast back, beside the kept softmax
         logits_transient_bytes=tokens * vocab * (act + 4),
     )
+
+
+def stage_activation_bytes(
+    estimate: ActivationEstimate,
+    layers: int,
+    chunks: int,
+    recompute: str,
+    method: str = "uniform",
+    num_layers: int | None = None,
+) -> tuple[float, float]:
+    """(bytes kept for one micro-batch by a pipeline rank's ``layers`` transformer layers in
+    ``chunks`` model chunks, the transient peak of rebuilding them in the backward).
+
+    Megatron-Core's full recompute, per chunk of ``layers / chunks`` layers: ``uniform``
+    checkpoints units of ``num_layers`` layers (default 1), each keeping its input, and
+    rebuilds one unit at a time (its layers' whole activations at once); ``block``
+    checkpoints the first ``num_layers`` layers (default all), one at a time, and the
+    others keep what they keep without recompute. ``none``/``selective``: no rebuild peak
+    beyond one core attention's, left out (it is far below a layer's).
+    """
+    if recompute != "full":
+        return layers * estimate.layer_bytes, 0.0
+    if method not in RECOMPUTE_METHODS:
+        raise ValueError(f"recompute_method={method!r}; choose one of {list(RECOMPUTE_METHODS)}")
+    per_chunk = layers // chunks
+    if method == "uniform":
+        unit = num_layers or 1
+        if per_chunk % unit:
+            raise ValueError(f"recompute_num_layers={unit} does not divide {per_chunk} layers")
+        return chunks * (per_chunk // unit) * estimate.input_bytes, unit * estimate.full_layer_bytes
+    recomputed = per_chunk if num_layers is None else min(num_layers, per_chunk)
+    kept = recomputed * estimate.input_bytes + (per_chunk - recomputed) * estimate.kept_layer_bytes
+    return chunks * kept, estimate.full_layer_bytes if recomputed else 0.0
 
 
 def microbatches_in_flight(

@@ -1,13 +1,20 @@
 """Memory planner: will a layout fit, and which layouts fit?
 
     python -m cqk_megatron.perf.plan --config configs/models/1b.yaml --gpus 8 --gpu-mem 80GiB
-        [--micro-batch 1] [--seq 2048] [--zero 1|2|3|distopt|all] [--recompute none|...]
-        [--tp 2 --pp 1] [--variant coupled] [--all] [section.key=value ...]
+        [--micro-batch 1] [--seq 2048] [--zero 1|2|3|distopt|all]
+        [--recompute none|selective|full|all] [--recompute-method uniform|block]
+        [--recompute-num-layers N] [--tp 2 --pp 1] [--variant coupled] [--all]
+        [section.key=value ...]
 
 With ``--tp/--pp`` it prints one layout stage by stage; otherwise every layout of
 ``--gpus`` GPUs (TP in 1, 2, 4, 8; PP dividing the layers; DP = the rest; each ZeRO
 stage) and whether it fits. ``check_fits`` is what the training command calls before it
 launches. All numbers are per GPU, for the pipeline stage that needs the most.
+
+The planner offers exactly what training runs: each layout is a training config
+(``training_config``: parallel sizes, ``train.engine``/``zero_stage``, ``train.recompute*``)
+that ``config.validate`` accepts on ``--gpus`` ranks, and the command prints, for the
+layouts that fit, the overrides that run them.
 """
 
 from __future__ import annotations
@@ -23,10 +30,12 @@ from cqk_megatron.perf.memory import (
     BYTES,
     ENGINES,
     RECOMPUTE,
+    RECOMPUTE_METHODS,
     activation_estimate,
     layer_parameters,
     microbatches_in_flight,
     model_state_bytes,
+    stage_activation_bytes,
     stage_parameters,
     total_parameters,
 )
@@ -38,7 +47,10 @@ TP_SIZES = (1, 2, 4, 8)
 # DeepSpeed partitions gradients (ZeRO-2) and parameters (ZeRO-3) per step, which its
 # pipeline engine refuses and Megatron's schedules do not drive: only ZeRO-1 and the
 # distributed optimizer are offered with PP > 1.
-ENGINES_WITH_PIPELINE = ("ddp", "zero1", "distopt")
+ENGINES_WITH_PIPELINE = ("zero1", "distopt")
+# What training runs: DeepSpeed ZeRO-1/2/3 and Megatron's distributed optimizer (plain DDP,
+# "ddp", is an estimate for the benchmark's own optimizer only: training has no such engine).
+TRAINING_ENGINES = ("zero1", "zero2", "zero3", "distopt")
 _ENGINE_ALIASES = {"0": "ddp", "1": "zero1", "2": "zero2", "3": "zero3"}
 
 
@@ -72,14 +84,22 @@ class Layout:
     recompute: str = "none"
     vp: int | None = None
     sequence_parallel: bool = False
+    recompute_method: str = "uniform"  # train.recompute_method (full only)
+    recompute_num_layers: int | None = None  # train.recompute_num_layers (full only)
 
     def describe(self) -> str:
         vp = f" VP={self.vp}" if self.vp else ""
         sp = " SP" if self.sequence_parallel else ""
         return (
             f"TP={self.tp} PP={self.pp}{vp} DP={self.dp}{sp} {self.engine} "
-            f"recompute={self.recompute}"
+            f"recompute={self.recompute_label()}"
         )
+
+    def recompute_label(self) -> str:
+        if self.recompute != "full":
+            return self.recompute
+        unit = self.recompute_num_layers
+        return f"full/{self.recompute_method}" + (f"/{unit}" if unit else "")
 
 
 @dataclass
@@ -169,6 +189,14 @@ def plan_layout(
         recompute_coupling=recompute_coupling,
     )
     layers = m.num_layers // pp
+    layer_bytes, rebuild_bytes = stage_activation_bytes(
+        act,
+        layers,
+        layout.vp or 1,
+        layout.recompute,
+        layout.recompute_method,
+        layout.recompute_num_layers,
+    )
     offload = offload_optimizer and layout.engine.startswith("zero")  # DeepSpeed only
     stages = []
     for stage in range(pp):
@@ -177,15 +205,12 @@ def plan_layout(
         parts = model_state_bytes(params, config.train.precision, layout.engine, layout.dp, offload)
         in_flight = microbatches_in_flight(pp, stage, num_microbatches, layout.vp)
         one_microbatch = (
-            layers * act.layer_bytes
+            layer_bytes
             + (act.embedding_bytes if first else 0.0)
             + (act.output_bytes if last else 0.0)
         )
         parts["activations"] = one_microbatch * in_flight
-        transient = max(
-            act.logits_transient_bytes if last else 0.0,
-            act.full_layer_bytes if layout.recompute == "full" else 0.0,
-        )
+        transient = max(act.logits_transient_bytes if last else 0.0, rebuild_bytes)
         if layout.engine == "zero3":  # the gathered layer and the prefetched next one
             transient += 2 * layer_parameters(config, tp) * BYTES[config.train.precision]
         parts["transient"] = transient
@@ -204,20 +229,98 @@ def plan_layout(
     return result
 
 
-def _with_layout(config: RunConfig, tp: int, pp: int, vp: int | None, sp: bool) -> RunConfig:
-    """``config`` with this model-parallel layout, for ``validate``: the engine is the
-    planner's choice, so the copy names one that any layout accepts."""
+ENGINE_SETTINGS = {
+    "zero1": {"engine": "deepspeed", "zero_stage": 1},
+    "zero2": {"engine": "deepspeed", "zero_stage": 2},
+    "zero3": {"engine": "deepspeed", "zero_stage": 3},
+    "distopt": {"engine": "megatron", "zero_stage": 1},
+}
+
+
+def default_global_batch(config: RunConfig, micro_batch: int, dp: int) -> int:
+    """The config's global batch where ``micro_batch x dp`` divides it, else one
+    micro-batch per data-parallel rank (the smallest that runs)."""
+    own = config.train.global_batch_size
+    return own if own % (micro_batch * dp) == 0 else micro_batch * dp
+
+
+def training_config(
+    config: RunConfig,
+    layout: Layout,
+    micro_batch: int,
+    global_batch: int | None = None,
+    offload_optimizer: bool | None = None,
+) -> RunConfig:
+    """``config`` set up to train ``layout`` (what ``layout_overrides`` prints)."""
+    if layout.engine not in ENGINE_SETTINGS:
+        raise ConfigError(
+            f"engine {layout.engine!r} is not a training engine; choose one of "
+            f"{list(ENGINE_SETTINGS)}"
+        )
     parallel = dataclasses.replace(
         config.parallel,
-        tensor_parallel=tp,
-        pipeline_parallel=pp,
-        virtual_pipeline=vp,
-        sequence_parallel=sp,
+        tensor_parallel=layout.tp,
+        pipeline_parallel=layout.pp,
+        virtual_pipeline=layout.vp,
+        sequence_parallel=layout.sequence_parallel,
+        world_size=layout.tp * layout.pp * layout.dp,
     )
-    train = config.train
-    if hasattr(train, "engine"):
-        train = dataclasses.replace(train, engine="deepspeed", zero_stage=1)
+    full = layout.recompute == "full"
+    train = dataclasses.replace(
+        config.train,
+        **ENGINE_SETTINGS[layout.engine],
+        micro_batch_size=micro_batch,
+        global_batch_size=global_batch or default_global_batch(config, micro_batch, layout.dp),
+        recompute=layout.recompute,
+        recompute_method=layout.recompute_method if full else config.train.recompute_method,
+        recompute_num_layers=layout.recompute_num_layers if full else None,
+    )
+    if offload_optimizer is not None:
+        train = dataclasses.replace(train, offload_optimizer=offload_optimizer)
     return dataclasses.replace(config, parallel=parallel, train=train)
+
+
+def layout_overrides(config: RunConfig) -> list[str]:
+    """The ``section.key=value`` overrides that set a ``training_config``'s layout, every key
+    spelled out, so that they apply whatever the run's YAML file sets."""
+    p, t = config.parallel, config.train
+
+    def value(v) -> str:
+        return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+    overrides = [
+        f"parallel.tensor_parallel={p.tensor_parallel}",
+        f"parallel.pipeline_parallel={p.pipeline_parallel}",
+        f"parallel.virtual_pipeline={value(p.virtual_pipeline)}",
+        f"parallel.sequence_parallel={value(p.sequence_parallel)}",
+        f"train.engine={t.engine}",
+        f"train.zero_stage={t.zero_stage}",
+        f"train.micro_batch_size={t.micro_batch_size}",
+        f"train.global_batch_size={t.global_batch_size}",
+        f"train.recompute={t.recompute}",
+        f"train.recompute_method={t.recompute_method}",
+        f"train.recompute_num_layers={value(t.recompute_num_layers)}",
+        f"train.offload_optimizer={value(t.offload_optimizer)}",
+    ]
+    if config.attention.recompute_coupling:
+        overrides.append("attention.recompute_coupling=true")
+    return overrides
+
+
+def runnable(
+    config: RunConfig,
+    layout: Layout,
+    micro_batch: int,
+    global_batch: int | None = None,
+    offload_optimizer: bool | None = None,
+) -> bool:
+    """Whether training accepts ``layout`` (``validate`` on its world size)."""
+    try:
+        built = training_config(config, layout, micro_batch, global_batch, offload_optimizer)
+        validate(built, built.parallel.world_size)
+    except ConfigError:
+        return False
+    return True
 
 
 def engine_of(config: RunConfig) -> str:
@@ -231,28 +334,44 @@ def engine_of(config: RunConfig) -> str:
 def enumerate_layouts(
     config: RunConfig,
     gpus: int,
-    engines: tuple[str, ...] = ("zero1", "zero2", "zero3", "distopt"),
+    engines: tuple[str, ...] = TRAINING_ENGINES,
     recomputes: tuple[str, ...] = ("none",),
     sequence_parallel: bool | None = None,
+    micro_batch: int | None = None,
+    global_batch: int | None = None,
+    recompute_method: str = "uniform",
+    recompute_num_layers: int | None = None,
+    offload_optimizer: bool | None = None,
 ) -> list[Layout]:
-    """Every valid layout of ``gpus`` GPUs: TP in 1, 2, 4, 8 (dividing the heads and key
-    groups), PP dividing the layers, DP the rest; ``sequence_parallel`` None: on when
-    TP > 1."""
+    """Every layout of ``gpus`` GPUs that training accepts: TP in 1, 2, 4, 8, PP dividing
+    the layers, DP the rest, each engine and recompute choice, each checked with
+    ``validate`` as the training config it stands for (``micro_batch`` None: the
+    config's); ``sequence_parallel`` None: on when TP > 1."""
+    micro_batch = micro_batch or config.train.micro_batch_size
     layouts = []
     for tp in TP_SIZES:
         for pp in range(1, config.model.num_layers + 1):
             if config.model.num_layers % pp or gpus % (tp * pp):
                 continue
             sp = (tp > 1) if sequence_parallel is None else (sequence_parallel and tp > 1)
-            try:
-                validate(_with_layout(config, tp, pp, None, sp))
-            except ConfigError:
-                continue
             for engine in engines:
                 if pp > 1 and engine not in ENGINES_WITH_PIPELINE:
                     continue
                 for recompute in recomputes:
-                    layouts.append(Layout(tp, pp, gpus // (tp * pp), engine, recompute, None, sp))
+                    full = recompute == "full"
+                    layout = Layout(
+                        tp,
+                        pp,
+                        gpus // (tp * pp),
+                        engine,
+                        recompute,
+                        None,
+                        sp,
+                        recompute_method if full else "uniform",
+                        recompute_num_layers if full else None,
+                    )
+                    if runnable(config, layout, micro_batch, global_batch, offload_optimizer):
+                        layouts.append(layout)
     return layouts
 
 
@@ -273,9 +392,9 @@ def plan_all(
 ) -> list[PlanResult]:
     """``plan_layout`` for every layout of ``enumerate_layouts`` (whose options
     ``engines``, ``recomputes``, ``sequence_parallel`` pass through)."""
-    layout_options = {
-        k: options.pop(k) for k in ("engines", "recomputes", "sequence_parallel") if k in options
-    }
+    names = ("engines", "recomputes", "sequence_parallel", "recompute_method")
+    layout_options = {k: options.pop(k) for k in (*names, "recompute_num_layers") if k in options}
+    layout_options["offload_optimizer"] = options.get("offload_optimizer")
     return [
         plan_layout(
             config,
@@ -285,7 +404,9 @@ def plan_all(
             num_microbatches=_microbatches(global_batch, micro_batch, layout.dp),
             **options,
         )
-        for layout in enumerate_layouts(config, gpus, **layout_options)
+        for layout in enumerate_layouts(
+            config, gpus, micro_batch=micro_batch, global_batch=global_batch, **layout_options
+        )
     ]
 
 
@@ -293,9 +414,12 @@ def gpu_memory_bytes() -> int | None:
     """Total memory of the current CUDA device, None without one."""
     import torch
 
-    if not torch.cuda.is_available():
+    from cqk_megatron.device import device
+
+    here = device()
+    if here.type != "cuda":
         return None
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return torch.cuda.get_device_properties(here).total_memory
 
 
 def check_fits(
@@ -313,14 +437,14 @@ def check_fits(
     does not fit, layouts of the same GPUs that do); ``result.require()`` raises
     ``PlanError`` with that message. ``engine``: ``ddp``, ``zero1``-``zero3`` (or 0-3),
     ``distopt``; None: from ``train.engine`` and ``train.zero_stage``. ``recompute``
-    None: ``config.train.recompute`` if the config has that field, else ``none``;
-    ``recompute_coupling`` None: ``config.attention.recompute_coupling`` likewise.
+    None: ``train.recompute`` (with its method and number of layers);
+    ``recompute_coupling`` None: ``config.attention.recompute_coupling``.
     """
     p, t = config.parallel, config.train
     if recompute is None:
-        recompute = getattr(t, "recompute", "none")
+        recompute = t.recompute
     if recompute_coupling is None:
-        recompute_coupling = bool(getattr(config.attention, "recompute_coupling", False))
+        recompute_coupling = config.attention.recompute_coupling
     if recompute not in RECOMPUTE:
         raise ConfigError(f"recompute={recompute!r} is unknown; choose one of {list(RECOMPUTE)}")
     engine = engine_of(config) if engine is None else normalize_engine(engine)
@@ -332,8 +456,19 @@ def check_fits(
         )
     dp = world_size // (tp * pp)
     num_microbatches = _microbatches(t.global_batch_size, t.micro_batch_size, dp)
-    layout = Layout(tp, pp, dp, engine, recompute, p.virtual_pipeline, p.sequence_parallel)
-    offload = bool(getattr(t, "offload_optimizer", False))
+    full = recompute == "full"
+    layout = Layout(
+        tp,
+        pp,
+        dp,
+        engine,
+        recompute,
+        p.virtual_pipeline,
+        p.sequence_parallel,
+        t.recompute_method if full else "uniform",
+        t.recompute_num_layers if full else None,
+    )
+    offload = t.offload_optimizer
     result = plan_layout(
         config,
         layout,
@@ -368,9 +503,15 @@ def check_fits(
                 r.worst.total,
             )
         )
+
+        def how(r: PlanResult) -> str:
+            built = training_config(config, r.layout, t.micro_batch_size, t.global_batch_size)
+            return (
+                f"{r.layout.describe()} ({gib(r.worst.total)}: {' '.join(layout_overrides(built))})"
+            )
+
         hint = (
-            "layouts of these GPUs that fit: "
-            + "; ".join(f"{r.layout.describe()} ({gib(r.worst.total)})" for r in alternatives[:3])
+            "layouts of these GPUs that fit: " + "; ".join(how(r) for r in alternatives[:3])
             if alternatives
             else "no layout of these GPUs fits at this micro-batch; lower "
             "train.micro_batch_size or model.seq_length, or use more GPUs"
@@ -398,7 +539,7 @@ def format_stages(result: PlanResult) -> str:
 
 def format_layouts(results: list[PlanResult]) -> str:
     lines = [
-        f"{'TP':>3} {'PP':>3} {'DP':>3} {'SP':>3} {'engine':>8} {'recompute':>10} "
+        f"{'TP':>3} {'PP':>3} {'DP':>3} {'SP':>3} {'engine':>8} {'recompute':>16} "
         f"{'states':>8} {'activ.':>8} {'transient':>9} {'total':>8} {'fits':>5}"
     ]
     for r in results:
@@ -406,11 +547,26 @@ def format_layouts(results: list[PlanResult]) -> str:
         states = w.parts["parameters"] + w.parts["gradients"] + w.parts["optimizer"]
         lines.append(
             f"{lay.tp:>3} {lay.pp:>3} {lay.dp:>3} {'on' if lay.sequence_parallel else '-':>3} "
-            f"{lay.engine:>8} {lay.recompute:>10} {states / GIB:>8.1f} "
+            f"{lay.engine:>8} {lay.recompute_label():>16} {states / GIB:>8.1f} "
             f"{w.parts['activations'] / GIB:>8.1f} {w.parts['transient'] / GIB:>9.1f} "
             f"{w.total / GIB:>8.1f} {'yes' if r.fits else 'no':>5}"
         )
     return "\n".join(lines) + "\n(GiB per GPU, worst pipeline stage)"
+
+
+RUN_PREFIX = "  run: "  # how --show-overrides starts each line (tests parse it)
+
+
+def format_overrides(
+    config: RunConfig, results: list[PlanResult], micro_batch: int, global_batch: int | None
+) -> str:
+    """For each layout that fits, the overrides that train it (``--show-overrides``)."""
+    lines = []
+    for r in results:
+        if r.fits:
+            built = training_config(config, r.layout, micro_batch, global_batch)
+            lines.append(RUN_PREFIX + " ".join(layout_overrides(built)))
+    return "\n".join(lines)
 
 
 def _check_against_built_model(config: RunConfig) -> None:
@@ -437,9 +593,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reserve", default="4GiB", help="per-GPU memory kept back (4GiB)")
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=None, help="default: model.seq_length")
-    parser.add_argument("--global-batch", type=int, default=None, help="default: full pipeline")
-    parser.add_argument("--zero", default="all", help="0 (DDP), 1, 2, 3, distopt or all")
-    parser.add_argument("--recompute", default="none", help="none, selective, full or all")
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="default: the config's where it divides, else one micro-batch per DP rank "
+        "(activations then assume a full pipeline)",
+    )
+    parser.add_argument("--zero", default="all", help="1, 2, 3 (DeepSpeed), distopt or all")
+    parser.add_argument(
+        "--recompute", default="none", help=f"train.recompute: {', '.join(RECOMPUTE)} or all"
+    )
+    parser.add_argument(
+        "--recompute-method",
+        default="uniform",
+        choices=RECOMPUTE_METHODS,
+        help="train.recompute_method, for full",
+    )
+    parser.add_argument(
+        "--recompute-num-layers", type=int, default=None, help="train.recompute_num_layers"
+    )
     parser.add_argument("--recompute-coupling", action="store_true")
     parser.add_argument(
         "--offload-optimizer", action="store_true", help="DeepSpeed: Adam states in CPU memory"
@@ -452,6 +625,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--all", action="store_true", help="list layouts that do not fit too")
     parser.add_argument(
+        "--show-overrides",
+        action="store_true",
+        help="print, for each layout that fits, the section.key=value overrides that train it",
+    )
+    parser.add_argument(
         "--no-build-check",
         dest="build_check",
         action="store_false",
@@ -461,6 +639,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     overrides = [f"train.precision={args.precision}", *args.overrides]
+    if args.seq is not None:
+        overrides.append(f"model.seq_length={args.seq}")
+    if args.recompute_coupling:
+        overrides.append("attention.recompute_coupling=true")
     if args.variant is not None:
         if args.variant not in VARIANTS:
             parser.error(f"--variant {args.variant!r} is unknown; choose from {list(VARIANTS)}")
@@ -469,20 +651,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, overrides)
         gpu_mem, reserve = parse_bytes(args.gpu_mem), parse_bytes(args.reserve)
-        engines = (
-            ("zero1", "zero2", "zero3", "distopt")
-            if args.zero == "all"
-            else (normalize_engine(args.zero),)
-        )
+        engines = TRAINING_ENGINES if args.zero == "all" else (normalize_engine(args.zero),)
     except (ConfigError, ValueError) as error:
         parser.error(str(error))
+    refused = [e for e in engines if e not in TRAINING_ENGINES]
+    if refused:
+        parser.error(
+            f"--zero {args.zero}: training has no {refused[0]!r} engine; use 1, 2, 3 or distopt"
+        )
     recomputes = RECOMPUTE if args.recompute == "all" else (args.recompute,)
     if any(r not in RECOMPUTE for r in recomputes):
         parser.error(f"--recompute {args.recompute!r}: choose one of {list(RECOMPUTE)} or all")
     sp = {"auto": None, "on": True, "off": False}[args.sequence_parallel]
     name = args.config
     options = dict(
-        seq_length=args.seq,
         reserve_bytes=reserve,
         recompute_coupling=args.recompute_coupling,
         offload_optimizer=args.offload_optimizer,
@@ -501,25 +683,44 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--gpus {args.gpus} is not divisible by TP x PP = {tp * pp}")
         dp = args.gpus // (tp * pp)
         use_sp = (tp > 1) if sp is None else (sp and tp > 1)
-        try:
-            validate(_with_layout(config, tp, pp, args.vp, use_sp))
-        except ConfigError as error:
-            parser.error(str(error))
+        layouts, errors = [], []
+        for engine in engines:
+            for recompute in recomputes:
+                full = recompute == "full"
+                layout = Layout(
+                    tp,
+                    pp,
+                    dp,
+                    engine,
+                    recompute,
+                    args.vp,
+                    use_sp,
+                    args.recompute_method if full else "uniform",
+                    args.recompute_num_layers if full else None,
+                )
+                try:
+                    built = training_config(
+                        config, layout, args.micro_batch, args.global_batch, args.offload_optimizer
+                    )
+                    validate(built, args.gpus)
+                    layouts.append(layout)
+                except ConfigError as error:
+                    errors.append(f"{layout.describe()}: {error}")
+        if not layouts:
+            parser.error("\n".join(errors))
+        for error in errors:
+            print(f"refused by training: {error}")
         num_micro = _microbatches(args.global_batch, args.micro_batch, dp)
         results = [
             plan_layout(
-                config,
-                Layout(tp, pp, dp, engine, recompute, args.vp, use_sp),
-                args.micro_batch,
-                gpu_mem,
-                num_microbatches=num_micro,
-                **options,
+                config, layout, args.micro_batch, gpu_mem, num_microbatches=num_micro, **options
             )
-            for engine in engines
-            for recompute in recomputes
+            for layout in layouts
         ]
         for result in results:
             print(f"\n{result.message}\n{format_stages(result)}")
+        if args.show_overrides:
+            print(format_overrides(config, results, args.micro_batch, args.global_batch))
         return 0 if any(r.fits for r in results) else 1
 
     results = plan_all(
@@ -531,16 +732,20 @@ def main(argv: list[str] | None = None) -> int:
         engines=engines,
         recomputes=recomputes,
         sequence_parallel=sp,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
         **options,
     )
     shown = results if args.all else [r for r in results if r.fits]
     fitting = sum(r.fits for r in results)
     print(
         f"{fitting} of {len(results)} layouts fit (micro-batch {args.micro_batch}, seq "
-        f"{args.seq or config.model.seq_length}, {gib(reserve)} reserved per GPU)"
+        f"{config.model.seq_length}, {gib(reserve)} reserved per GPU)"
     )
     if shown:
         print(format_layouts(shown))
+    if args.show_overrides and fitting:
+        print(format_overrides(config, results, args.micro_batch, args.global_batch))
     return 0 if fitting else 1
 
 

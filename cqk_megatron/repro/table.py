@@ -3,8 +3,15 @@ and the loss-vs-tokens figure, from the runs' folders through the analysis tools
 
 Columns: final validation perplexity (mean over seeds, min-max and standard deviation),
 its change against standard attention (%, from ``analysis.compare.percent_change_table``),
-median tokens/s, step-time ratio against standard (same seed, then averaged), parameters,
-tokens, and whether every variant of a seed saw the same first batch (its sha256).
+the change seed by seed, the spread between seeds and whether the change is inside it,
+median tokens/s (wall clock, for the record), CPU seconds per step and the step-time ratio
+against standard from it (same seed, then averaged; ``analysis.step_time``: flagged when
+unsteady, or when only wall clock exists), parameters, tokens, and whether every variant
+of a seed saw the same first batch (its sha256).
+
+The spread between seeds is the larger of standard's and the variant's perplexity range
+over seeds, in % of standard's mean; a change no larger than it is "inside the spread":
+what the seeds alone moved, as large as the change, so it cannot be told from seed noise.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from cqk_megatron.analysis.compare import percent_change_table
 from cqk_megatron.analysis.ingest import ingest
 from cqk_megatron.analysis.plots import loss_curves
 from cqk_megatron.analysis.report import markdown_table
+from cqk_megatron.analysis.step_time import CPU_CLOCK, format_ratio, step_time_ratios
 from cqk_megatron.repro.plan import Plan
 from cqk_megatron.repro.presets import ReproError
 from cqk_megatron.repro.runner import summary_record
@@ -35,8 +43,14 @@ COLUMNS = [
     "val_ppl_max",
     "val_ppl_std",
     "change_vs_standard_pct",
+    "change_by_seed_pct",
+    "seed_spread_pct",
+    "change_inside_seed_spread",
     "tokens_per_s",
+    "cpu_s_per_step",
     "step_time_vs_standard",
+    "step_time_clock",
+    "step_time_steady",
     "params_total",
     "tokens",
 ]
@@ -96,6 +110,9 @@ def per_run(plan: Plan) -> tuple[pd.DataFrame, pd.DataFrame]:
                 "val_loss": float(row["final_val_loss"]),
                 "val_ppl": float(row["final_val_ppl"]),
                 "tokens_per_s": float(row["tokens_per_s"]),
+                "cpu_s_per_step": float(row["cpu_s_per_step"]),
+                "cpu_s_first_half": float(row["cpu_s_first_half"]),
+                "cpu_s_second_half": float(row["cpu_s_second_half"]),
                 "params_total": int(row["params_total"]),
                 "tokens": int(row["tokens"]),
                 "first_batch_sha256": summary.get("first_batch_sha256"),
@@ -108,17 +125,29 @@ def per_run(plan: Plan) -> tuple[pd.DataFrame, pd.DataFrame]:
 def compare_variants(runs: pd.DataFrame, variants: list[str]) -> pd.DataFrame:
     points = runs.assign(size="all", params=runs["params_total"], ppl=runs["val_ppl"])
     change = percent_change_table(points, baseline=BASELINE, metric="ppl").set_index("variant")
-    baseline_speed = runs[runs["variant"] == BASELINE].set_index("seed")["tokens_per_s"]
+    has_baseline = BASELINE in change.index
+    # step time seed by seed (same data order, same machine), then averaged
+    ratios = step_time_ratios(runs, BASELINE, by="seed")
+    base = runs[runs["variant"] == BASELINE]
+    base_ppl = base.set_index("seed")["val_ppl"]
+    base_range = float(base["val_ppl"].max() - base["val_ppl"].min()) if has_baseline else 0.0
     rows = []
     for variant in variants:
         mine = runs[runs["variant"] == variant]
-        # step time is tokens/s inverted (same tokens a step): ratio taken seed by seed
-        ratios = [
-            baseline_speed[seed] / speed
-            for seed, speed in zip(mine["seed"], mine["tokens_per_s"], strict=True)
-            if seed in baseline_speed.index
+        speed = ratios[ratios["variant"] == variant].dropna(subset=["ratio"])
+        by_seed = [
+            100 * (ppl / base_ppl[seed] - 1)
+            for seed, ppl in zip(mine["seed"], mine["val_ppl"], strict=True)
+            if seed in base_ppl.index
         ]
-        has_baseline = BASELINE in change.index
+        percent = change.loc[variant, "percent"] if has_baseline else math.nan
+        seeds = min(len(mine), len(base))
+        if has_baseline and seeds > 1:
+            own_range = float(mine["val_ppl"].max() - mine["val_ppl"].min())
+            spread = 100 * max(base_range, own_range) / change.loc[BASELINE, "value"]
+            inside = abs(percent) <= spread
+        else:
+            spread, inside = math.nan, math.nan  # one seed: the spread is not measured
         rows.append(
             {
                 "variant": variant,
@@ -127,16 +156,55 @@ def compare_variants(runs: pd.DataFrame, variants: list[str]) -> pd.DataFrame:
                 "val_ppl_min": change.loc[variant, "low"],
                 "val_ppl_max": change.loc[variant, "high"],
                 "val_ppl_std": mine["val_ppl"].std(ddof=1) if len(mine) > 1 else math.nan,
-                "change_vs_standard_pct": change.loc[variant, "percent"]
-                if has_baseline
-                else math.nan,
+                "change_vs_standard_pct": percent,
+                "change_by_seed_pct": ",".join(f"{c:+.2f}" for c in by_seed),
+                "seed_spread_pct": spread,
+                "change_inside_seed_spread": inside,
                 "tokens_per_s": mine["tokens_per_s"].mean(),
-                "step_time_vs_standard": sum(ratios) / len(ratios) if ratios else math.nan,
+                "cpu_s_per_step": mine["cpu_s_per_step"].mean(),
+                "step_time_vs_standard": speed["ratio"].mean() if len(speed) else math.nan,
+                "step_time_clock": (
+                    CPU_CLOCK
+                    if len(speed) and (speed["clock"] == CPU_CLOCK).all()
+                    else "wall clock"
+                ),
+                "step_time_steady": bool(len(speed) and speed["steady"].all()),
                 "params_total": int(mine["params_total"].iloc[0]),
                 "tokens": int(mine["tokens"].iloc[0]),
             }
         )
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def confidence_lines(table: pd.DataFrame) -> list[str]:
+    """A sentence per variant: its change, the spread between seeds, inside or outside."""
+    lines = []
+    for _, row in table[table["variant"] != BASELINE].iterrows():
+        change = row["change_vs_standard_pct"]
+        if isinstance(change, float) and math.isnan(change):
+            continue
+        head = f"- **{row['variant']}**: {change:+.2f}% perplexity against {BASELINE}"
+        if row["change_by_seed_pct"] and "," in row["change_by_seed_pct"]:
+            head += f" (seed by seed: {row['change_by_seed_pct'].replace(',', '%, ')}%)"
+        spread = row["seed_spread_pct"]
+        if isinstance(spread, float) and math.isnan(spread):
+            lines.append(
+                head + "; from one seed each, the spread between seeds is not measured, so "
+                "this change cannot be told from seed noise (run more --seeds)."
+            )
+        elif row["change_inside_seed_spread"]:
+            lines.append(
+                head + f"; the seeds alone spread perplexity over {spread:.2f}% of "
+                f"{BASELINE}'s, so the change is inside the spread between seeds: it cannot "
+                "be told from seed noise."
+            )
+        else:
+            lines.append(
+                head + f"; the seeds alone spread perplexity over {spread:.2f}% of "
+                f"{BASELINE}'s, so the change is outside the spread between seeds (with "
+                f"{len(row['seeds'].split(','))} seeds, a hint rather than a significance test)."
+            )
+    return lines
 
 
 def same_data_by_seed(runs: pd.DataFrame) -> dict[int, bool]:
@@ -154,7 +222,8 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 
 
 def variants_markdown(table: pd.DataFrame) -> str:
-    """The per-variant table as Markdown, numbers rounded for reading."""
+    """The per-variant table as Markdown, numbers rounded for reading, then a sentence per
+    variant on its change and the seeds' spread, and what the step-time column rests on."""
     shown = pd.DataFrame(
         {
             "variant": table["variant"],
@@ -168,14 +237,33 @@ def variants_markdown(table: pd.DataFrame) -> str:
             ],
             "std": table["val_ppl_std"].map(lambda v: _fmt(v, ".2f")),
             "vs standard": table["change_vs_standard_pct"].map(lambda v: _fmt(v, "+.2f", "%")),
-            "tokens/s": table["tokens_per_s"].map(lambda v: _fmt(v, ",.0f")),
-            "step time vs standard": table["step_time_vs_standard"].map(
-                lambda v: _fmt(v, ".2f", "x")
-            ),
+            "seed spread": table["seed_spread_pct"].map(lambda v: _fmt(v, ".2f", "%")),
+            "tokens/s (wall)": table["tokens_per_s"].map(lambda v: _fmt(v, ",.0f")),
+            "CPU s/step": table["cpu_s_per_step"].map(lambda v: _fmt(v, ".3f")),
+            "step time vs standard": [
+                format_ratio(r, c, bool(st))
+                for r, c, st in zip(
+                    table["step_time_vs_standard"],
+                    table["step_time_clock"],
+                    table["step_time_steady"],
+                    strict=True,
+                )
+            ],
             "params": table["params_total"].map(lambda v: f"{v:,}"),
         }
     )
-    return markdown_table(shown)
+    clock = (
+        "Step time vs standard is the ratio of CPU seconds per step (the training process's "
+        "CPU time: other work on a shared machine moves it far less than wall clock, "
+        "though shared caches and cores still do), seed by seed; 'unsteady' when its two "
+        "halves disagree by more than 5%."
+        if (table["step_time_clock"] == CPU_CLOCK).all()
+        else "Step time vs standard is marked 'wall clock, unreliable' where the runs' records "
+        "hold no process CPU time: on a shared machine wall clock measures the machine's "
+        "load as much as the model (measure with cqk-bench --clock cpu)."
+    )
+    lines = confidence_lines(table)
+    return "\n".join([markdown_table(shown), "", *lines, *([""] if lines else []), clock])
 
 
 def render_markdown(plan: Plan, table: pd.DataFrame, runs: pd.DataFrame, same: dict) -> str:
@@ -206,8 +294,8 @@ def render_markdown(plan: Plan, table: pd.DataFrame, runs: pd.DataFrame, same: d
         "",
         "Validation perplexity is the final evaluation on the same held-out batches "
         f"({t.eval_iters} x {t.global_batch_size} sequences of the validation split) for "
-        "every run; tokens/s is the median over logged steps; step time vs standard is "
-        "standard's tokens/s over the variant's, seed by seed.",
+        "every run; tokens/s (wall) is the median over logged steps, wall clock, a record of "
+        "how long the runs took and not a speed measurement.",
         "",
         variants_markdown(table),
         "",

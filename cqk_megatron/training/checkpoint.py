@@ -33,7 +33,9 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 
 from cqk_megatron.config import RunConfig, save_config
+from cqk_megatron.device import device
 from cqk_megatron.model import load_sharded_state, sharded_state_dict
+from cqk_megatron.training.collectives import barrier
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -144,13 +146,22 @@ def find_resumable(checkpoints: Path) -> tuple[Path | None, list[str]]:
 
 
 def _rng_state() -> dict:
+    """Every generator a step can draw from: Python, NumPy, torch's CPU generator and, on
+    GPU, this rank's CUDA generator and Megatron's CUDA RNG tracker (the model-parallel
+    and data-parallel states that dropout inside tensor-parallel regions uses). All are
+    host tensors, so the file loads anywhere."""
     state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+    here = device()
+    if here.type == "cuda":
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        state["cuda"] = torch.cuda.get_rng_state(here)
+        tracked = get_cuda_rng_tracker().get_states()
+        state["cuda_tracker"] = {name: s.clone() for name, s in tracked.items()}
     return state
 
 
@@ -158,8 +169,13 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
+    here = device()
+    if here.type == "cuda" and "cuda" in state:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        torch.cuda.set_rng_state(state["cuda"], here)
+        if state.get("cuda_tracker"):
+            get_cuda_rng_tracker().set_states(dict(state["cuda_tracker"]))
 
 
 def save(checkpoints: Path, engine, model, config: RunConfig, state: TrainerState) -> Path:
@@ -171,13 +187,13 @@ def save(checkpoints: Path, engine, model, config: RunConfig, state: TrainerStat
         shutil.rmtree(staging, ignore_errors=True)
         (staging / "model").mkdir(parents=True)
         (staging / "trainer").mkdir()
-    dist.barrier()
+    barrier()
 
     dist_checkpointing.save(sharded_state_dict(model), str(staging / "model"))
     engine.save_state(staging / "engine")
     trainer_file = staging / "trainer" / f"rank{rank}.pt"
     torch.save({"state": asdict(state), "rng": _rng_state()}, trainer_file)
-    dist.barrier()
+    barrier()
 
     if rank == 0:
         save_config(config, staging / "config.yaml")
@@ -188,7 +204,7 @@ def save(checkpoints: Path, engine, model, config: RunConfig, state: TrainerStat
         os.replace(staging, final)
         _point_latest(checkpoints, final)
         _keep_last(checkpoints, config.train.keep_last)
-    dist.barrier()
+    barrier()
     return final
 
 
@@ -223,7 +239,9 @@ def same_layout(folder: Path, config: RunConfig) -> bool:
 
 
 def load_trainer_state(folder: Path, rank: int = 0) -> tuple[TrainerState, dict]:
-    payload = torch.load(folder / "trainer" / f"rank{rank}.pt", weights_only=False)
+    # host tensors only (RNG states); map_location keeps a GPU-written file loadable anywhere
+    path = folder / "trainer" / f"rank{rank}.pt"
+    payload = torch.load(path, map_location="cpu", weights_only=False)
     return TrainerState(**payload["state"]), payload["rng"]
 
 
@@ -242,9 +260,9 @@ def save_weights(folder: Path, model, config: RunConfig) -> Path:
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
         (staging / "model").mkdir(parents=True)
-    dist.barrier()
+    barrier()
     dist_checkpointing.save(sharded_state_dict(model), str(staging / "model"))
-    dist.barrier()
+    barrier()
     if rank == 0:
         save_config(config, staging / "config.yaml")
         (staging / "layout.json").write_text(json.dumps(asdict(Layout.current(config))))
@@ -252,5 +270,5 @@ def save_weights(folder: Path, model, config: RunConfig) -> Path:
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(staging, folder)
-    dist.barrier()
+    barrier()
     return folder

@@ -18,17 +18,19 @@ it so the loop can count skipped steps.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from cqk_megatron import cpu_bridge
 from cqk_megatron.config import RunConfig
+from cqk_megatron.device import device
 from cqk_megatron.model import model_chunks
+from cqk_megatron.training import collectives
 from cqk_megatron.training.mpu import MegatronMpu
 
 
@@ -45,7 +47,8 @@ def _lm_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Ten
 
 
 def _forward(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Per-token loss on the last pipeline stage, hidden states elsewhere."""
+    """Per-token loss on the last pipeline stage, hidden states elsewhere. ``batch`` comes
+    from ``sampler.fetch``, already on the model's device."""
     return model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
 
 
@@ -61,12 +64,11 @@ def deepspeed_config(config: RunConfig, gradient_accumulation_steps: int) -> dic
         "wall_clock_breakdown": False,
     }
     if t.offload_optimizer:
-        on_gpu = torch.cuda.is_available()
+        on_gpu = device().type == "cuda"
         ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
-        # On a CPU run the model is already in host memory: torch's AdamW steps the
-        # offloaded master weights (no JIT-built cpu_adam op), the same math as without
-        # offload, so a test can compare the curves exactly.
-        ds["zero_force_ds_cpu_optimizer"] = on_gpu
+    # make_optimizer chooses the optimizer (torch's AdamW steps offloaded master weights
+    # where DeepSpeed's CPU Adam is not built), so DeepSpeed must not insist on its own.
+    ds["zero_force_ds_cpu_optimizer"] = False
     return ds
 
 
@@ -83,18 +85,48 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def make_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Optimizer:
+    """AdamW for DeepSpeed to wrap, chosen to need no compiler on the node.
+
+    - GPU: torch's fused AdamW (``fused=True``), a CUDA kernel inside the torch wheel.
+      DeepSpeed's ``FusedAdam`` is not prebuilt in DeepSpeed's wheels: it is JIT-compiled
+      with ``nvcc`` at the first start, which a node with only pip wheels lacks (or has
+      for another CUDA than torch's), and a rank killed during that build leaves a lock
+      file that stalls every later start. Both compute the same AdamW update.
+    - GPU with ``train.offload_optimizer``: DeepSpeed's ``DeepSpeedCPUAdam`` (SIMD, several
+      times faster on the host) if this DeepSpeed was installed with it prebuilt
+      (``DS_BUILD_CPU_ADAM=1``); otherwise torch's AdamW steps the offloaded fp32 master
+      weights on the host (the CPU path of the tests), with a warning saying so.
+    - CPU: torch's AdamW.
+    """
     t = config.train
     kwargs = {"lr": t.lr, "betas": (t.adam_beta1, t.adam_beta2), "eps": t.adam_eps}
     groups = param_groups(model, t.weight_decay)
-    if t.offload_optimizer and torch.cuda.is_available():
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    on_gpu = device().type == "cuda"
+    if t.offload_optimizer and on_gpu:
+        if _prebuilt_deepspeed_op("cpu_adam"):
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
-    if torch.cuda.is_available():
-        from deepspeed.ops.adam import FusedAdam
-
-        return FusedAdam(groups, adam_w_mode=True, **kwargs)
+            return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+        print(
+            "warning: train.offload_optimizer=true: this DeepSpeed has no prebuilt CPU Adam, "
+            "so torch's AdamW steps the offloaded weights on the host (slower); reinstall "
+            "DeepSpeed with DS_BUILD_CPU_ADAM=1 for its SIMD CPU Adam",
+            file=sys.stderr,
+            flush=True,
+        )
+        return torch.optim.AdamW(groups, **kwargs)
+    if on_gpu:
+        return torch.optim.AdamW(groups, fused=True, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
+
+
+def _prebuilt_deepspeed_op(name: str) -> bool:
+    """Whether DeepSpeed was installed with op ``name`` compiled (no JIT build needed)."""
+    try:
+        from deepspeed.git_version_info import installed_ops
+    except ImportError:
+        return False
+    return bool(installed_ops.get(name, False))
 
 
 def schedule_loss_sum(
@@ -125,7 +157,9 @@ def schedule_loss_sum(
         micro_batch_size=config.train.micro_batch_size,
         forward_only=forward_only,
     )
-    return sum((o["loss"].double() for o in outputs), torch.zeros((), dtype=torch.float64))
+    # on the device, where the losses are and the all-reduce needs it (0 off the last stage)
+    zero = torch.zeros((), dtype=torch.float64, device=device())
+    return sum((o["loss"].double() for o in outputs), zero)
 
 
 def global_mean_loss(loss_sum: torch.Tensor, num_micro_batches: int) -> float:
@@ -133,7 +167,7 @@ def global_mean_loss(loss_sum: torch.Tensor, num_micro_batches: int) -> float:
     total = loss_sum.reshape(1).clone()
     # Non-last pipeline stages hold 0; summing over the whole world counts each
     # data-parallel replica's last stage once per tensor-parallel rank.
-    dist.all_reduce(total)
+    collectives.all_reduce(total)
     tp = ps.get_tensor_model_parallel_world_size()
     dp = ps.get_data_parallel_world_size()
     return total.item() / (num_micro_batches * dp * tp)
@@ -141,7 +175,7 @@ def global_mean_loss(loss_sum: torch.Tensor, num_micro_batches: int) -> float:
 
 class DeepSpeedEngine:
     def __init__(self, model: torch.nn.Module, config: RunConfig) -> None:
-        os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+        os.environ.setdefault("DS_ACCELERATOR", device().type)
         import deepspeed
 
         cpu_bridge.skip_deepspeed_shm_op()
@@ -176,7 +210,7 @@ class DeepSpeedEngine:
             self.engine.allreduce_gradients()
             self.engine.step()
         else:
-            loss_sum = torch.zeros((), dtype=torch.float64)
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device())
             for batch in micro_batches:
                 loss = _lm_loss(self.engine(**_model_inputs(batch)), batch["loss_mask"])
                 loss_sum += loss.detach().double()
@@ -215,7 +249,7 @@ class DeepSpeedEngine:
                 model_chunks(self.model), micro_batches, self.config, forward_only=True
             )
         else:
-            loss_sum = torch.zeros((), dtype=torch.float64)
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device())
             for batch in micro_batches:
                 per_token = self.engine(**_model_inputs(batch))
                 loss_sum += _lm_loss(per_token, batch["loss_mask"]).double()

@@ -16,17 +16,19 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from cqk_megatron.config import RunConfig, save_config, validate
+from cqk_megatron.device import device
 from cqk_megatron.distributed import (
     RendezvousError,
     discover,
     init_model_parallel,
     init_process_group,
+    seed_cuda_rng_tracker,
 )
 from cqk_megatron.exit_codes import EXIT_WATCHDOG
 from cqk_megatron.model import build_rank_model
 from cqk_megatron.perf.flops import flops_per_token, mfu, peak_flops
 from cqk_megatron.perf.plan import check_fits, gpu_memory_bytes
-from cqk_megatron.training import checkpoint, faults, watchdog
+from cqk_megatron.training import checkpoint, collectives, faults, watchdog
 from cqk_megatron.training.engine import DeepSpeedEngine
 from cqk_megatron.training.lr_schedule import learning_rate
 from cqk_megatron.training.metrics import MetricsLogger
@@ -35,7 +37,7 @@ from cqk_megatron.training.preemption import (
     StopRequest,
     protect_checkpoint_writer,
 )
-from cqk_megatron.training.sampler import fetch, micro_batch_indices
+from cqk_megatron.training.sampler import collate, fetch, micro_batch_indices
 
 
 class TrainingError(RuntimeError):
@@ -48,10 +50,7 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(seed)
+    seed_cuda_rng_tracker(seed)  # GPU: the states Megatron's layers initialise under
 
 
 def make_engine(model: torch.nn.Module, config: RunConfig):
@@ -70,21 +69,21 @@ def run_dir_of(config: RunConfig) -> Path:
 def count_model_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """(total, non-embedding) parameters of the whole model, from this rank's shard."""
     tp_rank = ps.get_tensor_model_parallel_rank()
-    counts = torch.zeros(2, dtype=torch.float64)
+    total = non_embedding = 0
     for name, param in model.named_parameters():
         if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
             numel = getattr(param, "ds_numel", param.numel())  # ZeRO-3 partitions params
-            counts[0] += numel
+            total += numel
             if "word_embeddings" not in name and "output_layer" not in name:
-                counts[1] += numel
-    dist.all_reduce(counts, group=ps.get_model_parallel_group())
-    return int(counts[0]), int(counts[1])
+                non_embedding += numel
+    summed = collectives.sum_numbers([total, non_embedding], group=ps.get_model_parallel_group())
+    return int(summed[0]), int(summed[1])
 
 
 def peak_memory_gb() -> float:
     """GPU: peak allocated; CPU: the process's peak resident set (ru_maxrss)."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
+    if device().type == "cuda":
+        return torch.cuda.max_memory_allocated(device()) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
@@ -131,7 +130,7 @@ def _train(config: RunConfig, resume: str, datasets) -> int:
     if rank == 0:
         checkpoints.mkdir(parents=True, exist_ok=True)
         save_config(config, run_dir / "config.yaml")
-    dist.barrier()
+    collectives.barrier()
 
     gpu_memory = gpu_memory_bytes()
     if gpu_memory:  # refuse, with the numbers, a layout that cannot fit before building it
@@ -210,6 +209,7 @@ def _train(config: RunConfig, resume: str, datasets) -> int:
                         "grad_norm": result.grad_norm,
                         "tokens_per_s": tokens_per_s,
                         "step_time_s": step_time,
+                        "process_cpu_s": time.process_time(),  # cumulative, this rank
                         "tflops": tokens_per_s * train_flops_per_token / world / 1e12,
                         "mfu": mfu(tokens_per_s, config, peak, num_gpus=world),
                         "mem_gb": peak_memory_gb(),
@@ -272,7 +272,7 @@ def first_batch_fingerprint(train_data, global_batch_size: int) -> str:
     indices = micro_batch_indices(0, global_batch_size, global_batch_size, 0, 1)
     digest = hashlib.sha256()
     for idx in indices:
-        tokens = fetch(train_data, idx)["tokens"].to(torch.int64).contiguous()
+        tokens = collate(train_data, idx)["tokens"].to(torch.int64).contiguous()
         digest.update(tokens.numpy().tobytes())
     return digest.hexdigest()
 

@@ -192,7 +192,8 @@ def _allocate_adam_state(adam: torch.optim.AdamW) -> None:
         for param in group["params"]:
             if not adam.state[param]:
                 adam.state[param] = {
-                    "step": torch.zeros((), dtype=torch.float32),
+                    # torch's AdamW (neither fused nor capturable) keeps its step on the host
+                    "step": torch.zeros((), dtype=torch.float32, device="cpu"),
                     "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
                     "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
                 }
@@ -206,4 +207,6 @@ def _restore_step_counts(adam: torch.optim.AdamW) -> None:
     param groups (``DistributedOptimizer.state_dict`` puts it there): one tensor per state."""
     for group in adam.param_groups:
         for param in group["params"]:
-            adam.state[param]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+            adam.state[param]["step"] = torch.tensor(
+                float(group["step"]), dtype=torch.float32, device="cpu"
+            )

@@ -10,10 +10,8 @@ from __future__ import annotations
 import signal
 import time
 
-import torch
-import torch.distributed as dist
-
 from cqk_megatron.exit_codes import EXIT_REQUEUE
+from cqk_megatron.training import collectives
 
 __all__ = ["EXIT_REQUEUE", "STOP_SIGNALS", "StopRequest", "protect_checkpoint_writer"]
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -44,9 +42,7 @@ class StopRequest:
 
     def agreed(self) -> bool:
         """Collective: True on every rank if any rank wants to stop."""
-        flag = torch.tensor([1.0 if self.local_reason() else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return collectives.any_rank(self.local_reason() is not None)
 
 
 def protect_checkpoint_writer() -> None:

@@ -4,12 +4,17 @@ The order is a pure function of ``consumed_samples``: global batch ``k`` is samp
 ``[k G, (k+1) G)`` of the (already shuffled) Megatron dataset, data-parallel rank ``r``
 takes the ``r``-th contiguous slice, split into micro-batches. Resuming therefore only
 needs the number of samples consumed: nothing is repeated or skipped.
+
+``fetch`` is how every batch reaches a model: collated on the host, then on this rank's
+device through ``cqk_megatron.device.to_device`` (pinned memory, non-blocking, on GPU).
 """
 
 from __future__ import annotations
 
 import torch
 from torch.utils.data import default_collate
+
+from cqk_megatron.device import to_device
 
 
 def micro_batch_indices(
@@ -23,6 +28,11 @@ def micro_batch_indices(
     ]
 
 
-def fetch(dataset, indices: list[int]) -> dict[str, torch.Tensor]:
-    """A collated micro-batch; indices wrap around the dataset's length."""
+def collate(dataset, indices: list[int]) -> dict[str, torch.Tensor]:
+    """A collated micro-batch in host memory; indices wrap around the dataset's length."""
     return default_collate([dataset[i % len(dataset)] for i in indices])
+
+
+def fetch(dataset, indices: list[int]) -> dict[str, torch.Tensor]:
+    """The micro-batch ``collate`` gives, on this rank's device: what a model is fed."""
+    return to_device(collate(dataset, indices))

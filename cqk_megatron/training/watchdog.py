@@ -294,13 +294,12 @@ class Watchdog:
             self._phase = _Phase(outer.name, outer.step, time.monotonic(), outer.bound_s)
 
     def _lower_collective_timeout(self) -> None:
-        import torch.distributed as dist
-
         from cqk_megatron.distributed import set_collective_timeout
+        from cqk_megatron.training import collectives
 
         # torchtitan's order: agree that start-up is over, then lower; else a fast rank's
         # short timeout could expire on a peer still finishing its first step.
-        dist.barrier()
+        collectives.barrier()
         set_collective_timeout(self.bounds.collective_s)
 
     def close(self) -> None:

@@ -1,3 +1,5 @@
-"""The GPU check is a script run by hand on a GPU machine; pytest never collects it."""
+"""tests/gpu/ holds the GPU acceptance command (accept.py, run on a GPU machine: see
+docs/gpu.md) and its wheel script; pytest never collects them here (its --dry-run is
+tested by tests/test_gpu_accept.py)."""
 
 collect_ignore_glob = ["*.py"]

@@ -1,0 +1,862 @@
+"""GPU acceptance: a cluster user's path, on one H100/H200, in one command, in < 8 minutes.
+
+    python tests/gpu/accept.py [--out DIR] [--work DIR] [--only STAGE,...] [--dry-run]
+        [--allow-cpu]
+
+Stages, each with a time budget (``STAGES``; the whole command stays under 8 minutes):
+
+1. ``env``: torch, CUDA, the GPU and its dense bf16 peak, megatron-core and DeepSpeed.
+2. ``data``: the data tools make a small indexed dataset and its tokenizer
+   (``python -m data_tools.demo_corpus``).
+3. ``train``: ``python -m cqk_megatron.train`` (what ``cqk-train`` runs) in bf16 on that
+   dataset, for standard, coupled and differential attention, under DeepSpeed ZeRO-1 and
+   under ``train.engine=megatron``, concurrently on the one GPU; and the coupled ZeRO-1 run
+   again, stopped by SIGTERM mid-run (it must save and exit 75) and resumed (exit 0), its
+   losses compared with the uninterrupted run's. Each run must learn, report MFU and
+   memory, and both engines must start from the same loss.
+4. ``export``: ``cqk-convert export`` of a checkpoint written on the GPU; the Hugging Face
+   model's logits on the GPU against the Megatron model's (fp32, TF32 off).
+5. ``kernels``: which SDPA kernel each attention variant ran (``KERNEL_VARIANTS``), read
+   off the profiler: flash or cuDNN, not the math path, for ``FUSED_REQUIRED``.
+6. ``bench``: ``cqk_megatron.perf.bench`` at 350M and 1B: tokens/s, MFU, step-time
+   ratios to standard, activation memory against the planner.
+
+Prints one table and writes one JSON (``$OUT/accept.json`` if ``OUT`` is set, else
+``--out`` or ``./gpu_accept.json``) with a log of failures beside it (``accept.log``).
+Exit status 0 if every check passed, 1 if one failed, 2 if it cannot run (no GPU).
+``--dry-run`` prints the stages, their budgets and what each will run, without a GPU (CI
+runs it). The machine needs Python 3.12 and torch; megatron-core and DeepSpeed can come as
+wheels (``tests/gpu/prepare_wheels.sh``, ``docs/gpu.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+TOTAL_BUDGET_S = 480  # 8 minutes on one H100/H200
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    budget_s: int
+    what: str
+
+
+STAGES = (
+    Stage("env", 25, "torch, CUDA, GPU name and peak, megatron-core and DeepSpeed versions"),
+    Stage("data", 60, "data tools: corpus -> SentencePiece tokenizer -> indexed .bin/.idx"),
+    Stage(
+        "train",
+        165,
+        "cqk-train bf16: {standard, coupled, differential} x {DeepSpeed ZeRO-1, Megatron "
+        "distributed optimizer}, concurrently; coupled ZeRO-1 again, SIGTERM mid-run, resumed",
+    ),
+    Stage("export", 60, "cqk-convert export of a GPU checkpoint; HF vs Megatron logits on GPU"),
+    Stage("kernels", 40, "the SDPA kernel each variant runs (profiler): flash/cuDNN, not math"),
+    Stage("bench", 120, "cqk-bench 350M and 1B: tokens/s, MFU, ratios, memory vs planner"),
+)
+
+# The variants whose SDPA kernels are checked, one list (bench's variant syntax:
+# differential@paired / @split are the two forms of differential attention's scoring).
+KERNEL_VARIANTS = (
+    "standard",
+    "coupled",
+    "differential",
+    "coupled_differential",
+    "differential@paired",
+    "differential@split",
+)
+FUSED_REQUIRED = ("standard", "coupled", "differential@split")  # flash or cuDNN, or FAIL
+FUSED_KERNELS = ("flash", "cudnn")
+TRAIN_VARIANTS = ("standard", "coupled", "differential")
+ENGINES = {
+    "deepspeed": ["train.engine=deepspeed", "train.zero_stage=1"],
+    "megatron": ["train.engine=megatron"],
+}
+RESUMED = "coupled-deepspeed"  # its twin is stopped by SIGTERM and resumed
+BENCH = (("configs/models/350m.yaml", 8), ("configs/models/1b.yaml", 4))
+BENCH_VARIANTS = ("standard", "coupled", "differential")
+BENCH_SEQ = 2048
+ACTIVATION_ESTIMATE_RANGE = (0.75, 1.33)  # measured / planner, saved-tensor bytes
+
+
+@dataclass
+class Sizes:
+    """What the stages run; ``--allow-cpu`` shrinks them for a smoke run."""
+
+    corpus_mb: float = 2.0
+    vocab: int = 4096
+    model: tuple[str, ...] = (
+        "model.num_layers=4",
+        "model.hidden_size=256",
+        "model.num_attention_heads=4",
+        "model.seq_length=512",
+    )
+    precision: str = "bf16"
+    steps: int = 40
+    micro_batch: int = 8
+    global_batch: int = 16
+    signal_at_step: int = 5
+    bench: tuple[tuple[str, int], ...] = BENCH
+    bench_seq: int = BENCH_SEQ
+    bench_rounds: int = 5
+    bench_warmup: int = 2
+    kernel_model: tuple[str, ...] = (
+        "model.hidden_size=2048",
+        "model.num_attention_heads=16",
+        "model.num_query_groups=8",
+        "model.seq_length=1024",
+    )
+
+
+def cpu_sizes() -> Sizes:
+    return Sizes(
+        corpus_mb=0.3,
+        vocab=1024,
+        model=(
+            "model.num_layers=2",
+            "model.hidden_size=64",
+            "model.num_attention_heads=4",
+            "model.seq_length=64",
+        ),
+        precision="fp32",
+        steps=24,
+        micro_batch=4,
+        global_batch=8,
+        signal_at_step=3,
+        bench=(("tiny", 2),),
+        bench_seq=128,
+        bench_rounds=2,
+        bench_warmup=1,
+        kernel_model=(
+            "model.hidden_size=256",
+            "model.num_attention_heads=4",
+            "model.seq_length=128",
+        ),
+    )
+
+
+# -- checks and the table ------------------------------------------------------------------
+
+
+@dataclass
+class Check:
+    stage: str
+    name: str
+    value: str
+    expected: str
+    ok: bool | None  # None: reported, not judged
+
+    @property
+    def verdict(self) -> str:
+        return {True: "PASS", False: "FAIL", None: "info"}[self.ok]
+
+
+@dataclass
+class Report:
+    checks: list[Check] = field(default_factory=list)
+    stages: dict[str, dict] = field(default_factory=dict)
+    data: dict = field(default_factory=dict)
+    log: list[str] = field(default_factory=list)
+
+    def check(self, stage: str, name: str, value, expected: str, ok: bool | None) -> bool:
+        self.checks.append(Check(stage, name, _text(value), expected, ok))
+        print(f"  [{stage}] {name}: {_text(value)} ({expected}) {self.checks[-1].verdict}")
+        return bool(ok) or ok is None
+
+    @property
+    def passed(self) -> bool:
+        return all(c.ok is not False for c in self.checks) and all(
+            s.get("ok", False) for s in self.stages.values()
+        )
+
+    def table(self) -> str:
+        widths = (8, 44, 30, 26)
+        head = ("stage", "check", "value", "expected")
+        lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)) + "  result"]
+        for c in self.checks:
+            cells = (c.stage, c.name, c.value, c.expected)
+            lines.append(
+                "  ".join(x[:w].ljust(w) for x, w in zip(cells, widths, strict=True))
+                + f"  {c.verdict}"
+            )
+        for name, stage in self.stages.items():
+            lines.append(
+                f"{'time':<8}  {name + ' stage':<44}  {stage['seconds']:>6.0f} s{'':<22}  "
+                f"<= {stage['budget_s']} s{'':<19}  {'PASS' if stage['ok'] else 'FAIL'}"
+            )
+        return "\n".join(lines)
+
+
+def _text(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+class StageTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def alarm(seconds: float):
+    """Raise ``StageTimeout`` in this (main) thread after ``seconds``."""
+
+    def ring(signum, frame):
+        raise StageTimeout(f"over its {seconds:.0f} s budget")
+
+    previous = signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 1))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# -- the runs ------------------------------------------------------------------------------
+
+
+def train_runs(work: Path, sizes: Sizes) -> dict[str, list[str]]:
+    """Name -> the overrides of each ``cqk-train`` run (on top of configs/runs/demo.yaml)."""
+    from cqk_megatron.config import VARIANTS
+
+    data = work / "data"
+    common = [
+        *sizes.model,
+        f"model.vocab_size={sizes.vocab}",
+        f"data.prefixes=[{data}/demo_text_document]",
+        f"data.tokenizer={data}/tokenizer.model",
+        f"train.precision={sizes.precision}",
+        f"train.micro_batch_size={sizes.micro_batch}",
+        f"train.global_batch_size={sizes.global_batch}",
+        f"train.train_steps={sizes.steps}",
+        "train.lr=2e-3",
+        "train.min_lr=2e-4",
+        "train.warmup_steps=4",
+        f"train.eval_interval={sizes.steps // 2}",
+        "train.eval_iters=2",
+        f"train.save_interval={sizes.steps // 2}",
+        "train.checkpoint_hashes=false",
+        f"log.root={work}/runs",
+        "log.wandb_mode=disabled",
+        'log.progress_bar="off"',
+    ]
+    runs = {}
+    for engine, engine_overrides in ENGINES.items():
+        for variant in TRAIN_VARIANTS:
+            name = f"{variant}-{engine}"
+            coupling, scoring = VARIANTS[variant]
+            runs[name] = [
+                *common,
+                *engine_overrides,
+                f"name={name}",
+                f"attention.coupling={coupling}",
+                f"attention.scoring={scoring}",
+                f"data.cache_dir={work}/cache/{name}",  # each process builds its own index
+            ]
+    resumed = [o for o in runs[RESUMED] if not o.startswith(("name=", "data.cache_dir="))]
+    runs[f"{RESUMED}-resumed"] = [
+        *resumed,
+        f"name={RESUMED}-resumed",
+        f"data.cache_dir={work}/cache/{RESUMED}-resumed",
+    ]
+    return runs
+
+
+def train_command(overrides: list[str]) -> list[str]:
+    config = str(REPO / "configs/runs/demo.yaml")
+    return [sys.executable, "-m", "cqk_megatron.train", "--config", config, *overrides]
+
+
+def child_env(port: int, on_gpu: bool) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        PYTHONUNBUFFERED="1",
+        PYTHONWARNINGS="ignore",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        DS_ACCELERATOR="cuda" if on_gpu else "cpu",
+        OMP_NUM_THREADS="2",
+        # deterministic cuBLAS, so that the resumed run can be compared closely
+        CUBLAS_WORKSPACE_CONFIG=":4096:8",
+    )
+    return env
+
+
+def metrics(run_dir: Path, kind: str) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            rows.append(json.loads(line))
+    return [r for r in rows if r.get("kind") == kind]
+
+
+def variant_kernels(config, variant: str, micro_batch: int, here) -> dict:
+    """Build ``variant``'s attention layer, warm it up (forward + backward: kernel choice,
+    cuDNN plans), then ``cqk_megatron.perf.bench.attention_kernels``: the differential
+    form it took and the kernels one profiled forward ran (SDPA's ``flash``, ``cudnn``,
+    ``efficient``, ``math``; ``maps`` or ``te`` where differential attention runs its own).
+    The backward runs on the forward's SDPA backend."""
+    import torch
+
+    from cqk_megatron.perf.bench import attention_kernels, build_workload
+
+    work = build_workload(config, variant, micro_batch, here, attention_only=True)
+    work.step()
+    if here.type == "cuda":
+        torch.cuda.synchronize(here)
+    found = attention_kernels(work.module, work.forward)
+    del work
+    return found
+
+
+# -- the command ---------------------------------------------------------------------------
+
+
+class Acceptance:
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+
+        self.args = args
+        self.on_gpu = torch.cuda.is_available()
+        self.sizes = Sizes() if self.on_gpu else cpu_sizes()
+        self.work = Path(args.work or tempfile.mkdtemp(prefix="cqk-accept-"))
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.report = Report()
+        # a CPU smoke run keeps the stages' proportions, not their seconds
+        self.scale = 1.0 if self.on_gpu else args.cpu_budget_scale
+
+    # -- stages ----------------------------------------------------------------------
+
+    def env(self, budget: float) -> None:
+        import torch
+
+        report = self.report
+        name = torch.cuda.get_device_name() if self.on_gpu else "cpu"
+        report.data["device"] = name
+        version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+        report.check("env", "torch", torch.__version__, ">= 2.5", version >= (2, 5))
+        report.check("env", "CUDA", str(torch.version.cuda), "a CUDA build", self.on_gpu or None)
+        report.check(
+            "env", "device", name, "an H100 or H200", ("H100" in name or "H200" in name) or None
+        )
+        from cqk_megatron.perf.flops import peak_flops
+
+        peak = peak_flops(name) if self.on_gpu else None
+        report.check(
+            "env",
+            "dense bf16 peak (FLOP/s)",
+            peak,
+            "known (for MFU)",
+            peak is not None if self.on_gpu else None,
+        )
+        import megatron.core
+
+        version = getattr(megatron.core, "__version__", "?")
+        report.check("env", "megatron-core", version, "0.16.1", version == "0.16.1")
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if self.on_gpu else "cpu")
+        import deepspeed
+
+        report.check("env", "deepspeed", deepspeed.__version__, "importable", True)
+        report.check("env", "python", sys.version.split()[0], "3.10+", sys.version_info >= (3, 10))
+
+    def data(self, budget: float) -> None:
+        out = self.work / "data"
+        command = [
+            sys.executable,
+            "-m",
+            "data_tools.demo_corpus",
+            "--output",
+            str(out),
+            "--max-mb",
+            str(self.sizes.corpus_mb),
+            "--vocab-size",
+            str(self.sizes.vocab),
+            "--quiet",
+        ]
+        code, log = self._run_logged("data", command, child_env(29590, self.on_gpu), budget)
+        self.report.check("data", "data_tools.demo_corpus exit", code, "0", code == 0)
+        meta = out / "demo_text_document.meta.json"
+        ok = (out / "demo_text_document.bin").is_file() and (out / "tokenizer.model").is_file()
+        tokens = json.loads(meta.read_text()).get("num_tokens") if meta.is_file() else None
+        self.report.check("data", "indexed dataset + tokenizer", tokens or ok, "written", ok)
+
+    def train(self, budget: float) -> None:
+        deadline = time.monotonic() + budget
+        runs = train_runs(self.work, self.sizes)
+        jobs = {}
+        for index, (name, overrides) in enumerate(runs.items()):
+            jobs[name] = self._start(name, overrides, 29600 + 10 * index)
+        resumed = f"{RESUMED}-resumed"
+        signalled = relaunched = False
+        exits: dict[str, list[int]] = {name: [] for name in runs}
+        try:
+            while jobs and time.monotonic() < deadline:
+                time.sleep(0.05)
+                for name, process in list(jobs.items()):
+                    if name == resumed and not signalled:
+                        logged = metrics(self.work / "runs" / name, "train")
+                        if logged and logged[-1]["step"] >= self.sizes.signal_at_step:
+                            process.send_signal(signal.SIGTERM)
+                            signalled = True
+                            self.report.data["signalled_after_step"] = logged[-1]["step"]
+                    code = process.poll()
+                    if code is None:
+                        continue
+                    exits[name].append(code)
+                    del jobs[name]
+                    if name == resumed and signalled and not relaunched:
+                        relaunched = True
+                        port = 29600 + 10 * len(runs)
+                        jobs[name] = self._start(name, runs[name], port, append=True)
+        finally:
+            for name, process in jobs.items():  # over budget: no process is left behind
+                process.kill()
+                process.wait()
+                exits[name].append(-9)
+        self.report.data["train_exits"] = exits
+        self._check_runs(runs, exits, resumed)
+
+    def _start(self, name: str, overrides: list[str], port: int, append: bool = False):
+        (self.work / "logs").mkdir(exist_ok=True)
+        log = (self.work / "logs" / f"{name}.log").open("a" if append else "w")
+        return subprocess.Popen(
+            train_command(overrides),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=child_env(port, self.on_gpu),
+            cwd=REPO,
+        )
+
+    def _check_runs(self, runs: dict, exits: dict, resumed: str) -> None:
+        report, steps = self.report, self.sizes.steps
+        curves = {}
+        for name in runs:
+            run_dir = self.work / "runs" / name
+            expected = [75, 0] if name == resumed else [0]
+            ok = report.check(
+                "train", f"{name} exit codes", exits[name], str(expected), exits[name] == expected
+            )
+            train = metrics(run_dir, "train")
+            curves[name] = [r["loss"] for r in train]
+            if not ok:
+                self._tail(name)
+                continue
+            losses = curves[name]
+            finite = len(losses) == steps and all(math.isfinite(x) for x in losses)
+            report.check("train", f"{name} steps logged", len(losses), f"{steps}, finite", finite)
+            if finite:
+                first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
+                report.check(
+                    "train",
+                    f"{name} loss first -> last",
+                    f"{first:.3f} -> {last:.3f}",
+                    "falls by > 0.5",
+                    last < first - 0.5,
+                )
+            mfu = [r["mfu"] for r in train if r.get("mfu") is not None]
+            report.check(
+                "train",
+                f"{name} MFU (last step)",
+                mfu[-1] if mfu else None,
+                "reported on GPU",
+                bool(mfu) if self.on_gpu else None,
+            )
+            memory = [r["mem_gb"] for r in train]
+            report.check(
+                "train",
+                f"{name} peak memory GB",
+                max(memory) if memory else None,
+                "reported",
+                bool(memory),
+            )
+            final = [v for v in metrics(run_dir, "valid") if v.get("final")]
+            report.check(
+                "train",
+                f"{name} final validation",
+                final[-1]["val_loss"] if final else None,
+                "written",
+                bool(final),
+            )
+        report.data["train_losses"] = curves
+        for variant in TRAIN_VARIANTS:
+            a, b = curves.get(f"{variant}-deepspeed"), curves.get(f"{variant}-megatron")
+            if a and b:
+                gap = abs(a[0] - b[0]) / abs(b[0])
+                report.check(
+                    "train",
+                    f"{variant}: step-1 loss, ZeRO-1 vs Megatron",
+                    gap,
+                    "<= 1e-3 (same weights)",
+                    gap <= 1e-3,
+                )
+        straight, stopped = curves.get(RESUMED), curves.get(resumed)
+        if straight and stopped and len(straight) == len(stopped) == steps:
+            logged = [r["step"] for r in metrics(self.work / "runs" / resumed, "train")]
+            report.check(
+                "train",
+                "resumed run: steps 1..N once each",
+                logged == list(range(1, steps + 1)),
+                "True",
+                logged == list(range(1, steps + 1)),
+            )
+            gaps = [abs(x - y) / abs(y) for x, y in zip(stopped, straight, strict=True)]
+            report.data["resume_gaps"] = gaps
+            # bf16 kernels (flash backward's atomics) are not bitwise deterministic on GPU
+            report.check(
+                "train",
+                "resumed vs uninterrupted loss (max rel.)",
+                max(gaps),
+                "<= 2e-2 (bf16, GPU)",
+                max(gaps) <= 2e-2,
+            )
+
+    def export(self, budget: float) -> None:
+        import torch
+
+        run = self.work / "runs" / "coupled-megatron"
+        folder = run / "checkpoints" / f"iter_{self.sizes.steps:07d}"
+        hf = self.work / "hf"
+        command = [
+            sys.executable,
+            "-m",
+            "cqk_megatron.convert.cli",
+            "export",
+            str(folder),
+            str(hf),
+            "--tokenizer",
+            str(self.work / "data" / "tokenizer.model"),
+            "--overwrite",
+        ]
+        code, _ = self._run_logged("export", command, child_env(29580, self.on_gpu), budget)
+        if not self.report.check("export", "cqk-convert export exit", code, "0", code == 0):
+            return
+        from transformers import AutoModelForCausalLM
+
+        from cqk_megatron.config import load_config
+        from cqk_megatron.device import device, to_device
+        from cqk_megatron.distributed import init_single_process
+        from cqk_megatron.model import build_model
+        from cqk_megatron.training import checkpoint
+
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        config = load_config(folder / "config.yaml", ["train.precision=fp32"])
+        init_single_process(config)
+        model = build_model(config).eval()
+        checkpoint.load_model_weights(folder, model)  # bf16 on disk, fp32 here
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            hf, trust_remote_code=True, dtype=torch.float32
+        )
+        hf_model = hf_model.to(device()).eval()
+        generator = torch.Generator().manual_seed(0)
+        seq = min(256, config.model.seq_length)
+        tokens = to_device(torch.randint(0, config.model.vocab_size, (2, seq), generator=generator))
+        positions = to_device(torch.arange(seq).expand(2, seq))
+        with torch.no_grad():
+            expected = model(tokens, positions, None).float()
+            actual = hf_model(tokens).logits.float()
+        width = min(expected.shape[-1], actual.shape[-1])
+        expected, actual = expected[..., :width], actual[..., :width]
+        gap = ((actual - expected).abs().max() / expected.abs().max()).item()
+        self.report.check(
+            "export", "HF vs Megatron logits (max rel., fp32)", gap, "<= 1e-3", gap <= 1e-3
+        )
+        same = (actual.argmax(-1) == expected.argmax(-1)).float().mean().item()
+        self.report.check("export", "same next-token argmax", same, ">= 0.999", same >= 0.999)
+        self.report.check(
+            "export", "models on", str(actual.device), str(device()), actual.device == device()
+        )
+
+    def kernels(self, budget: float) -> None:
+        import torch
+
+        from cqk_megatron.perf.bench import init_world, load_bench_config, split_variant
+
+        overrides = [*self.sizes.kernel_model, f"train.precision={self.sizes.precision}"]
+        config = load_bench_config("tiny", overrides)
+        here = init_world(config)
+        found = {}
+        for variant in KERNEL_VARIANTS:
+            required = variant in FUSED_REQUIRED
+            try:
+                split_variant(variant)
+            except ValueError as error:
+                self.report.check(
+                    "kernels",
+                    variant,
+                    f"not in cqk-bench here ({error})",
+                    "a bench variant",
+                    False if required else None,
+                )
+                continue
+            found[variant] = variant_kernels(config, variant, 2, here)
+            kernels = found[variant]["kernels"]
+            fused = bool(kernels) and set(kernels) <= set(FUSED_KERNELS)
+            form = found[variant]["differential_kernel"]
+            label = f"{variant} kernels" + (f" ({form} form)" if form else "")
+            expected = "flash/cudnn only" if required else "reported"
+            judged = fused if (required and self.on_gpu) else None
+            self.report.check("kernels", label, "+".join(kernels) or "none", expected, judged)
+        self.report.data["attention_kernels"] = found
+        if self.on_gpu:
+            torch.cuda.empty_cache()
+
+    def bench(self, budget: float) -> None:
+        import torch
+
+        from cqk_megatron.perf.bench import (
+            format_report,
+            init_world,
+            load_bench_config,
+            run_benchmark,
+        )
+
+        results = []
+        for spec, micro_batch in self.sizes.bench:
+            path = spec if spec == "tiny" else str(REPO / spec)
+            config = load_bench_config(
+                path,
+                [
+                    f"model.seq_length={self.sizes.bench_seq}",
+                    f"train.precision={self.sizes.precision}",
+                ],
+            )
+            here = init_world(config)
+            result = run_benchmark(
+                config,
+                list(BENCH_VARIANTS),
+                rounds=self.sizes.bench_rounds,
+                warmup=self.sizes.bench_warmup,
+                micro_batch=micro_batch,
+                optimizer="adamw",
+                device=here,
+            )
+            result["meta"]["config"] = spec
+            results.append(result)
+            print(format_report(result), flush=True)
+            label = Path(spec).stem
+            for row in result["rows"]:
+                variant = row["variant"]
+                self.report.check(
+                    "bench", f"{label} {variant} tokens/s", row["tokens_per_s"], "reported", None
+                )
+                mfu = row["mfu"]
+                self.report.check(
+                    "bench",
+                    f"{label} {variant} MFU",
+                    mfu,
+                    "reported on GPU",
+                    (mfu is not None and mfu > 0) if self.on_gpu else None,
+                )
+                if variant != "standard":
+                    self.report.check(
+                        "bench",
+                        f"{label} {variant}/standard step time",
+                        row["ratio"],
+                        "reported",
+                        None,
+                    )
+                measured, estimate = row["activation_mib"], row["activation_estimate_mib"]
+                if estimate:
+                    ratio = measured / estimate
+                    low, high = ACTIVATION_ESTIMATE_RANGE
+                    self.report.check(
+                        "bench",
+                        f"{label} {variant} activations / planner",
+                        ratio,
+                        f"{low}-{high}",
+                        low <= ratio <= high,
+                    )
+                if row["step_peak_mib"] is not None:
+                    self.report.check(
+                        "bench",
+                        f"{label} {variant} step peak MiB",
+                        row["step_peak_mib"],
+                        "reported",
+                        None,
+                    )
+            if self.on_gpu:
+                torch.cuda.empty_cache()
+        self.report.data["bench"] = results
+
+    # -- plumbing --------------------------------------------------------------------
+
+    def _run_logged(self, stage: str, command: list[str], env: dict, timeout: float):
+        (self.work / "logs").mkdir(exist_ok=True)
+        log_path = self.work / "logs" / f"{stage}.log"
+        with log_path.open("w") as log:
+            try:
+                code = subprocess.run(
+                    command,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=REPO,
+                    timeout=max(timeout, 1),
+                ).returncode
+            except subprocess.TimeoutExpired:
+                code = "timeout"
+        if code != 0:
+            self._tail(stage)
+        return code, log_path
+
+    def _tail(self, name: str, lines: int = 40) -> None:
+        path = self.work / "logs" / f"{name}.log"
+        text = path.read_text(errors="replace").splitlines()[-lines:] if path.is_file() else []
+        self.report.log += [f"==> {path} (last {lines} lines)", *text]
+        print("\n".join(self.report.log[-len(text) - 1 :]), flush=True)
+
+    def run(self, only: list[str]) -> int:
+        start = time.monotonic()
+        limit = TOTAL_BUDGET_S * self.scale
+        for stage in STAGES:
+            if only and stage.name not in only:
+                continue
+            left = limit - (time.monotonic() - start)
+            budget = min(stage.budget_s * self.scale, max(left, 1))
+            print(f"\n== {stage.name} ({stage.budget_s} s budget): {stage.what}", flush=True)
+            began = time.monotonic()
+            ok = True
+            try:
+                with alarm(budget + 5):  # subprocess stages time out on their own first
+                    getattr(self, stage.name)(budget)
+            except Exception as error:  # report, go on with the next stage
+                ok = False
+                trace = traceback.format_exc()
+                self.report.log += [f"==> stage {stage.name} raised", trace]
+                print(trace, flush=True)
+                self.report.check(
+                    stage.name,
+                    "stage ran",
+                    f"{type(error).__name__}: {error}"[:200],
+                    "no exception",
+                    False,
+                )
+            seconds = time.monotonic() - began
+            self.report.stages[stage.name] = {
+                "seconds": seconds,
+                "budget_s": stage.budget_s * self.scale,
+                "ok": ok and seconds <= stage.budget_s * self.scale + 5,
+            }
+        total = time.monotonic() - start
+        self.report.data["total_s"] = total
+        print("\n" + self.report.table())
+        within = total <= limit
+        verdict = "PASS" if self.report.passed and within else "FAIL"
+        print(f"total {total:.0f} s of {limit:.0f} s; {verdict}; work folder {self.work}")
+        self._write(total, within)
+        return 0 if verdict == "PASS" else 1
+
+    def _write(self, total: float, within: bool) -> None:
+        out = Path(os.environ.get("OUT") or self.args.out or ".")
+        out.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "passed": self.report.passed and within,
+            "on_gpu": self.on_gpu,
+            "total_s": total,
+            "stages": self.report.stages,
+            "checks": [c.__dict__ | {"verdict": c.verdict} for c in self.report.checks],
+            **self.report.data,
+        }
+        name = "accept.json" if os.environ.get("OUT") or self.args.out else "gpu_accept.json"
+        (out / name).write_text(json.dumps(payload, indent=1, default=str))
+        (out / "accept.log").write_text("\n".join(self.report.log) + "\n")
+        print(f"wrote {out / name} and {out / 'accept.log'}")
+
+
+# -- dry run ---------------------------------------------------------------------------
+
+
+def dry_run(args: argparse.Namespace) -> int:
+    from cqk_megatron.config import load_config, validate
+    from cqk_megatron.perf.bench import load_bench_config, variant_of
+    from cqk_megatron.perf.memory import total_parameters
+    from cqk_megatron.perf.plan import GIB, Layout, plan_layout
+
+    sizes = Sizes()
+    total = sum(stage.budget_s for stage in STAGES)
+    print(f"GPU acceptance: {len(STAGES)} stages, {total} s of budgets (limit {TOTAL_BUDGET_S} s)")
+    for stage in STAGES:
+        print(f"  {stage.name:<8} {stage.budget_s:>4} s  {stage.what}")
+    work = Path(args.work or "/tmp/cqk-accept")
+    print("\ntrain runs (python -m cqk_megatron.train --config configs/runs/demo.yaml ...):")
+    for name, overrides in train_runs(work, sizes).items():
+        config = validate(load_config(REPO / "configs/runs/demo.yaml", overrides))
+        extra = " (SIGTERM after a logged step, then resumed)" if name.endswith("-resumed") else ""
+        print(f"  {name}: {config.attention.variant}, train.engine={config.train.engine}{extra}")
+    print(
+        f"\nSDPA kernel check: {', '.join(KERNEL_VARIANTS)}; "
+        f"flash/cuDNN required for {', '.join(FUSED_REQUIRED)}"
+    )
+    print(f"\nbenchmark: {', '.join(BENCH_VARIANTS)}, seq {sizes.bench_seq}, bf16, AdamW:")
+    for spec, micro_batch in sizes.bench:
+        config = load_bench_config(
+            str(REPO / spec), [f"model.seq_length={sizes.bench_seq}", "train.precision=bf16"]
+        )
+        for variant in BENCH_VARIANTS:
+            vconfig = variant_of(config, variant)
+            plan = plan_layout(vconfig, Layout(1, 1, 1, "ddp"), micro_batch, 80 * GIB)
+            act = plan.worst.parts["activations"] / GIB
+            print(
+                f"  {spec} {variant}: {total_parameters(vconfig):,} parameters, "
+                f"micro-batch {micro_batch}, planner activations {act:.1f} GiB"
+            )
+    return 0 if total <= TOTAL_BUDGET_S else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help="folder for accept.json (default: $OUT or .)")
+    parser.add_argument("--work", default=None, help="scratch folder (default: a new one in /tmp)")
+    parser.add_argument(
+        "--only", default="", help=f"comma-separated stages of {[s.name for s in STAGES]}"
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the stages and budgets, run nothing"
+    )
+    parser.add_argument(
+        "--allow-cpu", action="store_true", help="a shrunken smoke run without a GPU"
+    )
+    parser.add_argument(
+        "--cpu-budget-scale", type=float, default=8.0, help="--allow-cpu: budgets times this"
+    )
+    args = parser.parse_args(argv)
+    only = [s for s in args.only.split(",") if s]
+    unknown = [s for s in only if s not in {stage.name for stage in STAGES}]
+    if unknown:
+        parser.error(f"--only: unknown stage(s) {unknown}")
+    if args.dry_run:
+        return dry_run(args)
+    import torch
+
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        print("no CUDA device: run on a GPU machine, or pass --dry-run / --allow-cpu")
+        return 2
+    return Acceptance(args).run(only)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

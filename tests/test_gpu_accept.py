@@ -1,0 +1,99 @@
+"""The GPU acceptance command, as far as it runs without a GPU: ``--dry-run`` (stages,
+budgets, every training run's config validated), the refusal to run without one, and the
+parts of it that work on CPU (the SDPA kernel detection, the stage timer)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cqk_megatron.config import load_config, validate
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "gpu" / "accept.py"
+
+
+def _load_accept():
+    spec = importlib.util.spec_from_file_location("gpu_accept", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while defined
+    spec.loader.exec_module(module)
+    return module
+
+
+accept = _load_accept()
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+
+
+def test_dry_run_prints_the_stages_and_their_budgets():
+    result = _run("--dry-run")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    for stage in accept.STAGES:
+        assert f"{stage.name:<8} {stage.budget_s:>4} s" in out
+    total = sum(stage.budget_s for stage in accept.STAGES)
+    assert total <= accept.TOTAL_BUDGET_S == 480
+    assert f"{total} s of budgets (limit 480 s)" in out
+    for name in ("standard-deepspeed", "differential-megatron", "coupled-deepspeed-resumed"):
+        assert f"  {name}: " in out
+    assert ", ".join(accept.KERNEL_VARIANTS) in out
+    assert "configs/models/1b.yaml coupled" in out and "planner activations" in out
+
+
+def test_without_a_gpu_it_refuses_to_run_and_says_how():
+    result = _run()
+    assert result.returncode == 2
+    assert "--dry-run" in result.stdout and "--allow-cpu" in result.stdout
+
+
+def test_an_unknown_stage_is_refused():
+    result = _run("--only", "train,trian")
+    assert result.returncode == 2 and "trian" in result.stderr
+
+
+def test_the_training_runs_are_valid_and_the_resumed_one_is_its_twin(tmp_path):
+    runs = accept.train_runs(tmp_path, accept.Sizes())
+    assert len(runs) == 2 * len(accept.TRAIN_VARIANTS) + 1
+    for overrides in runs.values():
+        config = validate(load_config(REPO / "configs/runs/demo.yaml", overrides))
+        assert config.train.precision == "bf16" and config.train.train_steps == 40
+
+    def settings(name: str) -> list[str]:
+        return [o for o in runs[name] if not o.startswith(("name=", "data.cache_dir="))]
+
+    twin = accept.RESUMED
+    assert sorted(settings(f"{twin}-resumed")) == sorted(settings(twin))
+
+
+def test_the_kernel_check_names_every_required_variant():
+    assert set(accept.FUSED_REQUIRED) <= set(accept.KERNEL_VARIANTS)
+    assert {"differential@paired", "differential@split"} <= set(accept.KERNEL_VARIANTS)
+
+
+def test_the_kernel_check_reads_the_kernels_an_attention_layer_ran():
+    # On CPU PyTorch runs its flash kernel for standard attention (q, k, v of one width).
+    from cqk_megatron.perf.bench import init_world, load_bench_config
+
+    config = load_bench_config("tiny", [*accept.cpu_sizes().kernel_model])
+    here = init_world(config)
+    found = accept.variant_kernels(config, "standard", 1, here)
+    assert found["kernels"] == ["flash"] and found["differential_kernel"] is None
+    paired = accept.variant_kernels(config, "differential@paired", 1, here)
+    assert paired["differential_kernel"] == "paired" and paired["kernels"]
+
+
+def test_a_stage_over_its_budget_is_stopped():
+    started = time.monotonic()
+    with pytest.raises(accept.StageTimeout), accept.alarm(1):
+        time.sleep(10)
+    assert time.monotonic() - started < 5
