@@ -39,6 +39,56 @@ RUN = [
     *FAST,
 ]
 FAULT_TIME = re.compile(r"CQK_FAULT: (\w+) at t=([\d.]+)")
+# A run through the launcher (submit.py) on this config: the faulted jobs of both fault
+# modules, and the uninterrupted run they are compared with, bit for bit.
+STEPS, SAVE_INTERVAL = 60, 10
+LAUNCHED = [
+    sys.executable,
+    str(REPO / "launch" / "submit.py"),
+    "--config",
+    "configs/runs/tiny_cpu.yaml",
+    "--profile",
+    "configs/clusters/local.yaml",
+    f"train.train_steps={STEPS}",
+    f"train.save_interval={SAVE_INTERVAL}",
+    "train.eval_interval=1000",
+    "train.checkpoint_hashes=false",
+    *FAST,
+]
+_reference: dict = {}
+
+
+def start_reference(tmp_path_factory) -> None:
+    """Start the uninterrupted run (2 tasks, the local launcher) once per session: both
+    fault modules compare with it, and it trains while their faulted jobs do."""
+    if "process" in _reference:
+        return
+    root = tmp_path_factory.mktemp("reference")
+    _reference["run_dir"] = root / "reference"
+    _reference["process"] = subprocess.Popen(
+        [*LAUNCHED, "--cluster", "local", "--tasks", "2", f"log.root={root}", "name=reference"],
+        cwd=REPO,
+        env={**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def reference_run(tmp_path_factory, timeout_s: float = 600) -> Path:
+    """The uninterrupted run's folder once it has finished (started now if it was not);
+    past ``timeout_s`` it is killed and this fails."""
+    start_reference(tmp_path_factory)
+    process = _reference["process"]
+    if "output" not in _reference:
+        try:
+            _reference["output"] = process.communicate(timeout=timeout_s)[0]
+        finally:
+            if process.poll() is None:
+                kill_group(process)
+    assert process.returncode == 0, _reference.get("output", "")[-3000:]
+    return _reference["run_dir"]
 
 
 def measured(fault: str, **values) -> None:
@@ -93,12 +143,15 @@ class Ranks:
     world_size: int = 2
     env: dict = field(default_factory=dict)
     overrides: list = field(default_factory=list)
-    processes: list = field(default_factory=list)
+    absent: tuple = ()  # ranks never started: as if they died before rendezvous
+    processes: dict = field(default_factory=dict)  # rank -> Popen
     ended: dict = field(default_factory=dict)  # rank -> (exit code, time.time())
 
     def start(self) -> Ranks:
         port = free_port()
         for rank in range(self.world_size):
+            if rank in self.absent:
+                continue
             env = {
                 **os.environ,
                 "RANK": str(rank),
@@ -112,24 +165,22 @@ class Ranks:
                 **self.env,
             }
             log = self.log(rank).open("w")
-            self.processes.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "cqk_megatron.train",
-                        *RUN[:2],
-                        f"log.root={self.root}",
-                        f"name={self.name}",
-                        *RUN[2:],
-                        *self.overrides,
-                    ],
-                    cwd=REPO,
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+            self.processes[rank] = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "cqk_megatron.train",
+                    *RUN[:2],
+                    f"log.root={self.root}",
+                    f"name={self.name}",
+                    *RUN[2:],
+                    *self.overrides,
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         return self
 
@@ -147,18 +198,18 @@ class Ranks:
         """Record ranks that ended; True once all have. Once a rank has exited with the
         watchdog's verdict, the ones left (a stopped rank never exits by itself) are
         killed, as a launcher would."""
-        for rank, process in enumerate(self.processes):
+        for rank, process in self.processes.items():
             if rank not in self.ended and process.poll() is not None:
                 self.ended[rank] = (process.returncode, time.time())
         if any(code == EXIT_WATCHDOG for code, _ in self.ended.values()):
-            for rank, process in enumerate(self.processes):
+            for rank, process in self.processes.items():
                 if rank not in self.ended:
                     kill_group(process)
                     self.ended[rank] = (process.returncode, time.time())
         return len(self.ended) == len(self.processes)
 
     def kill(self) -> None:
-        for process in self.processes:
+        for process in self.processes.values():
             kill_group(process)
 
 

@@ -130,14 +130,19 @@ class _StoreCalls:
         self.busy_since: float | None = None
         self._pending: tuple[threading.Event | None, dict | None] = (None, None)
         self._lock = threading.Lock()  # the watchdog thread and the main thread both call
-        threading.Thread(target=self._serve, name="cqk-watchdog-store", daemon=True).start()
+        self._thread = threading.Thread(target=self._serve, name="cqk-watchdog-store", daemon=True)
+        self._thread.start()
 
     def _serve(self) -> None:
         import torch.distributed as dist
 
         client = None
         while True:
-            fn, done, box = self._jobs.get()
+            job = self._jobs.get()
+            if job is None:  # close(): the client's socket goes with this thread
+                del client
+                return
+            fn, done, box = job
             try:
                 if client is None:
                     client = dist.TCPStore(
@@ -169,6 +174,13 @@ class _StoreCalls:
             return "pending", None
         self.busy_since = None
         return ("error", box["error"]) if "error" in box else ("ok", box["value"])
+
+    def close(self, wait_s: float) -> None:
+        """End the helper thread and its client (a process that trains several runs must
+        not keep one of each per run); a call still blocked on a stopped store keeps it
+        until that call returns (a daemon thread: it never holds the process)."""
+        self._jobs.put(None)
+        self._thread.join(timeout=wait_s)
 
     def collect(self) -> tuple[str, Any] | None:
         """The late answer of a call that was pending, if it came."""
@@ -314,9 +326,16 @@ class Watchdog:
             self._thread.join(timeout=self.bounds.heartbeat_timeout_s + 1)
         if self._store is None:
             return
-        self._publish_last()
-        if self.rank != 0 or self.store_host != "rank 0" or self._crash:
-            return
+        try:
+            self._publish_last()
+            if self.rank == 0 and self.store_host == "rank 0" and not self._crash:
+                self._wait_for_others()
+        finally:
+            self._store.close(wait_s=1.0)
+
+    def _wait_for_others(self) -> None:
+        """Rank 0 hosts the store: until every peer is done (bounded by a heartbeat
+        timeout), so that none loses the store before its last word."""
         keys = [self._key(r) for r in self._peers]
 
         def others_done(client) -> bool:
