@@ -38,6 +38,7 @@ RUN = [
     "train.checkpoint_hashes=false",
     *FAST,
 ]
+GRACE_S = 5.0
 FAULT_TIME = re.compile(r"CQK_FAULT: (\w+) at t=([\d.]+)")
 # A run through the launcher (submit.py) on this config: the faulted jobs of both fault
 # modules, and the uninterrupted run they are compared with, bit for bit.
@@ -195,13 +196,15 @@ class Ranks:
         return self.log(rank).read_text(errors="replace")
 
     def poll(self) -> bool:
-        """Record ranks that ended; True once all have. Once a rank has exited with the
-        watchdog's verdict, the ones left (a stopped rank never exits by itself) are
-        killed, as a launcher would."""
+        """Record ranks that ended; True once all have. ``GRACE_S`` after a rank exited
+        with the watchdog's verdict, the ones left (a stopped rank never exits by itself)
+        are killed, as a launcher would."""
         for rank, process in self.processes.items():
             if rank not in self.ended and process.poll() is not None:
                 self.ended[rank] = (process.returncode, time.time())
-        if any(code == EXIT_WATCHDOG for code, _ in self.ended.values()):
+        verdicts = [at for code, at in self.ended.values() if code == EXIT_WATCHDOG]
+        # A few seconds' grace first: every survivor's watchdog publishes, prints, exits.
+        if verdicts and time.time() - min(verdicts) > GRACE_S:
             for rank, process in self.processes.items():
                 if rank not in self.ended:
                     kill_group(process)

@@ -15,7 +15,6 @@ tests/test_launch.py.
   declares the node DOWN and requeues the job, and once the link is back the job resumes
   and ends with the losses and weights of the same run on one node (the local launcher),
   bit for bit.
-- A 2 nodes x 2 tasks job (DP=4) against the same run on one node, bit for bit.
 """
 
 from __future__ import annotations
@@ -38,13 +37,12 @@ from _faults import (
     events,
     fault_times,
     faults_records,
-    kill_group,
     measured,
     reference_run,
     start_reference,
 )
 
-from cqk_megatron.exit_codes import EXIT_WATCHDOG
+from cqk_megatron.exit_codes import EXIT_REQUEUE, EXIT_WATCHDOG
 
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "ip", "unshare", "nsenter")
 DIR = os.environ.get("CQK_SLURM_MULTINODE_DIR", "/tmp/cqk-slurm-2nodes")
@@ -107,16 +105,6 @@ def one_node(tmp_path_factory) -> None:
     tests/test_faults.py), started at once: the Slurm jobs run meanwhile, and compare with
     it when it is done (``reference_run``)."""
     start_reference(tmp_path_factory)
-
-
-def _reference(root: Path, process: subprocess.Popen, name: str) -> Path:
-    try:
-        output = process.communicate(timeout=JOB_TIMEOUT_S)[0]
-    finally:
-        if process.poll() is None:
-            kill_group(process)
-    assert process.returncode == 0, output[-3000:]
-    return root / name
 
 
 def _submit(root: Path, name: str, env: dict | None = None, *extra: str, tasks: int = 1) -> str:
@@ -234,7 +222,12 @@ def test_a_2_node_job_outlives_a_killed_task_and_a_vanished_node_and_ends_like_o
     _wait(lambda: _finished(run_dir), f"job {job_id} to finish", run_dir=run_dir)
 
     started = events(run_dir, "started")
-    assert [e["attempt"] for e in started] == [1, 2, 3]
+    # When node2 is back, its slurmd may still report the lost attempt's step of this job
+    # id, and slurmctld's order to end it reaches the new attempt's task there too (a
+    # requeued job keeps its id): that attempt saves and requeues (exit 75), losing nothing.
+    stops = events(run_dir, "stopped")
+    assert all(stop["exit"] == EXIT_REQUEUE for stop in stops)
+    assert [e["attempt"] for e in started] == list(range(1, 4 + len(stops)))
     for start in started:  # rendezvous at node1 by name, one task on each node
         assert start["hosts"] == ["node1", "node2"] and start["host"] == "node1"
         assert start["rendezvous"]["MASTER_ADDR"] == "node1"
@@ -280,37 +273,3 @@ def test_a_2_node_job_outlives_a_killed_task_and_a_vanished_node_and_ends_like_o
         outcome="node DOWN, job requeued, resumed from step 20 when the node returned",
     )
     _assert_same_run(run_dir, reference_run(tmp_path_factory))
-
-
-def test_a_2x2_job_matches_the_same_run_on_one_node(two_nodes, root):
-    """Two tasks on each node (local ranks 0 and 1 on node1 and node2), DP=4, against the
-    same 4-rank run on one node."""
-    steps = 12
-    short = [f"train.train_steps={steps}"]
-    reference = subprocess.Popen(
-        [
-            *SUBMIT,
-            *COMMON,
-            *short,
-            "--cluster",
-            "local",
-            "--tasks",
-            "4",
-            f"log.root={root}",
-            "name=one-node-4",
-        ],
-        cwd=REPO,
-        env={**os.environ, "DS_ACCELERATOR": "cpu"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    run_dir = root / "two-by-two"
-    job_id = _submit(root, "two-by-two", None, *short, tasks=2)
-    _wait(lambda: _finished(run_dir), f"job {job_id} to finish", run_dir=run_dir)
-    (start,) = events(run_dir, "started")
-    assert start["hosts"] == ["node1", "node2"] and start["slurm"]["SLURM_NTASKS"] == "4"
-    assert start["rendezvous"]["LOCAL_WORLD_SIZE"] == "2"
-    assert start["slurm"]["SLURM_TASKS_PER_NODE"] == "2(x2)"
-    _assert_same_run(run_dir, _reference(root, reference, "one-node-4"), steps)
