@@ -240,7 +240,9 @@ def init_model_parallel(config: RunConfig) -> None:
     again per pipeline stage)."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    _destroy_megatron_groups()
     p = config.parallel
+    before = set(_all_groups())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=p.tensor_parallel,
         pipeline_model_parallel_size=p.pipeline_parallel,
@@ -249,7 +251,28 @@ def init_model_parallel(config: RunConfig) -> None:
         # group's: start-up's bound, until set_collective_timeout lowers every group's.
         distributed_timeout_minutes=max(1, math.ceil(config.train.init_timeout_s / 60)),
     )
+    _megatron_groups.extend(g for g in _all_groups() if g not in before)
     seed_cuda_rng_tracker(config.seed)
+
+
+# The groups the last init_model_parallel made. Megatron's destroy_model_parallel only
+# forgets its groups: torch keeps each one (for gloo, a context with three threads) until
+# destroy_process_group, so every rebuild in one process (the tools that count parameters
+# or convert, the tests) leaked ~20 groups: a test session grew to ~3,000 gloo threads.
+_megatron_groups: list[dist.ProcessGroup] = []
+
+
+def _all_groups() -> list[dist.ProcessGroup]:
+    return list(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else []
+
+
+def _destroy_megatron_groups() -> None:
+    """Destroy (locally: no collective) the groups the last init_model_parallel made."""
+    alive = set(_all_groups())
+    while _megatron_groups:
+        group = _megatron_groups.pop()
+        if group in alive:
+            dist.destroy_process_group(group)
 
 
 def init_single_process(config: RunConfig | None = None) -> None:

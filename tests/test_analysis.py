@@ -551,6 +551,9 @@ def test_report_step_time_that_drifts_within_the_runs_is_flagged_unsteady(tmp_pa
     assert gains_cell(analysis, 0, "coupled").endswith("(CPU, unsteady)")
     markdown = render_markdown(analysis, {"curves": tmp_path / "c.png"}, tmp_path)
     assert "1.00x over the first half of the steps, 1.40x over the second" in markdown
+    # one line per flagged cell, naming the size (both sizes drift the same way here)
+    for size in analysis.gains["size"].unique():
+        assert f"- coupled at {size}: unsteady: 1.00x" in markdown
 
 
 def test_cpu_seconds_per_step_skip_resumes_evaluations_and_checkpoints():
@@ -586,7 +589,7 @@ def test_multiplier_at_measured_budgets_and_compute_budgets_follow_the_runs(tmp_
     budgets = compute_budgets(measured.points)
     assert budgets[0] <= flops.min() * 10 and flops.max() < budgets[-1] <= 1000 * flops.max()
     paragraph = interpretation(measured)
-    assert "3 model size(s)" in paragraph and "1 seed(s)" in paragraph
+    assert "3 model sizes" in paragraph and "1 seed per size" in paragraph
     assert "not as a measurement of coupled attention" in paragraph  # all below 10M
 
 

@@ -330,14 +330,20 @@ def _gains_section(analysis: Analysis) -> list[str]:
             "checked on each half of the steps; for speed claims use `cqk-bench --clock "
             "cpu`, which interleaves the variants."
         )
-    notes = sorted({n for n in gains["note"].dropna() if n})
-    lines += [f"- {gains.loc[gains['note'] == n, 'variant'].iloc[0]}: {n}" for n in notes]
+    # One line per flagged cell, naming its variant and size: the same variant can be
+    # steady at one size and not at another.
+    flagged = gains[gains["note"].fillna("") != ""]
+    lines += [f"- {r.variant} at {r.size}: {r.note}" for r in flagged.itertuples()]
     if (gains["n"] <= 1).all():
         lines.append(
             "\n_One seed per size: the spread between seeds is not measured, so no "
             "perplexity gap in this table can be told from seed noise._"
         )
     return [*lines, ""]
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def interpretation(analysis: Analysis) -> str:
@@ -351,10 +357,10 @@ def interpretation(analysis: Analysis) -> str:
     per_param = tokens / runs[o.n_column]
     embedding_share = 1 - float((runs["params_non_embedding"] / runs["params_total"]).median())
     parts = [
-        f"These fits rest on {len(sizes)} model size(s), "
+        f"These fits rest on {_plural(len(sizes), 'model size')}, "
         f"{humanize_count(sizes.iloc[0])} to {humanize_count(sizes.iloc[-1])} "
         f"{'non-embedding ' if o.n_column == 'params_non_embedding' else ''}parameters, "
-        f"{seeds} seed(s) per size and variant, and {humanize_count(tokens.min())}"
+        f"{_plural(seeds, 'seed')} per size and variant, and {humanize_count(tokens.min())}"
         f"{'' if tokens.min() == tokens.max() else ' to ' + humanize_count(tokens.max())} "
         f"training tokens per run ({per_param.min():.2g} to {per_param.max():.2g} tokens per "
         "parameter; Chinchilla-optimal is about 20)."
@@ -403,8 +409,8 @@ def interpretation(analysis: Analysis) -> str:
         parts.append(
             f"The {variant} multiplier's {o.level:.0%} interval excludes 1 at {where}"
             + (
-                f"; with {seeds} seed(s) per size and {runs_per_fit} runs per fit that is a "
-                "pattern to check with more seeds, not evidence of a difference."
+                f"; with {_plural(seeds, 'seed')} per size and {runs_per_fit} runs per fit "
+                "that is a pattern to check with more seeds, not evidence of a difference."
                 if few
                 else ", a difference these runs can see."
             )
