@@ -8,13 +8,13 @@ leaves those addresses. The cluster is started here (and stopped at the end if t
 started it) with its own state folder and ports, beside the one-node cluster of
 tests/test_launch.py.
 
-- A 2 nodes x 1 task job hit by two faults in turn: its task on node2 killed at step 15
-  (srun's ``--kill-on-bad-exit`` ends the step, the batch script records the attempt and
-  requeues the job), then node2 vanishing from the network (its link down: no TCP reset
-  reaches node1): rank 0's watchdog names rank 1 within the heartbeat timeout, slurmctld
-  declares the node DOWN and requeues the job, and once the link is back the job resumes
-  and ends with the losses and weights of the same run on one node (the local launcher),
-  bit for bit.
+- A 2 nodes x 1 task job whose task on node2 is killed at step 15: srun's
+  ``--kill-on-bad-exit`` ends the step, the batch script records the attempt and requeues
+  the job, which resumes and ends with the losses and weights of the same run on one node
+  (the local launcher), bit for bit.
+- node2 vanishing from the network mid-run (its link down: no TCP reset reaches node1):
+  rank 0's watchdog names rank 1 within the heartbeat timeout, slurmctld declares the node
+  DOWN and requeues the job, and once the link is back the job resumes and finishes.
 """
 
 from __future__ import annotations
@@ -24,25 +24,15 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from _faults import (
-    LAUNCHED,
-    REPO,
-    SAVE_INTERVAL,
-    STEPS,
-    events,
-    fault_times,
-    faults_records,
-    measured,
-    reference_run,
-    start_reference,
-)
+from _faults import FAST, REPO, events, fault_times, faults_records, kill_group, measured
 
-from cqk_megatron.exit_codes import EXIT_REQUEUE, EXIT_WATCHDOG
+from cqk_megatron.exit_codes import EXIT_WATCHDOG
 
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "ip", "unshare", "nsenter")
 DIR = os.environ.get("CQK_SLURM_MULTINODE_DIR", "/tmp/cqk-slurm-2nodes")
@@ -54,9 +44,21 @@ BED = {
     "CQK_SLURM_SLURMD_PORT": str(SLURMD_PORT),
     "CQK_SLURM_NODES": "2",
 }
+STEPS, SAVE_INTERVAL = 40, 10
 JOB_TIMEOUT_S = 600
 HEARTBEAT_TIMEOUT_S, SLACK_S = 5.0, 10.0
-SUBMIT, COMMON = LAUNCHED[:2], LAUNCHED[2:]  # the config of tests/test_faults.py's jobs
+COMMON = [
+    "--config",
+    "configs/runs/tiny_cpu.yaml",
+    "--profile",
+    "configs/clusters/local.yaml",
+    f"train.train_steps={STEPS}",
+    f"train.save_interval={SAVE_INTERVAL}",
+    "train.eval_interval=1000",
+    "train.checkpoint_hashes=false",
+    *FAST,
+]
+SUBMIT = [sys.executable, str(REPO / "launch" / "submit.py")]
 
 
 def _run(command: list[str], timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
@@ -100,11 +102,37 @@ def root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def one_node(tmp_path_factory) -> None:
-    """The same run on one node (the local launcher, 2 tasks; shared with
-    tests/test_faults.py), started at once: the Slurm jobs run meanwhile, and compare with
-    it when it is done (``reference_run``)."""
-    start_reference(tmp_path_factory)
+def one_node(root) -> subprocess.Popen:
+    """The same run on one node (the local launcher, 2 tasks), started at once: the Slurm
+    jobs run meanwhile, and compare with it when it is done."""
+    return subprocess.Popen(
+        [
+            *SUBMIT,
+            *COMMON,
+            "--cluster",
+            "local",
+            "--tasks",
+            "2",
+            f"log.root={root}",
+            "name=one-node",
+        ],
+        cwd=REPO,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _reference(root: Path, process: subprocess.Popen, name: str = "one-node") -> Path:
+    try:
+        output = process.communicate(timeout=JOB_TIMEOUT_S)[0]
+    finally:
+        if process.poll() is None:
+            kill_group(process)
+    assert process.returncode == 0, output[-3000:]
+    return root / name
 
 
 def _submit(root: Path, name: str, env: dict | None = None, *extra: str, tasks: int = 1) -> str:
@@ -187,28 +215,54 @@ def _finished(run_dir: Path) -> bool:
     return bool(events(run_dir, "finished"))
 
 
-def test_a_2_node_job_outlives_a_killed_task_and_a_vanished_node_and_ends_like_one_node(
-    two_nodes, root, one_node, tmp_path_factory
+def test_a_task_killed_on_node2_relaunches_the_job_which_ends_like_one_node(
+    two_nodes, root, one_node
 ):
-    """One job, two faults in turn: its task on node2 is killed at step 15 (srun's
-    ``--kill-on-bad-exit`` ends the step, the batch script records the attempt and
-    requeues); then, past step 25 of the second attempt, node2 vanishes from the network
-    (its link down: no TCP reset reaches node1), rank 0's watchdog names rank 1, slurmctld
-    declares the node DOWN and requeues the job, which resumes once the link is back and
-    ends with the losses and weights of the same run on one node, bit for bit."""
-    run_dir = root / "node-faults"
-    fault = f"rank=1,phase=step,step=15,action=kill,delay_s=0.005,once={root}/node-faults.once"
-    job_id = _submit(root, "node-faults", {"CQK_FAULT": fault}, "--max-restarts", "3")
+    run_dir = root / "killed-task"
+    fault = f"rank=1,phase=step,step=15,action=kill,delay_s=0.005,once={root}/killed-task.once"
+    job_id = _submit(root, "killed-task", {"CQK_FAULT": fault}, "--max-restarts", "2")
+    _wait(lambda: _finished(run_dir), f"job {job_id} to finish", run_dir=run_dir)
+    started = events(run_dir, "started")
+    assert [e["attempt"] for e in started] == [1, 2]
+    for start in started:  # rendezvous at node1 by name, one task on each node
+        assert start["hosts"] == ["node1", "node2"] and start["host"] == "node1"
+        assert start["rendezvous"]["MASTER_ADDR"] == "node1"
+        assert start["slurm"]["SLURM_JOB_NODELIST"] == "node[1-2]"
+    (failed,) = events(run_dir, "failed")
+    cause = failed["cause"]
+    assert (cause["rank"], cause["host"], cause.get("signal")) == (1, "node2", 9)
+    assert failed["decision"] == "relaunch" and failed["checkpoint_step"] == 10
+    assert 0 <= failed["work_lost_steps"] <= SAVE_INTERVAL
+    log = "\n".join(p.read_text(errors="replace") for p in run_dir.glob("submitit/*_log.*"))
+    assert "srun: error: node2: task 1: Killed" in log
+    assert f"resumed from {run_dir}/checkpoints/iter_0000010 at step 10 (exactly)" in log
+    report = _run([*SUBMIT, "status", str(run_dir)], timeout=60).stdout
+    assert "attempt 1: rank 1 on node2 killed by signal 9 (SIGKILL) after step" in report
+    assert "restarted from step 10" in report
+    (acted,) = fault_times(log)
+    measured(
+        "kill -9 of rank 1 (on node2) mid-step, 2-node Slurm",
+        detected_after_s=failed["time"] - acted,
+        steps_redone=failed["work_lost_steps"],
+        outcome="requeued, resumed from step 10",
+    )
+    _assert_same_run(run_dir, _reference(root, one_node))
+
+
+def test_node2_vanishing_from_the_network_is_named_and_the_job_resumes_when_it_returns(
+    two_nodes, root, one_node
+):
+    run_dir = root / "lost-node"
+    job_id = _submit(root, "lost-node", None, "--max-restarts", "2")
     link = f"cqk{CTLD_PORT}n2"  # node2's veth on the bridge (scripts/slurm/nodes.sh)
-    _wait(lambda: _steps(run_dir) >= 25, "step 25 (in the second attempt)", run_dir=run_dir)
+    _wait(lambda: _steps(run_dir) >= 15, "step 15", run_dir=run_dir)
     cut = time.time()
     subprocess.run(["ip", "link", "set", link, "down"], check=True)
     try:
         _wait(
-            lambda: any(r["event"] == "lost" and r["time"] >= cut for r in faults_records(run_dir)),
+            lambda: any(r["event"] == "lost" for r in faults_records(run_dir)),
             "rank 0's watchdog verdict",
             timeout=HEARTBEAT_TIMEOUT_S + SLACK_S + 30,
-            run_dir=run_dir,
         )
         _wait(
             lambda: _state(job_id) in ("PENDING", "REQUEUED", "NODE_FAIL", "COMPLETING"),
@@ -220,56 +274,23 @@ def test_a_2_node_job_outlives_a_killed_task_and_a_vanished_node_and_ends_like_o
     finally:
         subprocess.run(["ip", "link", "set", link, "up"], check=True)
     _wait(lambda: _finished(run_dir), f"job {job_id} to finish", run_dir=run_dir)
-
-    started = events(run_dir, "started")
-    # When node2 is back, its slurmd may still report the lost attempt's step of this job
-    # id, and slurmctld's order to end it reaches the new attempt's task there too (a
-    # requeued job keeps its id): that attempt saves and requeues (exit 75), losing nothing.
-    stops = events(run_dir, "stopped")
-    assert all(stop["exit"] == EXIT_REQUEUE for stop in stops)
-    assert [e["attempt"] for e in started] == list(range(1, 4 + len(stops)))
-    for start in started:  # rendezvous at node1 by name, one task on each node
-        assert start["hosts"] == ["node1", "node2"] and start["host"] == "node1"
-        assert start["rendezvous"]["MASTER_ADDR"] == "node1"
-        assert start["slurm"]["SLURM_JOB_NODELIST"] == "node[1-2]"
-    killed, lost_node = events(run_dir, "failed")  # by the batch script, or the next attempt
-    assert [f["attempt"] for f in (killed, lost_node)] == [1, 2]
-    assert [f["decision"] for f in (killed, lost_node)] == ["relaunch", "relaunch"]
-    cause = killed["cause"]
-    assert (cause["rank"], cause["host"], cause.get("signal")) == (1, "node2", 9)
-    assert killed["checkpoint_step"] == 10 and lost_node["checkpoint_step"] == 20
-    assert (lost_node["cause"]["rank"], lost_node["cause"]["host"]) == (1, "node2")
-    for failed in (killed, lost_node):
-        assert 0 <= failed["work_lost_steps"] <= SAVE_INTERVAL
-    (lost,) = [
-        r
-        for r in faults_records(run_dir)
-        if r["event"] == "lost" and r["by_rank"] == 0 and r["time"] >= cut
-    ]
+    (lost,) = [r for r in faults_records(run_dir) if r["event"] == "lost" and r["by_rank"] == 0]
     assert lost["ranks"] == [1] and lost["host"] == "node2"
     assert "sent no heartbeat" in lost["reason"] and "unreachable" in lost["reason"]
     detected = lost["time"] - cut
     assert HEARTBEAT_TIMEOUT_S - 1 <= detected <= HEARTBEAT_TIMEOUT_S + SLACK_S
+    starts = events(run_dir, "started")
+    assert len(starts) == 2 and starts[-1]["attempt"] == 2
+    (failed,) = events(run_dir, "failed")  # by the batch script, or by the next attempt
+    assert failed["attempt"] == 1 and failed["decision"] == "relaunch"
+    assert (failed["cause"]["rank"], failed["cause"]["host"]) == (1, "node2")
+    assert 0 <= failed["work_lost_steps"] <= SAVE_INTERVAL
     log = "\n".join(p.read_text(errors="replace") for p in run_dir.glob("submitit/*_log.*"))
-    assert "srun: error: node2: task 1: Killed" in log
     assert f"exits {EXIT_WATCHDOG}" in log
-    for step in (10, 20):
-        assert f"resumed from {run_dir}/checkpoints/iter_{step:07d} at step {step} (exactly)" in log
-    report = _run([*SUBMIT, "status", str(run_dir)], timeout=60).stdout
-    assert "attempt 1: rank 1 on node2 killed by signal 9 (SIGKILL) after step" in report
-    assert "restarted from step 10" in report and "restarted from step 20" in report
-    (acted,) = fault_times(log)
-    measured(
-        "kill -9 of rank 1 (on node2) mid-step, 2-node Slurm",
-        detected_after_s=killed["time"] - acted,
-        steps_redone=killed["work_lost_steps"],
-        outcome="requeued, resumed from step 10",
-    )
     measured(
         "node2 vanishes from the network mid-run, 2-node Slurm",
         detected_after_s=detected,
         attempt_ended_after_s=ended - cut,
-        steps_redone=lost_node["work_lost_steps"],
-        outcome="node DOWN, job requeued, resumed from step 20 when the node returned",
+        outcome="node DOWN, job requeued, resumed when the node returned",
     )
-    _assert_same_run(run_dir, reference_run(tmp_path_factory))
+    _assert_same_run(run_dir, _reference(root, one_node))
