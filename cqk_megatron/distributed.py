@@ -5,7 +5,9 @@ Works under torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/
 and the first node of ``SLURM_JOB_NODELIST``) and submitit (which sets the Slurm
 variables too). The default process group is NCCL on GPU and gloo on CPU (why not both
 backends at once: ``cqk_megatron.training.collectives``), and the rank's GPU is bound
-(``cqk_megatron.device.bind``) before it is created.
+(``cqk_megatron.device.bind``) before it is created. A single process started without any
+of these (a plain ``cqk-train``) rendezvouses on a port that is free now, so two of them on
+one machine do not collide; a port already taken is reported with how to choose another.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import socket
 import subprocess
 import time
@@ -74,11 +77,47 @@ def discover(env: dict[str, str] | None = None) -> DistEnv:
             # launch/job.py's rendezvous_port: below the kernel's ephemeral port range
             master_port=int(env.get("MASTER_PORT", 20000 + job_id % 12000)),
         )
-    return DistEnv(0, 0, 1, "127.0.0.1", int(env.get("MASTER_PORT", 29500)))
+    port = env.get("MASTER_PORT")
+    return DistEnv(0, 0, 1, "127.0.0.1", int(port) if port else free_port())
+
+
+# Below Linux's ephemeral range (32768-60999), where gloo's own sockets take their ports:
+# the range launch/job.py's rendezvous ports come from.
+PORTS = range(20000, 32000)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free on ``host`` now, drawn at random from ``PORTS``."""
+    for port in random.sample(PORTS, 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port among 200 tried in {PORTS.start}-{PORTS.stop - 1}")
+
+
+def _port_in_use(error: Exception) -> bool:
+    text = str(error)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
 class RendezvousError(RuntimeError):
     """Not every rank arrived at rendezvous within ``train.init_timeout_s``."""
+
+
+class PortInUseError(RuntimeError):
+    """The rendezvous port is taken on this host: a set-up error, not a lost rank."""
+
+
+def _port_in_use_message(dist_env: DistEnv) -> str:
+    return (
+        f"rendezvous port {dist_env.master_port} on {dist_env.master_addr} is already "
+        "in use (another job on this machine?); set MASTER_PORT to a free port, e.g. "
+        f"MASTER_PORT={free_port()} (torchrun: --master-port), or leave it unset for a "
+        "single process to pick one"
+    )
 
 
 def backend() -> str:
@@ -108,22 +147,27 @@ def init_process_group(dist_env: DistEnv | None = None, timeout_s: float | None 
         pg_backend = backend()
         if pg_backend == "nccl":
             nccl_error_handling(dist_env.rank)
-        if timeout_s is None:
-            dist.init_process_group(
-                backend=pg_backend,
-                init_method=f"tcp://{dist_env.master_addr}:{dist_env.master_port}",
-                rank=dist_env.rank,
-                world_size=dist_env.world_size,
-            )
-        else:
-            store = rendezvous(dist_env, timeout_s)
-            dist.init_process_group(
-                backend=pg_backend,
-                store=store,
-                rank=dist_env.rank,
-                world_size=dist_env.world_size,
-                timeout=timedelta(seconds=timeout_s),
-            )
+        try:
+            if timeout_s is None:
+                dist.init_process_group(
+                    backend=pg_backend,
+                    init_method=f"tcp://{dist_env.master_addr}:{dist_env.master_port}",
+                    rank=dist_env.rank,
+                    world_size=dist_env.world_size,
+                )
+            else:
+                store = rendezvous(dist_env, timeout_s)
+                dist.init_process_group(
+                    backend=pg_backend,
+                    store=store,
+                    rank=dist_env.rank,
+                    world_size=dist_env.world_size,
+                    timeout=timedelta(seconds=timeout_s),
+                )
+        except RuntimeError as error:
+            if isinstance(error, (RendezvousError, PortInUseError)) or not _port_in_use(error):
+                raise
+            raise PortInUseError(_port_in_use_message(dist_env)) from error
     return dist_env
 
 
@@ -174,6 +218,8 @@ def rendezvous(dist_env: DistEnv, timeout_s: float) -> dist.Store:
             multi_tenant=host,
         )
     except (RuntimeError, OSError) as error:  # DistNetworkError, EADDRINUSE
+        if host and _port_in_use(error):  # a set-up error: say how to choose another port
+            raise PortInUseError(_port_in_use_message(dist_env)) from error
         who = "the rendezvous host" if not host else "this rank, the rendezvous host,"
         raise RendezvousError(
             f"rank {dist_env.rank} on {socket.gethostname()}: {who} at {where} could not be "

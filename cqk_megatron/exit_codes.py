@@ -8,10 +8,13 @@ the local controller and the Slurm batch script read them without importing torc
   peer died, stopped answering, overran its phase bound, or never arrived at rendezvous.
   The rank that exits with it is a survivor, not the cause; its one-line verdict (and
   ``RUN/faults.jsonl``) names the rank that is. Relaunch from the newest checkpoint.
-- ``2``: a bad config (nothing was started); ``1``: any other error.
+- ``EXIT_REFUSED`` (2): refused before training (a bad config, data, run folder, lease or
+  checkpoints; one line says why): running it again as it is cannot help, so it is not
+  relaunched. ``1``: any other error.
 """
 
 from __future__ import annotations
 
 EXIT_REQUEUE = 75
 EXIT_WATCHDOG = 76
+EXIT_REFUSED = 2

@@ -1,49 +1,91 @@
 """The main job: ``python -m cqk_megatron.train --config RUN.yaml [section.key=value ...]``.
 
 Runs under torchrun, ``srun`` or submitit (see ``cqk_megatron.distributed``), on CPU
-(gloo, fp32) or GPU (NCCL, bf16). Exit codes (``cqk_megatron/exit_codes.py``): 0 finished,
-75 stopped by a signal or the wall-clock budget after saving a checkpoint (requeue and run
-again with ``--resume auto``), 76 the watchdog ended it (a rank was lost: relaunch), 2 a bad
-config, 1 another error. Under torchrun, ``cqk-torchrun`` keeps these codes.
+(gloo, fp32) or GPU (NCCL, bf16). Before a process group is built it runs the pre-flight
+checks (``cqk_megatron.preflight``: data, tokenizer, run folder and its lease, checkpoints,
+disk). Exit codes (``cqk_megatron/exit_codes.py``): 0 finished, 75 stopped by a signal or
+the wall-clock budget after saving a checkpoint (requeue and run again with ``--resume
+auto``), 76 the watchdog ended it (a rank was lost: relaunch), 2 refused before training (a
+bad config, data, run folder or checkpoints; one line says why), 1 another error. Under
+torchrun, ``cqk-torchrun`` keeps these codes.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from cqk_megatron.checkpoint_files import RESUME_HELP, CheckpointError, CheckpointSaveError
 from cqk_megatron.config import ConfigError, load_config, validate
+from cqk_megatron.data.errors import DataError
+from cqk_megatron.exit_codes import EXIT_REFUSED
+from cqk_megatron.run_folder import NoSpaceError
+from cqk_megatron.run_lease import LeaseHeld, LeaseLost
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="run config YAML (default: the built-in tiny model)")
+    parser.add_argument("--resume", default="auto", help=RESUME_HELP)
     parser.add_argument(
-        "--resume",
-        default="auto",
-        help="auto: newest complete checkpoint of the run, if any; none; or a checkpoint folder",
+        "--skip-preflight", action="store_true", help="start without the pre-flight checks"
     )
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return parser.parse_args(argv)
+
+
+def _rank0() -> bool:
+    """Rank 0 under torchrun (``RANK``) or a plain ``srun`` (``SLURM_PROCID``), or alone."""
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+
+
+def _say(message: str) -> None:
+    """Errors once per job, not once per rank."""
+    if _rank0():
+        print(f"error: {message}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         config = validate(load_config(args.config, args.overrides))
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        if not args.skip_preflight:
+            from cqk_megatron.preflight import preflight
+
+            for note in preflight(config, args.resume):
+                if _rank0():
+                    print(note, file=sys.stderr)
+    except (ConfigError, DataError) as error:
+        _say(str(error))
+        return EXIT_REFUSED
     from cqk_megatron.torchrun import record_exit
-    from cqk_megatron.training.loop import train  # heavy imports after the config is checked
 
     try:
-        code = train(config, resume=args.resume)
+        code = _train(config, args.resume)
     except BaseException:
         record_exit(1)
         raise
     record_exit(code)  # for cqk-torchrun, whose agent may be signalled before it sees this
     return code
+
+
+def _train(config, resume: str) -> int:
+    """The loop's ``train``, with the refusals and errors it can explain as one line and a
+    code."""
+    from cqk_megatron.training.loop import train  # heavy imports after the config is checked
+
+    try:
+        return train(config, resume=resume)
+    except CheckpointSaveError as error:
+        _say(str(error))
+        return 1
+    except (LeaseHeld, CheckpointError, DataError, ConfigError) as error:
+        _say(str(error))
+        return EXIT_REFUSED
+    except (NoSpaceError, LeaseLost) as error:
+        _say(str(error))
+        return 1
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from cqk_megatron.config import load_config
+from cqk_megatron.data.checks import index_fingerprint
 from cqk_megatron.data.errors import DataError
 from cqk_megatron.data.metadata import bin_path, idx_path, meta_path, write_json
 from cqk_megatron.data.tokenizer import Tokenizer, check_vocab_fits, load_tokenizer
@@ -189,6 +190,7 @@ def preprocess(
     text_unit: str = "paragraph",
     input_format: str | None = None,
     split: str = "train",
+    skip_missing_text: bool = False,
     workers: int | None = None,
     docs_per_task: int = 256,
     overwrite: bool = False,
@@ -216,6 +218,7 @@ def preprocess(
             input_format=input_format,
             split=split,
             report=lambda message: print(message, file=sys.stderr),
+            skip_missing_text=skip_missing_text,
         )
         log(
             f"tokenizing {len(corpus):,} documents from {len(corpus.files)} input(s) with "
@@ -240,7 +243,16 @@ def preprocess(
         result.inputs = corpus.files
         write_json(
             meta_path(partial_prefix),
-            _metadata(result, tokenizer, tokenizer_path, dtype, text_field, text_unit, command),
+            _metadata(
+                result,
+                tokenizer,
+                tokenizer_path,
+                dtype,
+                text_field,
+                text_unit,
+                command,
+                index_fingerprint(partial_prefix),
+            ),
         )
         commit_dataset(partial_prefix, prefix)
     if result.skipped_empty:
@@ -256,6 +268,7 @@ def _metadata(
     text_field: str,
     text_unit: str,
     command: list[str] | None,
+    idx_sha256: str,
 ) -> dict[str, Any]:
     described = tokenizer.describe() | {"path": tokenizer_path}
     return {
@@ -264,6 +277,8 @@ def _metadata(
         "tokenizer": described,
         "dtype": dtype.name,
         "documents": result.documents,
+        # training checks that the .idx beside the .bin is this one (cqk_megatron.data.checks)
+        "idx_sha256": idx_sha256,
         "tokens": result.tokens,
         "bytes": result.bytes,
         "max_token_id": result.max_token_id,
@@ -307,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         text_unit=args.text_unit,
         input_format=args.input_format,
         split=args.split,
+        skip_missing_text=args.skip_missing_text,
         workers=args.workers,
         docs_per_task=args.docs_per_task,
         overwrite=args.overwrite,

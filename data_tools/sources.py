@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cqk_megatron.data.errors import DataError
-from data_tools.utf8 import scan_utf8, write_repaired
+from data_tools.utf8 import open_binary, scan_utf8, write_repaired
 
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst")
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -130,7 +131,9 @@ def _quiet_datasets() -> Iterator[None]:
     was_enabled = datasets.is_progress_bar_enabled()
     verbosity = datasets.logging.get_verbosity()
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    # critical: datasets logs a failed JSON load at error level, naming its internal types;
+    # the failure is reported (with the line) by _load_files instead
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         yield
     finally:
@@ -139,7 +142,75 @@ def _quiet_datasets() -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
-def _text_column(ds, source: str, text_field: str, fmt: str):
+def _kind_of(value: object) -> str:
+    """What a JSON value is, in words."""
+    if isinstance(value, bool):
+        return "true/false"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _describe_feature(feature: object) -> str:
+    """A ``datasets`` feature type in words (not ``Json(decode=True)``)."""
+    dtype = getattr(feature, "dtype", None)
+    if dtype in ("string", "large_string"):
+        return "text"
+    if isinstance(dtype, str) and dtype not in ("null", "binary", "large_binary"):
+        return f"{dtype} values, not text"
+    if isinstance(feature, list | dict) or type(feature).__name__ in ("Sequence", "List"):
+        return "lists or objects, not text"
+    return "values of mixed or non-text types"
+
+
+def _json_lines(path: Path):
+    """(line number from 1, text) of a JSON-lines file, decompressed, bad bytes replaced."""
+    with open_binary(path) as handle:
+        for number, raw in enumerate(handle, start=1):
+            yield number, raw.decode("utf-8", errors="replace")
+
+
+def first_bad_json_line(path: Path, text_field: str) -> str | None:
+    """Where a JSON-lines file goes wrong, as '<line N> ...' (None: nothing found)."""
+    import json
+
+    for number, text in _json_lines(path):
+        if not text.strip():
+            continue
+        try:
+            record = json.loads(text)
+        except ValueError as error:
+            return f"line {number} is not valid JSON ({error.args[0].split(':')[0]})"
+        if not isinstance(record, dict):
+            return f"line {number} holds {_kind_of(record)}, not a JSON object"
+        if text_field in record and not isinstance(record[text_field], str | None):
+            return f"line {number}'s '{text_field}' is {_kind_of(record[text_field])}, not text"
+    return None
+
+
+def lines_without_text(path: Path, text_field: str) -> tuple[int, int | None]:
+    """(records lacking ``text_field`` or holding null there, the first one's line)."""
+    import json
+
+    count, first = 0, None
+    for number, text in _json_lines(path):
+        if not text.strip():
+            continue
+        try:
+            record = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get(text_field) is None:
+            count += 1
+            first = first or number
+    return count, first
+
+
+def _text_column(ds, source: str, text_field: str, fmt: str, load_path: Path | None = None):
     """``ds`` reduced to a string column named ``text``; errors name ``source``."""
     if text_field not in ds.column_names:
         option = "--text-field" if fmt != "text" else "--input-format"
@@ -150,9 +221,11 @@ def _text_column(ds, source: str, text_field: str, fmt: str):
         )
     dtype = getattr(ds.features[text_field], "dtype", None)
     if dtype not in ("string", "large_string"):
+        where = first_bad_json_line(load_path, text_field) if fmt == "json" and load_path else None
+        held = where or f"it holds {_describe_feature(ds.features[text_field])}"
         raise DataError(
-            f"input '{source}': field '{text_field}' holds {ds.features[text_field]}, not text; "
-            "pass --text-field with a field of strings"
+            f"input '{source}': field '{text_field}' is not text ({held}); fix those records "
+            "or pass --text-field with a field of strings"
         )
     ds = ds.select_columns([text_field])
     if text_field != "text":
@@ -160,7 +233,15 @@ def _text_column(ds, source: str, text_field: str, fmt: str):
     return ds
 
 
-def _check_has_text(ds, source: str, text_field: str) -> None:
+def _check_has_text(
+    ds,
+    source: str,
+    text_field: str,
+    fmt: str = "json",
+    load_path: Path | None = None,
+    skip_missing: bool = False,
+    report=print,
+) -> None:
     import pyarrow.compute as pc
 
     column = ds.data.column("text")
@@ -172,13 +253,53 @@ def _check_has_text(ds, source: str, text_field: str) -> None:
             f"input '{source}': every '{text_field}' value is empty or null; remove the file or "
             "pass --text-field with the field that holds the text"
         )
+    missing = column.null_count
+    if missing and fmt != "text":
+        first = None
+        if fmt == "json" and load_path is not None:
+            _, first = lines_without_text(load_path, text_field)
+        where = f"; the first at line {first}" if first else ""
+        text = (
+            f"input '{source}': {missing} of {len(ds)} records have no '{text_field}' field "
+            f"(or a null one{where})"
+        )
+        if not skip_missing:
+            raise DataError(
+                f"{text}; fix or remove them, pass --text-field if the text is in another "
+                "field, or --skip-missing-text to leave those records out"
+            )
+        report(f"warning: {text}; left out (--skip-missing-text)")
 
 
-def _load_files(paths: list[Path], fmt: str, options: dict, cache_dir: Path) -> list:
+def _paragraph_hint(path: Path, documents: int, text_unit: str, report) -> None:
+    """A text file that gave very few paragraphs from many lines: say so (a corpus with one
+    document per line, tokenized by paragraph, becomes one huge document)."""
+    if text_unit != "paragraph" or documents > 2:
+        return
+    with open_binary(path) as handle:
+        lines = sum(chunk.count(b"\n") for chunk in iter(lambda: handle.read(1 << 20), b""))
+    if lines >= 10:
+        report(
+            f"warning: '{path}' gave {documents} document(s) with --text-unit paragraph "
+            f"(blank-line separated) from {lines} lines; if it holds one document per line, "
+            "pass --text-unit line"
+        )
+
+
+def _load_files(
+    paths: list[Path],
+    fmt: str,
+    options: dict,
+    cache_dir: Path,
+    originals: list[Path] | None = None,
+    text_field: str = "text",
+) -> list:
     """One ``load_dataset`` call for all files of a format, each file its own split (keeps
-    files apart for reporting); on failure, file by file to name the culprit."""
+    files apart for reporting); on failure, file by file to name the culprit (by the name
+    the user gave, not a repaired temporary copy)."""
     import datasets
 
+    originals = originals or paths
     builder = {"text": "text", "json": "json", "parquet": "parquet"}[fmt]
     data_files = {f"file{i}": str(p) for i, p in enumerate(paths)}
     try:
@@ -188,14 +309,23 @@ def _load_files(paths: list[Path], fmt: str, options: dict, cache_dir: Path) -> 
         return [loaded[f"file{i}"] for i in range(len(paths))]
     except Exception as error:  # re-raised below, naming the file
         if len(paths) == 1:
+            where = first_bad_json_line(paths[0], text_field) if fmt == "json" else None
+            if where is None:
+                cause = str(error.__cause__ or error)
+                # Arrow counts rows from 0 within a block: not a line number to show
+                where = re.sub(r"\s*in row \d+", "", cause.split(": ", 1)[-1]).strip()
             hint = {
-                "json": "each line must be one JSON object; fix the file or pass --input-format",
+                "json": "each line must be one JSON object; fix the file, or pass "
+                "--input-format text if it is plain text",
                 "parquet": "it must be a Parquet file; fix it or pass --input-format",
                 "text": "check the file",
             }[fmt]
-            cause = error.__cause__ or error
-            raise DataError(f"cannot read '{paths[0]}' as {fmt} ({cause}); {hint}") from error
-        return [ds for p in paths for ds in _load_files([p], fmt, options, cache_dir)]
+            raise DataError(f"cannot read '{originals[0]}' as {fmt}: {where}; {hint}") from error
+        return [
+            ds
+            for p, original in zip(paths, originals, strict=True)
+            for ds in _load_files([p], fmt, options, cache_dir, [original], text_field)
+        ]
 
 
 def open_corpus(
@@ -206,6 +336,7 @@ def open_corpus(
     input_format: str | None = None,
     split: str = "train",
     report=print,
+    skip_missing_text: bool = False,
 ) -> Corpus:
     """All inputs as one dataset with a ``text`` column, in input order. ``workdir`` holds
     the Arrow cache and repaired copies of files with bad bytes; keep it while the corpus
@@ -277,14 +408,25 @@ def open_corpus(
     for fmt, entries in files_by_format.items():
         if not entries:
             continue
+        field_name = "text" if fmt == "text" else text_field
         with _quiet_datasets():
-            loaded = _load_files([e[2] for e in entries], fmt, options[fmt], cache_dir)
-        for (position, original, _, file_report), ds in zip(entries, loaded, strict=True):
-            field_name = "text" if fmt == "text" else text_field
-            ds = _text_column(ds, str(original), field_name, fmt)
-            _check_has_text(ds, str(original), field_name)
+            loaded = _load_files(
+                [e[2] for e in entries],
+                fmt,
+                options[fmt],
+                cache_dir,
+                [e[1] for e in entries],
+                field_name,
+            )
+        for (position, original, load_path, file_report), ds in zip(entries, loaded, strict=True):
+            ds = _text_column(ds, str(original), field_name, fmt, load_path)
+            _check_has_text(
+                ds, str(original), field_name, fmt, load_path, skip_missing_text, report
+            )
             pieces.append((position, ds))
             file_report.documents = len(ds)
+            if fmt == "text":
+                _paragraph_hint(original, len(ds), text_unit, report)
 
     pieces.sort(key=lambda piece: piece[0])
     parts = [ds for _, ds in pieces]
@@ -311,3 +453,8 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--input-format", choices=FORMATS, help="override the file extension")
     parser.add_argument("--split", default="train", help="split of a saved DatasetDict / hub set")
+    parser.add_argument(
+        "--skip-missing-text",
+        action="store_true",
+        help="leave out JSONL/Parquet records without the text field (default: an error)",
+    )

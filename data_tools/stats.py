@@ -66,7 +66,7 @@ def _token_counts(prefix: str, dtype: np.dtype) -> np.ndarray:
 def dataset_stats(prefix: str, top_k: int = 20, tokenizer: Tokenizer | None = None) -> DatasetStats:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from cqk_megatron.data.builder import check_prefix
+    from cqk_megatron.data.checks import check_prefix
 
     check_prefix(prefix)
     index = IndexedDataset(prefix)

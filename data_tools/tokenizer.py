@@ -160,6 +160,7 @@ def train_tokenizer(
     text_unit: str = "paragraph",
     input_format: str | None = None,
     split: str = "train",
+    skip_missing_text: bool = False,
     overwrite: bool = False,
     verbose: bool = False,
     command: list[str] | None = None,
@@ -182,6 +183,7 @@ def train_tokenizer(
             input_format=input_format,
             split=split,
             report=lambda message: print(message, file=sys.stderr),
+            skip_missing_text=skip_missing_text,
         )
         sample = _sample(corpus.dataset, recipe.sample_documents, recipe.seed)
         counter = [0]
@@ -299,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         text_unit=args.text_unit,
         input_format=args.input_format,
         split=args.split,
+        skip_missing_text=args.skip_missing_text,
         overwrite=args.overwrite,
         verbose=args.verbose,
         command=sys.argv if argv is None else ["cqk-train-tokenizer", *argv],

@@ -2,7 +2,7 @@
 
 One attempt is one start of every task of a job. When one task fails, its launcher ends
 the others at once (``srun --kill-on-bad-exit=1`` on Slurm; the local controller in
-``launch/local_controller.py``); then this module, run by that launcher, works out the
+``launch/local_job.py``); then this module, run by that launcher, works out the
 cause and appends a ``failed`` event to ``jobs.jsonl``::
 
     {"event": "failed", "job_id", "attempt", "exits": {rank: code, negative = signal},
@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cqk_megatron.exit_codes import EXIT_REQUEUE, EXIT_WATCHDOG
+from cqk_megatron.exit_codes import EXIT_REFUSED, EXIT_REQUEUE, EXIT_WATCHDOG
 from launch import run_dir as runs
 
 FAULTS = "faults.jsonl"  # cqk_megatron.training.watchdog.FAULTS_FILE, without torch
@@ -154,17 +154,28 @@ def signature(record: dict) -> tuple:
     return (cause.get("rank"), how, reason, record.get("step_reached"))
 
 
+def is_attempt_record(event: dict) -> bool:
+    """A failed attempt recorded here (it has a cause); a job's rank 0 also writes a
+    ``failed`` event, with a ``reason`` only, when it cannot save a checkpoint."""
+    return event.get("event") == "failed" and "cause" in event
+
+
 def failures(run_dir: Path, job_id: str) -> list[dict]:
     return [
         e
         for e in runs.events(run_dir)
-        if e.get("event") == "failed" and str(e.get("job_id")) == str(job_id)
+        if is_attempt_record(e) and str(e.get("job_id")) == str(job_id)
     ]
 
 
 def decide(previous: list[dict], record: dict, policy: Policy) -> tuple[str, str]:
     """("relaunch" | "stop", why) for a failed attempt after the ``previous`` ones."""
     relaunched = sum(1 for p in previous if p.get("decision") == "relaunch")
+    if (record.get("cause") or {}).get("exit") == EXIT_REFUSED:
+        return "stop", (
+            f"{summary_line(record)}: the run was refused before training (exit "
+            f"{EXIT_REFUSED}; its log says why), which a relaunch cannot change"
+        )
     same = [record]
     for p in reversed(previous):
         if signature(p) != signature(record):
@@ -267,7 +278,7 @@ def attempt_lines(run_dir: Path, job_id: str | None = None) -> list[str]:
     """One line per failed attempt, for ``status`` and the launcher's summary."""
     out = []
     for record in runs.events(run_dir):
-        if record.get("event") != "failed":
+        if not is_attempt_record(record):
             continue
         if job_id is not None and str(record.get("job_id")) != str(job_id):
             continue

@@ -14,7 +14,7 @@ import submitit
 from submitit.slurm import slurm as submitit_slurm
 
 from launch import attempts
-from launch.local_controller import RelaunchingLocalExecutor
+from launch.local_job import LocalExecutor
 from launch.resources import (
     ClusterProfile,
     Resources,
@@ -57,9 +57,9 @@ def slurm_executor(
 def local_executor(
     folder: Path, profile: ClusterProfile, resources: Resources, run_dir: Path | None = None
 ) -> submitit.LocalExecutor:
-    """submitit's local executor with a controller that ends a failed attempt's tasks and
-    relaunches it (launch/local_controller.py)."""
-    executor = RelaunchingLocalExecutor(
+    """submitit's local executor with one controller (launch/local_job.py): its job id
+    ends every process of the job, and it ends a failed attempt's tasks and relaunches it."""
+    executor = LocalExecutor(
         folder=folder,
         run_dir=run_dir or folder.parent,
         policy=attempts.Policy(resources.max_restarts, resources.max_identical_failures),

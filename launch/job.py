@@ -35,7 +35,7 @@ import submitit
 from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE
 
 from cqk_megatron.config import RunConfig, from_dict
-from cqk_megatron.exit_codes import EXIT_REQUEUE
+from cqk_megatron.exit_codes import EXIT_REFUSED, EXIT_REQUEUE
 from launch import run_dir as runs
 from launch import slurm_state
 
@@ -102,6 +102,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
         master_port: int | None = None,
         max_restarts: int = 3,
         max_identical_failures: int = 2,
+        resume: str = "auto",
     ):
         self.config = config
         self.max_requeues = max_requeues
@@ -109,6 +110,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
         # Read by the Slurm batch script's teardown (launch/attempts.py) from the pickle.
         self.max_restarts = max_restarts
         self.max_identical_failures = max_identical_failures
+        self.resume = resume  # --resume of the launcher: until a run of this job starts
 
     def run_config(self) -> RunConfig:
         return from_dict(RunConfig, self.config, source="submitted config")
@@ -127,9 +129,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
         if rank0:
             self._record_start(env, run_dir, variables, attempt)
 
-        from cqk_megatron.training.loop import train  # heavy: Megatron, DeepSpeed
-
-        code = train(config, resume="auto")
+        code = self._train(env, config, run_dir, rank0)
         # Training is over for this attempt: a late warning signal has nothing to save.
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         if code not in (0, EXIT_REQUEUE):
@@ -146,6 +146,45 @@ class TrainingJob(submitit.helpers.Checkpointable):
             print(f"checkpoint saved; requeue: {outcome}", flush=True)
         # No result pickle: to submitit the job is not over while it is requeued.
         sys.exit(exit_code)
+
+    def _resume_now(self, env, run_dir: Path) -> str:
+        """``self.resume`` until a run of this job has started with it; then ``auto``:
+        a requeued attempt must not start over (``none``) or go back to ``weights:PATH``.
+        Every rank reads the same record, written before its first checkpoint."""
+        applied = [
+            e
+            for e in runs.events(run_dir)
+            if e["event"] == "resume-applied" and e.get("job_id") == env.job_id
+        ]
+        return "auto" if applied else self.resume
+
+    def _train(self, env, config: RunConfig, run_dir: Path, rank0: bool) -> int:
+        """The training loop's exit code; a run it refuses to start (its folder held by
+        another job, checkpoints that do not verify, bad data) ends this job with exit 2
+        and a ``refused`` record, without a requeue."""
+        from cqk_megatron.checkpoint_files import CheckpointError, CheckpointSaveError
+        from cqk_megatron.config import ConfigError
+        from cqk_megatron.data.errors import DataError
+        from cqk_megatron.run_lease import LeaseHeld
+        from cqk_megatron.training.loop import train  # heavy: Megatron, DeepSpeed
+
+        resume = self._resume_now(env, run_dir)
+
+        def started() -> None:  # rank 0, once the run really starts
+            if resume != "auto":
+                runs.append_event(run_dir, "resume-applied", job_id=env.job_id, resume=resume)
+
+        try:
+            return train(config, resume=resume, on_start=started)
+        except CheckpointSaveError as error:
+            if rank0:
+                runs.append_event(run_dir, "failed", job_id=env.job_id, reason=str(error))
+            raise
+        except (LeaseHeld, CheckpointError, DataError, ConfigError) as error:
+            if rank0:
+                print(f"error: {error}", file=sys.stderr, flush=True)
+                runs.append_event(run_dir, "refused", job_id=env.job_id, reason=str(error))
+            sys.exit(EXIT_REFUSED)
 
     def checkpoint(self, *args, **kwargs) -> submitit.helpers.DelayedSubmission:
         """submitit's requeue hook: the run's state is its checkpoints on disk, so the
@@ -185,6 +224,10 @@ class TrainingJob(submitit.helpers.Checkpointable):
         if attempt - 1 >= self.max_requeues:
             return f"refused: requeued {attempt - 1} times already (max_requeues)", EXIT_REQUEUE
         if env.cluster == "local":
+            from launch.local_job import is_cancelled
+
+            if is_cancelled(env.paths.folder, env.job_id):
+                return "cancelled: not requeued", EXIT_REQUEUE
             # submitit's local controller starts the tasks again when one exits with this.
             return "requeued", LOCAL_REQUEUE_RETURN_CODE
         job_id = os.environ.get("SLURM_JOB_ID", env.job_id)

@@ -1,11 +1,17 @@
 """A run folder as the launcher sees it: ``log.root/name`` holding
 
-- ``config.yaml``: the resolved run config (written at submission, again by the job);
+- ``config.yaml``: the resolved run config (written at the first submission; replaced
+  only when a job really starts the run, so a refused attempt does not rewrite it);
 - ``jobs.jsonl``: one JSON line per event: ``submitted`` (by the launcher: job id, cluster,
   resources, submitit folder), ``started`` (by the job's rank 0: attempt, hosts, the
   rendezvous, log paths, the ``SLURM_*`` environment), ``stopped``/``finished`` (exit code
-  and what happened about the requeue);
+  and what happened about the requeue), ``refused``/``failed`` (why the job would not
+  start or could not go on), ``cancelled`` (by ``submit.py cancel``);
+- ``lease.json``: the live job holding the run (``cqk_megatron.run_lease``);
 - ``metrics.jsonl`` and ``checkpoints/`` (the training loop's), ``submitit/`` (job logs).
+
+Metrics are read through ``cqk_megatron.training.metrics.read_metrics``, the one reader
+that analysis and repro use too: at most one record per step and kind.
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ import yaml
 
 from cqk_megatron.atomic import write_text_atomically
 from cqk_megatron.config import RunConfig, to_dict
+from cqk_megatron.run_folder import METRICS
+from cqk_megatron.training.metrics import read_metrics
 
 JOBS = "jobs.jsonl"
-METRICS = "metrics.jsonl"
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -63,9 +70,13 @@ def last_submission(run_dir: Path) -> dict | None:
     return submitted[-1] if submitted else None
 
 
+def metrics(run_dir: Path) -> list[dict]:
+    return read_metrics(run_dir / METRICS).records
+
+
 def summary(run_dir: Path) -> dict | None:
     """The training loop's closing ``summary`` record, if the run got that far."""
-    records = [r for r in read_jsonl(run_dir / METRICS) if r.get("kind") == "summary"]
+    records = [r for r in metrics(run_dir) if r.get("kind") == "summary"]
     return records[-1] if records else None
 
 
@@ -77,12 +88,12 @@ def is_finished(run_dir: Path, train_steps: int) -> bool:
 
 
 def latest_train_record(run_dir: Path) -> dict | None:
-    records = [r for r in read_jsonl(run_dir / METRICS) if r.get("kind") == "train"]
+    records = [r for r in metrics(run_dir) if r.get("kind") == "train"]
     return records[-1] if records else None
 
 
 def latest_valid_record(run_dir: Path) -> dict | None:
-    records = [r for r in read_jsonl(run_dir / METRICS) if r.get("kind") == "valid"]
+    records = [r for r in metrics(run_dir) if r.get("kind") == "valid"]
     return records[-1] if records else None
 
 

@@ -4,15 +4,13 @@
 storage is disabled", and submitit then reports every job as UNKNOWN. ``scontrol show
 job`` answers from slurmctld's memory instead, which keeps a job for ``MinJobAge``
 seconds after it ends (300 by default); after that the honest answer is ``UNKNOWN``.
-Local jobs (submitit's local executor, with launch/local_controller.py's controller) are
+Local jobs (submitit's local executor, with launch/local_job.py's controller) are
 processes: RUNNING while their controller lives.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
-from pathlib import Path
 
 # States after which a job will not run again by itself.
 FINAL_STATES = {
@@ -95,20 +93,13 @@ def slurm_states(job_ids: list[str]) -> dict[str, str]:
 
 def local_state(job_id: str) -> str:
     """A local job's id is its controller's pid: RUNNING while that process lives."""
+    from launch.local_job import is_controller
+
     try:
         pid = int(job_id)
     except ValueError:
         return "UNKNOWN"
-    cmdline = Path(f"/proc/{pid}/cmdline")
-    try:
-        command = cmdline.read_bytes()
-        # submitit's controller, or ours (launch/local_controller.py), possibly via a shell
-        alive = b"submitit.local._local" in command or b"launch.local_controller" in command
-        if alive:
-            os.kill(pid, 0)
-    except (OSError, ProcessLookupError):
-        alive = False
-    return "RUNNING" if alive else "FINISHED"
+    return "RUNNING" if is_controller(pid) else "FINISHED"
 
 
 def job_state(job_id: str, cluster: str) -> str:

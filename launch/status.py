@@ -2,9 +2,11 @@
 
 For each run folder: the latest job and its state (Slurm's, or the local process's), the
 attempt it is on, each failed attempt with its cause, where it restarted and the steps
-lost (launch/attempts.py), the latest step, training and validation loss, the newest
-complete checkpoint, whether the run finished, and the tail of its rank-0 log (and of
-the failed rank's, when another rank failed).
+lost (launch/attempts.py), the process holding the run (its lease), why the last job
+refused to start or failed, the latest step, training and validation loss, the newest
+complete checkpoint, whether the run finished, the free disk space (a full disk cuts logs
+short, so it is said here), and the tail of its rank-0 log (and of the failed rank's, when
+another rank failed).
 """
 
 from __future__ import annotations
@@ -12,8 +14,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from cqk_megatron import run_lease
+from cqk_megatron.run_folder import free_bytes, human_bytes
 from launch import attempts, slurm_state
 from launch import run_dir as runs
+
+LOW_DISK_BYTES = 1 << 30  # below this, status says the disk is (nearly) full
 
 
 def _tail(path: Path, lines: int) -> list[str]:
@@ -49,6 +55,7 @@ def describe(run_dir: Path, log_lines: int = 10) -> str:
                 f"last stop  exit {stops[-1].get('exit')}, requeue: {stops[-1].get('requeue')}"
             )
         out.extend(_failed_attempts(run_dir, job_id))
+    out.extend(_holder_and_problems(run_dir, history))
     summary = runs.summary(run_dir)
     train = runs.latest_train_record(run_dir)
     valid = runs.latest_valid_record(run_dir)
@@ -64,6 +71,9 @@ def describe(run_dir: Path, log_lines: int = 10) -> str:
         out.append(f"validation step {valid['step']}, loss {valid['val_loss']:.4f}")
     checkpoint = runs.latest_checkpoint(run_dir)
     out.append(f"checkpoint {checkpoint or 'none yet'}")
+    free = free_bytes(run_dir)
+    full = " (nearly full: a job may fail to save or to log)" if free < LOW_DISK_BYTES else ""
+    out.append(f"disk       {human_bytes(free)} free{full}")
     logs = [e["log"] for e in history if e["event"] == "started" and e.get("log")]
     if logs:
         for stream in ("stdout", "stderr"):
@@ -86,7 +96,7 @@ def _failed_attempts(run_dir: Path, job_id: str) -> list[str]:
 
 def _failed_rank_log(history: list[dict], rank0_log: dict, log_lines: int) -> list[str]:
     """The error is in the log of the rank that failed, not always rank 0's: show it."""
-    failed = [e for e in history if e["event"] == "failed"]
+    failed = [e for e in history if attempts.is_attempt_record(e)]
     rank = (failed[-1].get("cause") or {}).get("rank") if failed else None
     if not isinstance(rank, int) or rank == 0:
         return []
@@ -94,6 +104,28 @@ def _failed_rank_log(history: list[dict], rank0_log: dict, log_lines: int) -> li
     tail = [line for line in _tail(path, 20 * log_lines) if not line.startswith("frame #")]
     tail = tail[-log_lines:]
     return [f"rank {rank} log {path} ({len(tail)} lines)", *(f"  | {line}" for line in tail)]
+
+
+def _holder_and_problems(run_dir: Path, history: list[dict]) -> list[str]:
+    out = []
+    holder = run_lease.read_holder(run_dir)
+    if holder is not None:
+        alive = "" if holder.alive() else " (dead: the next job takes the run over)"
+        out.append(f"held by    {holder.describe()}{alive}")
+    # A failed attempt that the relauncher recorded (it has a cause) is listed by
+    # _failed_attempts; here: refusals, cancels and failures that ended a job outright.
+    problems = [
+        e
+        for e in history
+        if e["event"] in ("refused", "cancelled")
+        or (e["event"] == "failed" and not attempts.is_attempt_record(e))
+    ]
+    if problems:
+        last = problems[-1]
+        why = last.get("reason") or last.get("how") or ""
+        first_line = why.splitlines()[0] if why else ""
+        out.append(f"{last['event']:<10} job {last.get('job_id')}: {first_line}")
+    return out
 
 
 def main(argv: list[str]) -> int:

@@ -5,11 +5,16 @@
         --profile configs/clusters/example_h100.yaml --cluster slurm [--dry-run]
     python launch/submit.py --sweep configs/sweeps/ladder.yaml --profile ... --cluster slurm
     python launch/submit.py status RUN_DIR [RUN_DIR ...]
+    python launch/submit.py cancel RUN_DIR [RUN_DIR ...]
 
 Trailing ``section.key=value`` arguments override the run config (every run of a sweep).
 ``--dry-run`` prints the resolved config, the parallel layout and the sbatch script, and
-submits nothing. Runs that finished are skipped; runs with a job still queued or running
-are skipped; the others are submitted and resume from their newest complete checkpoint.
+submits nothing. Runs that finished are skipped; runs with a job still queued or running,
+or whose folder another live process holds (``lease.json``), are skipped; the others are
+checked before anything is written or queued (``cqk_megatron.preflight``: data, tokenizer,
+sequence length, the run folder's recorded config and checkpoints, free disk; a refusal
+is one line and exit 2), then submitted, and resume from their newest complete checkpoint
+(``--resume`` says otherwise, for the first attempt only).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import yaml  # noqa: E402
 
+from cqk_megatron.checkpoint_files import RESUME_HELP  # noqa: E402
 from cqk_megatron.config import ConfigError, to_dict  # noqa: E402
 from launch import run_dir as runs  # noqa: E402
 from launch import slurm_state  # noqa: E402
@@ -37,7 +43,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="launch/submit.py",
         description=__doc__.split("\n\n")[0],
-        epilog="Also: launch/submit.py status RUN_DIR... (job state, progress, log tail).",
+        epilog="Also: launch/submit.py status RUN_DIR... (job state, progress, log tail); "
+        "launch/submit.py cancel RUN_DIR... (end a run's job, every process of it).",
     )
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--config", help="run config YAML (configs/runs/...)")
@@ -93,6 +100,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     r.add_argument("--array-parallelism", type=int, help="sweep jobs running at once")
     parser.add_argument("--dry-run", action="store_true", help="print, submit nothing")
+    parser.add_argument("--resume", default="auto", help=RESUME_HELP)
+    parser.add_argument(
+        "--skip-preflight",
+        action="store_true",
+        help="submit without checking data, run folder and disk from here (when this "
+        "machine cannot see the files the job will read)",
+    )
     wait = parser.add_mutually_exclusive_group()
     wait.add_argument(
         "--wait",
@@ -196,7 +210,49 @@ def triage(plan: RunPlan) -> str | None:
         state = slurm_state.job_state(str(last["job_id"]), last["cluster"])
         if slurm_state.is_active(state):
             return f"job {last['job_id']} is {state}"
+    return held_by(plan)
+
+
+def held_by(plan: RunPlan) -> str | None:
+    """Why not now, if a live process holds the run's lease (a job the launcher does not
+    know of, a plain cqk-train, or a cancelled job's ranks still saving)."""
+    from cqk_megatron import run_lease
+
+    holder = run_lease.live_holder(plan.run_dir)
+    return None if holder is None else f"in use by {holder.describe()}"
+
+
+def preflight_refusal(plans: list[RunPlan], resume: str, dry_run: bool = False) -> str | None:
+    """The first run that would fail, as one line (``None``: all can start); notes are
+    printed. Reads only: nothing is written or queued before this passes."""
+    from cqk_megatron.preflight import PreflightError, preflight
+
+    for plan in plans:
+        try:
+            notes = preflight(plan.config, resume)
+        except PreflightError as error:
+            if dry_run:
+                print(f"note: {plan.name}: pre-flight would refuse: {error}", file=sys.stderr)
+                continue
+            return f"{plan.name}: {error}"
+        for note in notes:
+            print(f"{plan.name}: {note}", file=sys.stderr)
     return None
+
+
+def cancel_local_jobs(jobs: list) -> None:
+    """Ctrl-C while waiting on local jobs: they run in sessions of their own, so end them
+    (each saves a checkpoint; the same command resumes them)."""
+    import os
+    import signal
+
+    for job in jobs:
+        if not job.done():
+            os.kill(int(job.job_id), signal.SIGTERM)
+    for job in jobs:
+        deadline = time.monotonic() + 180
+        while not job.done() and time.monotonic() < deadline:
+            time.sleep(0.5)
 
 
 def group_by_resources(plans: list[RunPlan], profile, sweep) -> list[list[RunPlan]]:
@@ -227,7 +283,13 @@ def record_submission(plan: RunPlan, job, cluster: str, array: bool, argv: list[
 
 
 def submit_group(
-    group: list[RunPlan], profile, cluster: str, sweep, argv: list[str], progress: Progress
+    group: list[RunPlan],
+    profile,
+    cluster: str,
+    sweep,
+    argv: list[str],
+    progress: Progress,
+    resume: str = "auto",
 ) -> list:
     """Submit runs that share resources: one Slurm job, or one job array for several.
     Each submitted job is added to ``progress``."""
@@ -236,15 +298,20 @@ def submit_group(
 
     resources = group[0].resources
     for plan in group:
-        runs.write_config(plan.run_dir, plan.config)
+        # A run that has started keeps its recorded config until a job really starts it.
+        if not (plan.run_dir / "config.yaml").exists():
+            runs.write_config(plan.run_dir, plan.config)
     relaunch = {
         "max_restarts": resources.max_restarts,
         "max_identical_failures": resources.max_identical_failures,
+        "resume": resume,
     }
     if cluster == "local":
         # Every task runs on this machine: a port checked free here now beats a derived one.
         callables = [
-            TrainingJob(to_dict(p.config), resources.max_requeues, free_local_port(), **relaunch)
+            TrainingJob(
+                to_dict(p.config), resources.max_requeues, master_port=free_local_port(), **relaunch
+            )
             for p in group
         ]
     else:
@@ -359,6 +426,10 @@ def main(argv: list[str] | None = None) -> int:
         from launch.status import main as status_main
 
         return status_main(argv[1:])
+    if argv[:1] == ["cancel"]:
+        from launch.cancel import main as cancel_main
+
+        return cancel_main(argv[1:])
     args = parse_args(argv)
     try:
         profile = load_profile(args.profile)
@@ -376,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         groups = group_by_resources(plans, profile, args.sweep)
         if args.dry_run:
             sys.stdout.write(dry_run(plans, groups, profile, cluster, args.sweep))
+            preflight_refusal(plans, args.resume, dry_run=True)
             return 0
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -390,31 +462,51 @@ def main(argv: list[str] | None = None) -> int:
                 todo.append(plan)
             else:
                 print(f"skipped {plan.name}: {reason} ({plan.run_dir})", flush=True)
-        if todo:
-            todos.append(todo)
+        todos.append(todo)
+    refusal = None
+    if not args.skip_preflight:
+        refusal = preflight_refusal([p for todo in todos for p in todo], args.resume)
+    if refusal is not None:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
+
     submitted_plans = []
     progress = Progress(cluster, args.progress, total=sum(map(len, todos)))
-    for todo in todos:
-        if cluster == "slurm" and "SLURM_CONF" not in os.environ:
-            print(
-                "note: SLURM_CONF is not set; sbatch uses its default configuration",
-                file=sys.stderr,
+    try:
+        for todo in todos:
+            if not todo:
+                continue
+            if cluster == "slurm" and "SLURM_CONF" not in os.environ:
+                print(
+                    "note: SLURM_CONF is not set; sbatch uses its default configuration",
+                    file=sys.stderr,
+                )
+            try:
+                submit_group(todo, profile, cluster, args.sweep, argv, progress, args.resume)
+            except (RuntimeError, OSError) as error:  # sbatch's refusal, no srun, ...
+                names = ", ".join(p.name for p in todo)
+                print(f"error: submitting {names} failed: {error}", file=sys.stderr)
+                return 1
+            submitted_plans += todo
+        if not submitted_plans:
+            print("nothing submitted")
+            return (
+                0
+                if all(runs.is_finished(p.run_dir, p.config.train.train_steps) for p in plans)
+                else 1
             )
-        try:
-            submit_group(todo, profile, cluster, args.sweep, argv, progress)
-        except (RuntimeError, OSError) as error:  # sbatch's refusal, no srun, ...
-            names = ", ".join(p.name for p in todo)
-            print(f"error: submitting {names} failed: {error}", file=sys.stderr)
-            return 1
-        submitted_plans += todo
-    if not submitted_plans:
-        print("nothing submitted")
-        return (
-            0 if all(runs.is_finished(p.run_dir, p.config.train.train_steps) for p in plans) else 1
-        )
-    wait = args.wait if args.wait is not None else cluster == "local"
+        wait = args.wait if args.wait is not None else cluster == "local"
+        if wait:
+            progress.wait()
+    except KeyboardInterrupt:
+        if cluster != "local":
+            print("\ninterrupted: the jobs stay queued (cancel: submit.py cancel RUN)")
+            return 130
+        print("\ninterrupted: cancelling the local jobs (each saves a checkpoint)...")
+        cancel_local_jobs([job for _, job in progress.pending.values()])
+        print("cancelled; run the same command again to resume")
+        return 130
     if wait:
-        progress.wait()
         unfinished = [
             p.name for p in plans if not runs.is_finished(p.run_dir, p.config.train.train_steps)
         ]

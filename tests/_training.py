@@ -94,3 +94,66 @@ def save_initial_weights(rank, world_size, port, root, inits) -> None:
         init_model_parallel(config)
         torch.manual_seed(config.seed)
         checkpoint.save_weights(Path(root, name), build_model(config), config)
+
+
+def folder_listing(run_dir: Path) -> dict[str, int]:
+    """Every file under ``run_dir`` (lease and wandb aside) with its size."""
+    if not run_dir.is_dir():
+        return {}
+    return {
+        str(p.relative_to(run_dir)): p.stat().st_size
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file() and p.name != "lease.json" and "wandb" not in p.parts
+    }
+
+
+FILL = "fill the disk"  # a train_attempts entry (FILL, bytes): leave that much free on root
+
+
+def train_attempts(rank, world_size, port, root, runs) -> None:
+    """Train each ``(name, overrides[, resume])`` in turn and record, on rank 0, one JSON
+    line per attempt in ``root/name.attempts.jsonl``: the exit code or the error (type and
+    message), what the attempt printed, and the run folder's files afterwards. An entry
+    ``(FILL, leave)`` (after a first attempt) makes rank 0 fill root's filesystem up to
+    ``leave`` free bytes, in the same ranks (no second start-up)."""
+    import contextlib
+    import io
+    import shutil
+
+    import torch.distributed as dist
+
+    set_rank_env(rank, world_size, port)
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    from cqk_megatron.training.loop import train
+
+    for name, overrides, *resume in runs:
+        if name == FILL:
+            if rank == 0:
+                free = shutil.disk_usage(root).free
+                Path(root, "filler").write_bytes(b"\0" * (free - overrides))
+            dist.barrier()
+            continue
+        config = config_for(root, name, overrides)
+        datasets = None if config.data.prefixes else synthetic_datasets(config)
+        out, err = io.StringIO(), io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                outcome = {
+                    "exit": train(config, resume=resume[0] if resume else "auto", datasets=datasets)
+                }
+        except (Exception, CheckpointException) as error:  # recorded for the test to judge
+            outcome = {"error": type(error).__name__, "message": str(error)}
+        if rank == 0:
+            outcome.update(
+                stdout=out.getvalue(),
+                stderr=err.getvalue(),
+                files=folder_listing(Path(root, name)),
+            )
+            with Path(root, f"{name}.attempts.jsonl").open("a") as handle:
+                handle.write(json.dumps(outcome) + "\n")
+
+
+def attempts(root: Path, name: str) -> list[dict]:
+    """What ``train_attempts`` recorded for run ``name``, one dict per attempt."""
+    return [json.loads(line) for line in (root / f"{name}.attempts.jsonl").read_text().splitlines()]

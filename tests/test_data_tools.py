@@ -346,7 +346,7 @@ def test_missing_text_field(tmp_path, spm_model):
         )
     numbers = tmp_path / "numbers.jsonl"
     numbers.write_text('{"text": 1}\n{"text": 2}\n')
-    with pytest.raises(DataError, match=rf"'{numbers}': field 'text' holds .*int64.*not text"):
+    with pytest.raises(DataError, match=rf"'{numbers}': field 'text' is not text \(line 1's"):
         preprocess.preprocess([str(numbers)], tmp_path / "out", spm_model.model, progress=False)
 
 
@@ -354,7 +354,8 @@ def test_malformed_json_names_the_file(tmp_path, spm_model):
     good = write_jsonl(tmp_path / "good.jsonl", ["fine text"])
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"text": "a"}\nnot json\n')
-    with pytest.raises(DataError, match=rf"cannot read '{broken}' as json .*one JSON object"):
+    match = rf"cannot read '{broken}' as json: line 2 is not valid JSON.*one JSON object"
+    with pytest.raises(DataError, match=match):
         preprocess.preprocess(
             [str(good), str(broken)], tmp_path / "out", spm_model.model, progress=False
         )

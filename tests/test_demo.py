@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,8 +33,8 @@ def elsewhere_venv(folder: Path, real_python: str) -> tuple[Path, Path]:
     return folder, log
 
 
-def run_demo(out: Path, venv: Path) -> subprocess.CompletedProcess:
-    env = {
+def demo_env(out: Path, venv: Path) -> dict[str, str]:
+    return {
         **os.environ,
         "VENV": str(venv),
         "DEMO_OUT": str(out),
@@ -40,14 +42,59 @@ def run_demo(out: Path, venv: Path) -> subprocess.CompletedProcess:
         "DEMO_BOOTSTRAP": "40",
         "DEMO_SKIP_INSTALL": "1",
     }
+
+
+def run_demo(out: Path, venv: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", str(REPO / "scripts" / "demo.sh")],
-        env=env,
+        env=demo_env(out, venv),
         capture_output=True,
         text=True,
         timeout=1500,
         cwd=REPO,
     )
+
+
+def interrupt_demo(out: Path, venv: Path) -> tuple[int, str]:
+    """Start the demo as a terminal does (its own process group) and press Ctrl-C (SIGINT
+    to the whole group) once a run has written its first complete checkpoint."""
+    log = out.parent / "interrupted.log"
+    with log.open("w") as handle:
+        demo = subprocess.Popen(
+            ["bash", str(REPO / "scripts" / "demo.sh")],
+            env=demo_env(out, venv),
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + 900
+            # iter_ + 7 digits: a complete folder, not a staging iter_NNNNNNN.tmp
+            while not list((out / "runs").glob("*/checkpoints/iter_???????")):
+                assert demo.poll() is None, log.read_text()[-3000:]
+                assert time.monotonic() < deadline, "no checkpoint within 900 s"
+                time.sleep(0.5)
+            os.killpg(demo.pid, signal.SIGINT)
+            code = demo.wait(timeout=300)
+        finally:
+            if demo.poll() is None:
+                os.killpg(demo.pid, signal.SIGKILL)
+                demo.wait()
+    return code, log.read_text()
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes that name ``text`` (a run folder, say)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmdline and proc.name != str(os.getpid()):
+            found.append(cmdline)
+    return found
 
 
 def fit_rows(report: str) -> dict[str, list[str]]:
@@ -65,7 +112,16 @@ def fit_rows(report: str) -> dict[str, list[str]]:
 def test_demo_ladder_end_to_end(tmp_path):
     out = tmp_path / "demo"
     venv, calls = elsewhere_venv(tmp_path / "elsewhere", sys.executable)
-    result = run_demo(out, venv)
+
+    # Ctrl-C after the first checkpoint: the launcher cancels its local jobs (each saves)
+    # and says how to go on; no process of the demo is left training.
+    code, interrupted = interrupt_demo(out, venv)
+    assert code != 0, interrupted[-3000:]
+    assert "run the same command again to resume" in interrupted, interrupted[-3000:]
+    assert "Traceback" not in interrupted, interrupted[-3000:]
+    assert not processes_mentioning(str(out / "runs")), processes_mentioning(str(out / "runs"))
+
+    result = run_demo(out, venv)  # the same command: resumes, then finishes every stage
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 
     # every stage ran on VENV's python (nothing on a hard-coded .venv)
@@ -90,6 +146,16 @@ def test_demo_ladder_end_to_end(tmp_path):
         assert len([r for r in records if r["kind"] == "valid"]) >= 4  # evaluates 4 times
         assert records[-1]["kind"] == "summary"
         assert (run / "checkpoints" / "latest").read_text().strip() == f"iter_{STEPS:07d}"
+    # the runs Ctrl-C stopped went on from their checkpoints (and, above, no step twice)
+    resumed = [
+        name
+        for name in names
+        if any(
+            "resumed from" in log.read_text()
+            for log in (out / "runs" / name).glob("submitit/*_log.out")
+        )
+    ]
+    assert resumed, "no run resumed after Ctrl-C"
     assert "[6/6 ended]" in result.stdout  # the sweep's own progress
 
     # the analysis: an L(N, D) fit per variant, every constant with its interval

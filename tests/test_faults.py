@@ -466,6 +466,21 @@ def test_a_failure_repeated_the_same_way_stops_and_the_budget_is_bounded():
     )
 
 
+def test_a_run_refused_before_training_is_not_relaunched():
+    # exit 2 (EXIT_REFUSED: a held run folder, checkpoints that do not verify, bad data)
+    # cannot change on a relaunch; exit 1 (a crash) can.
+    from launch.attempts import Policy, decide
+
+    def failure(code):
+        return {"cause": {"rank": 0, "exit": code}, "step_reached": 0}
+
+    decision, why = decide([], failure(2), Policy(max_restarts=3, max_identical_failures=2))
+    assert decision == "stop" and "refused before training (exit 2" in why
+    assert decide([], failure(1), Policy(max_restarts=3, max_identical_failures=2))[0] == (
+        "relaunch"
+    )
+
+
 def test_fault_drills_and_watchdog_bounds_are_checked():
     from cqk_megatron.config import ConfigError, load_config, validate
     from cqk_megatron.training import faults

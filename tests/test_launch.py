@@ -460,6 +460,32 @@ def test_a_run_with_a_queued_job_is_not_submitted_twice(slurm, root):
         subprocess.run(["scancel", job_id], check=True)
 
 
+def test_cancel_ends_a_slurm_job_after_its_ranks_save_and_frees_the_run(slurm, root):
+    out = submit(
+        *RUN, "--cluster", "slurm", f"log.root={root}", "name=cancelled", "train.train_steps=100000"
+    )
+    job_id = job_id_of(out)
+    OUR_JOBS.append(job_id)
+    run_dir = root / "cancelled"
+    wait_until(lambda: steps_done(run_dir) >= 3, "step 3", run_dir, job_id)
+    assert json.loads((run_dir / "lease.json").read_text())["job_id"] == job_id
+    out = submit("cancel", str(run_dir), timeout=300)
+    assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
+    assert f"scancel {job_id}" in out.stdout and "the run is free" in out.stdout
+    assert not (run_dir / "lease.json").exists()
+    (stopped,) = events(run_dir, "stopped")  # SIGTERM: the ranks saved, Slurm ends the job
+    assert stopped["exit"] == 75 and stopped["requeue"].startswith("left to Slurm")
+    last = records(run_dir, "train")[-1]["step"]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"iter_{last:07d}"
+    assert not slurm_state_is_active(job_id)
+
+
+def slurm_state_is_active(job_id: str) -> bool:
+    from launch import slurm_state
+
+    return slurm_state.is_active(slurm_state.job_state(job_id, "slurm"))
+
+
 # -- no cluster needed ----------------------------------------------------------------------
 
 
@@ -551,14 +577,18 @@ def test_the_same_job_through_the_local_executor(reference):
     assert f"finished   yes: {STEPS} steps" in report
 
 
-def test_requeues_are_bounded():
+def test_requeues_are_bounded(tmp_path):
     from launch.job import EXIT_REQUEUE, TrainingJob
 
     job = TrainingJob(config={}, max_requeues=2)
     outcome, code = job._requeue(SimpleNamespace(cluster="slurm"), attempt=3)
     assert outcome == "refused: requeued 2 times already (max_requeues)" and code == EXIT_REQUEUE
-    outcome, code = job._requeue(SimpleNamespace(cluster="local"), attempt=2)
+    local = SimpleNamespace(cluster="local", job_id="4321", paths=SimpleNamespace(folder=tmp_path))
+    outcome, code = job._requeue(local, attempt=2)
     assert outcome == "requeued" and code == 144  # submitit's local controller restarts it
+    (tmp_path / "4321.cancelled").touch()  # launch.local_job's controller was cancelled
+    outcome, code = job._requeue(local, attempt=2)
+    assert outcome == "cancelled: not requeued" and code == EXIT_REQUEUE
 
 
 def test_exit_code_and_time_syntax_agree_with_the_engine_and_slurm():

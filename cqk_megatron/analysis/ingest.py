@@ -18,7 +18,6 @@ process's cumulative CPU time, see ``step_time``). FLOPs are
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 from collections.abc import Callable
@@ -30,6 +29,7 @@ import pandas as pd
 from cqk_megatron.analysis import wandb_runs
 from cqk_megatron.analysis.step_time import run_step_time
 from cqk_megatron.config import VARIANTS, ConfigError, RunConfig, from_dict, load_config
+from cqk_megatron.training import metrics as training_metrics
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
@@ -149,25 +149,17 @@ def humanize_count(count: float) -> str:
 
 
 def read_metrics(path: Path) -> tuple[list[dict], list[str]]:
-    """Parse ``metrics.jsonl``: the good lines, and a problem per line that was not."""
-    lines, problems = [], []
-    raw = path.read_text(errors="replace").splitlines()
-    for number, text in enumerate(raw, start=1):
-        if not text.strip():
-            continue
-        try:
-            line = json.loads(text)
-        except json.JSONDecodeError:
-            where = "last line (truncated: run preempted?)" if number == len(raw) else "line"
-            problems.append(f"{path}:{number}: {where} is not valid JSON; skipped")
-            continue
-        if not isinstance(line, dict):
-            problems.append(f"{path}:{number}: not a JSON object; skipped")
-            continue
+    """Parse ``metrics.jsonl`` through the training side's one reader (one record per step
+    and kind: what a resumed attempt logged again supersedes the earlier attempt's): the
+    good lines, and a problem per line that was not."""
+    found = training_metrics.read_metrics(path)
+    lines, problems = [], list(found.problems)
+    for line in found.records:
         kind = line.get("kind")
         missing = [key for key in REQUIRED.get(kind, ()) if line.get(key) is None]
         if missing:
-            problems.append(f"{path}:{number}: {kind} line lacks {missing}; skipped")
+            step = line.get("step")
+            problems.append(f"{path}: {kind} line at step {step} lacks {missing}; skipped")
             continue
         lines.append(line)
     return lines, problems

@@ -49,12 +49,21 @@ def _engine_checkpoint():
     return checkpoint
 
 
-def read_full_state_dict(checkpoint_dir: Path, config: RunConfig) -> dict[str, torch.Tensor]:
-    """Every model tensor of the checkpoint in ``checkpoint_dir``, whole and on CPU."""
+def read_full_state_dict(
+    checkpoint_dir: Path, config: RunConfig, config_source: str | None = None
+) -> dict[str, torch.Tensor]:
+    """Every model tensor of the checkpoint in ``checkpoint_dir``, whole and on CPU; a
+    checkpoint whose tensors do not fit ``config`` (read from ``config_source``) is
+    refused naming the differing fields, not with Megatron's shape errors."""
     checkpoint = _engine_checkpoint()
     model = _whole_model(config)
+    source = config_source or "the config given"
+    fix = (
+        f"{source} is not the config this checkpoint was saved with; export it with that one "
+        "(checkpoints written by cqk-train carry it as config.yaml in their folder)"
+    )
     try:
-        checkpoint.load_model_weights(Path(checkpoint_dir), model)
+        checkpoint.load_model_weights(Path(checkpoint_dir), model, config, fix)
     except checkpoint.CheckpointError as error:
         raise ConversionError(str(error)) from error
     return {name: param.detach().to("cpu").clone() for name, param in model.named_parameters()}

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from cqk_megatron import coupling as coupling_module
+from cqk_megatron.checkpoint_files import LATEST, MANIFEST
 from cqk_megatron.config import ConfigError, RunConfig, load_config, save_config, validate
 from cqk_megatron.convert.checkpoint_io import read_full_state_dict
 from cqk_megatron.convert.errors import ConversionError
@@ -40,8 +41,9 @@ from cqk_megatron.convert.tokenizer import check_tokenizer, save_tokenizer, spec
 RUN_CONFIG_FILE = "cqk_run_config.yaml"
 COUPLING_FILE = "coupling.py"
 CHECKPOINT_CONFIG = "config.yaml"
-MANIFEST_FILE = "manifest.json"  # written last by the training engine: the checkpoint is whole
-LATEST_FILE = "latest"  # in checkpoints/: the name of the newest complete iteration
+# written last by the training engine (the checkpoint is whole); in checkpoints/: the name
+# of the newest complete iteration
+MANIFEST_FILE, LATEST_FILE = MANIFEST, LATEST
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -220,5 +222,5 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, **options
     if options.get("iteration") is None and checkpoint_dir.name.startswith("iter_"):
         suffix = checkpoint_dir.name[len("iter_") :]
         options["iteration"] = int(suffix) if suffix.isdigit() else None
-    state = read_full_state_dict(checkpoint_dir, config)
+    state = read_full_state_dict(checkpoint_dir, config, str(config_path))
     return export_state_dict(state, config, out_dir, **options)

@@ -24,6 +24,7 @@ from cqk_megatron.repro.presets import (
     parse_tokens,
     parse_variants,
 )
+from data_tools.sources import FORMATS, TEXT_UNITS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,6 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
         "folder to tokenize; default: the embedded demo corpus, built into OUT/data",
     )
     parser.add_argument("--tokenizer", help="tokenizer of --data (default: recorded with it)")
+    corpus = parser.add_argument_group(
+        "a corpus given as --data (passed to the data tools; see cqk-preprocess --help)"
+    )
+    corpus.add_argument(
+        "--text-unit",
+        choices=list(TEXT_UNITS),
+        default="paragraph",
+        help="what one document is in a plain text file: a line, a blank-line-separated "
+        "paragraph (default), or the whole file",
+    )
+    corpus.add_argument("--text-field", default="text", help="JSONL/Parquet field of the text")
+    corpus.add_argument("--input-format", choices=FORMATS, help="override the file extension")
     parser.add_argument("--tokens", help="training tokens per run, e.g. 80M (default: preset's)")
     parser.add_argument(
         "--variants",
@@ -62,7 +75,7 @@ def _cuda() -> bool:
 
 
 def run(argv: list[str] | None = None) -> int:
-    from cqk_megatron.repro.data import resolve_data
+    from cqk_megatron.repro.data import CorpusOptions, resolve_data
     from cqk_megatron.repro.plan import build_plan, check_overrides
     from cqk_megatron.repro.runner import check_same_settings, status, train_run
 
@@ -81,7 +94,8 @@ def run(argv: list[str] | None = None) -> int:
             "and is very slow; cpu-tiny is the CPU-sized comparison",
             file=sys.stderr,
         )
-    data = resolve_data(args.data, args.tokenizer, preset, out)
+    reading = CorpusOptions(args.text_unit, args.text_field, args.input_format)
+    data = resolve_data(args.data, args.tokenizer, preset, out, reading)
     plan = build_plan(preset, variants, seeds, tokens, data, out, args.nproc, args.overrides, cuda)
     print(f"preset {preset.name}: {preset.description}")
     print(f"data: {data.description}")
@@ -91,6 +105,7 @@ def run(argv: list[str] | None = None) -> int:
     )
     for planned in plan.runs:
         check_same_settings(planned)  # before training anything: refuse early
+    _check_data(plan.runs)
     for index, planned in enumerate(plan.runs, start=1):
         state = status(planned)
         where = f"[{index}/{len(plan.runs)}] {planned.name}"
@@ -119,6 +134,20 @@ def run(argv: list[str] | None = None) -> int:
         f"  data             {data.prefix} (tokenizer {data.tokenizer})"
     )
     return 0
+
+
+def _check_data(runs) -> None:
+    """The data holds enough documents and tokens for every run's splits (a corpus read
+    with the wrong --text-unit may be one document), before any training starts."""
+    from cqk_megatron.config import ConfigError
+    from cqk_megatron.data.checks import check_run_data
+    from cqk_megatron.data.errors import DataError
+
+    for planned in runs:
+        try:
+            check_run_data(planned.config)
+        except (ConfigError, DataError) as error:
+            raise ReproError(f"run {planned.name}: {error}") from error
 
 
 def main(argv: list[str] | None = None) -> int:

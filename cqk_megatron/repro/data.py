@@ -6,7 +6,8 @@
   records, else ``tokenizer.model`` beside it;
 - a text/JSON-lines/Parquet file or a folder of them: tokenized (and, without
   ``--tokenizer``, a SentencePiece tokenizer trained on it) into ``OUT/data`` by the data
-  tools, once; a later run with the same inputs reuses it.
+  tools, once; a later run with the same inputs (and reading options: ``--text-unit``,
+  ``--text-field``, ``--input-format``) reuses it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,22 @@ from cqk_megatron.data.metadata import bin_path, idx_path, read_meta
 from cqk_megatron.repro.presets import Preset, ReproError
 
 CORPUS_PREFIX = "corpus_text_document"
+
+
+@dataclass(frozen=True)
+class CorpusOptions:
+    """How the data tools read a corpus file (their --text-unit/--text-field/--input-format)."""
+
+    text_unit: str = "paragraph"
+    text_field: str = "text"
+    input_format: str | None = None
+
+    def as_kwargs(self) -> dict:
+        return {
+            "text_unit": self.text_unit,
+            "text_field": self.text_field,
+            "input_format": self.input_format,
+        }
 
 
 @dataclass
@@ -94,23 +111,31 @@ def _demo(folder: Path) -> DataChoice:
     )
 
 
-def _fingerprint(paths: list[Path], tokenizer: str | None, vocab: int) -> str:
-    """Inputs' paths, sizes and modification times: a changed corpus is re-tokenized."""
+def _fingerprint(
+    paths: list[Path], tokenizer: str | None, vocab: int, reading: CorpusOptions
+) -> str:
+    """Inputs' paths, sizes and modification times, and how they are read: a changed
+    corpus (or another --text-unit) is re-tokenized."""
     files = sorted(p for path in paths for p in ([path] if path.is_file() else path.rglob("*")))
     stats = [
         (str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.is_file()
     ]
-    return hashlib.sha256(json.dumps([stats, tokenizer, vocab]).encode()).hexdigest()
+    key = [stats, tokenizer, vocab]
+    if reading != CorpusOptions():  # the default keeps fingerprints made before the options
+        key.append(reading.as_kwargs())
+    return hashlib.sha256(json.dumps(key).encode()).hexdigest()
 
 
-def _corpus(path: Path, tokenizer: str | None, preset: Preset, folder: Path) -> DataChoice:
+def _corpus(
+    path: Path, tokenizer: str | None, preset: Preset, folder: Path, reading: CorpusOptions
+) -> DataChoice:
     from data_tools.preprocess import preprocess
     from data_tools.tokenizer import TokenizerRecipe, train_tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     prefix = folder / CORPUS_PREFIX
     stamp = folder / "corpus.source.json"
-    fingerprint = _fingerprint([path], tokenizer, preset.tokenizer_vocab)
+    fingerprint = _fingerprint([path], tokenizer, preset.tokenizer_vocab, reading)
     model = Path(tokenizer).expanduser() if tokenizer else folder / "tokenizer.model"
     try:
         recorded = json.loads(stamp.read_text())["fingerprint"]
@@ -122,17 +147,27 @@ def _corpus(path: Path, tokenizer: str | None, preset: Preset, folder: Path) -> 
     try:
         if tokenizer is None:
             recipe = TokenizerRecipe(vocab_size=preset.tokenizer_vocab)
-            train_tokenizer([str(path)], folder / "tokenizer", recipe, overwrite=True)
+            train_tokenizer(
+                [str(path)], folder / "tokenizer", recipe, overwrite=True, **reading.as_kwargs()
+            )
         elif not model.exists():
             raise ReproError(f"--tokenizer {tokenizer}: no such file or folder")
-        preprocess([str(path)], prefix, model, overwrite=True, progress=False)
+        preprocess(
+            [str(path)], prefix, model, overwrite=True, progress=False, **reading.as_kwargs()
+        )
     except DataError as error:
         raise ReproError(f"--data {path}: {error}") from error
     stamp.write_text(json.dumps({"input": str(path.resolve()), "fingerprint": fingerprint}))
     return DataChoice(prefix, model, _vocab_size(model), f"corpus {path} (tokenized now)")
 
 
-def resolve_data(data: str | None, tokenizer: str | None, preset: Preset, out: Path) -> DataChoice:
+def resolve_data(
+    data: str | None,
+    tokenizer: str | None,
+    preset: Preset,
+    out: Path,
+    reading: CorpusOptions | None = None,
+) -> DataChoice:
     """The dataset and tokenizer every run of the comparison reads."""
     folder = out / "data"
     if data is None:
@@ -148,7 +183,7 @@ def resolve_data(data: str | None, tokenizer: str | None, preset: Preset, out: P
         model = _tokenizer_for(prefix, tokenizer)
         return DataChoice(prefix, model, _vocab_size(model), f"indexed dataset {prefix}")
     if path.exists():
-        return _corpus(path, tokenizer, preset, folder)
+        return _corpus(path, tokenizer, preset, folder, reading or CorpusOptions())
     half = [p for p in (bin_path(path), idx_path(path)) if p.exists()]
     if half:
         raise ReproError(

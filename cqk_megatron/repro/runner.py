@@ -8,7 +8,6 @@ refused rather than resumed into a different schedule.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -20,6 +19,7 @@ import yaml
 from cqk_megatron.config import load_config, to_dict
 from cqk_megatron.repro.plan import Plan, PlannedRun
 from cqk_megatron.repro.presets import ReproError
+from cqk_megatron.training.metrics import read_metrics
 from cqk_megatron.training.preemption import EXIT_REQUEUE
 
 # Keys that may change between the first attempt and a resume without changing the run.
@@ -53,18 +53,9 @@ def _flatten(data: dict, prefix: str = "") -> dict[str, object]:
 
 def summary_record(run_dir: Path) -> dict | None:
     """The run's summary line (written once, when it finished), or None."""
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
-        return None
-    summary = None
-    for line in metrics.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash
-        if isinstance(record, dict) and record.get("kind") == "summary":
-            summary = record
-    return summary
+    records = read_metrics(run_dir / "metrics.jsonl").records
+    summaries = [r for r in records if r.get("kind") == "summary"]
+    return summaries[-1] if summaries else None
 
 
 def status(run: PlannedRun) -> str:

@@ -13,15 +13,20 @@ Layout of ``RUN/checkpoints/iter_0000100/``:
 Everything is written under ``iter_0000100.tmp``; rank 0 writes the manifest and renames
 the folder, then points ``latest`` at it (a temporary file renamed over the old one). A
 folder without a valid manifest, or whose files disagree with it, is refused with the
-reason, and ``find_resumable`` falls back to the previous complete checkpoint.
+reason, and ``find_resumable`` falls back to the previous complete checkpoint. The file
+rules (verification, ``latest``, retention, where a run starts) live torch-free in
+``cqk_megatron.checkpoint_files``; this module writes and reads the tensors.
+
+A save is collective and fails on every rank together: each rank's error is gathered
+before the next step, the half-written staging folder is removed (on a full disk that
+frees the space the error message needs), and the previous checkpoint stays as it was.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import random
+import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,18 +36,50 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
+from torch.distributed.checkpoint.api import CheckpointException
 
+from cqk_megatron.atomic import write_text_atomically
+from cqk_megatron.checkpoint_files import (
+    LATEST,
+    MANIFEST,
+    WEIGHT_PARTS,
+    CheckpointError,
+    CheckpointSaveError,
+    check_same_shape,
+    find_resumable,
+    iteration_dir,
+    point_latest,
+    retire,
+    saved_config,
+    verify,
+    write_manifest,
+)
 from cqk_megatron.config import RunConfig, save_config
+from cqk_megatron.config_changes import changes, listed
 from cqk_megatron.device import device
 from cqk_megatron.model import load_sharded_state, sharded_state_dict
-from cqk_megatron.training.collectives import barrier
+from cqk_megatron.run_folder import is_no_space, no_space_error
+from cqk_megatron.training.collectives import barrier, gather_objects
 
-MANIFEST = "manifest.json"
-LATEST = "latest"
+# torch.distributed.checkpoint reports a failed save or load as CheckpointException, which
+# derives from BaseException (not Exception): caught explicitly, with everything else.
+FAILURES = (Exception, CheckpointException)
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is incomplete, corrupted or does not fit this run."""
+__all__ = [
+    "LATEST",
+    "MANIFEST",
+    "CheckpointError",
+    "TrainerState",
+    "find_resumable",
+    "iteration_dir",
+    "load_exact",
+    "load_model_weights",
+    "load_trainer_state",
+    "same_layout",
+    "save",
+    "save_weights",
+    "verify",
+]
 
 
 @dataclass
@@ -71,78 +108,6 @@ class Layout:
             config.train.engine,
             config.train.zero_stage,
         )
-
-
-def iteration_dir(checkpoints: Path, step: int) -> Path:
-    return checkpoints / f"iter_{step:07d}"
-
-
-# -- manifest ------------------------------------------------------------------------------
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def write_manifest(folder: Path, step: int, with_hashes: bool) -> None:
-    files = {}
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
-        entry = {"size": path.stat().st_size}
-        if with_hashes:
-            entry["sha256"] = _sha256(path)
-        files[str(path.relative_to(folder))] = entry
-    temporary = folder / (MANIFEST + ".tmp")
-    temporary.write_text(json.dumps({"step": step, "files": files}, indent=1))
-    os.replace(temporary, folder / MANIFEST)
-
-
-def verify(folder: Path) -> int:
-    """The step of a complete checkpoint; raises ``CheckpointError`` saying what is wrong."""
-    manifest_path = folder / MANIFEST
-    if not manifest_path.is_file():
-        raise CheckpointError(f"{folder}: no {MANIFEST}, so the checkpoint was never completed")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files, step = manifest["files"], int(manifest["step"])
-    except (ValueError, KeyError, TypeError) as error:
-        raise CheckpointError(f"{manifest_path}: unreadable manifest ({error})") from error
-    for name, entry in files.items():
-        path = folder / name
-        if not path.is_file():
-            raise CheckpointError(f"{folder}: {name} is listed in the manifest but missing")
-        size = path.stat().st_size
-        if size != entry["size"]:
-            raise CheckpointError(
-                f"{path}: {size} bytes but the manifest says {entry['size']} (truncated?)"
-            )
-        if "sha256" in entry and _sha256(path) != entry["sha256"]:
-            raise CheckpointError(f"{path}: contents do not match the manifest's sha256")
-    return step
-
-
-def find_resumable(checkpoints: Path) -> tuple[Path | None, list[str]]:
-    """The newest complete checkpoint (or None) and why newer ones were refused."""
-    refused = []
-    if not checkpoints.is_dir():
-        return None, refused
-    candidates = sorted(
-        (p for p in checkpoints.glob("iter_*") if p.is_dir() and not p.name.endswith(".tmp")),
-        reverse=True,
-    )
-    for folder in candidates:
-        try:
-            verify(folder)
-            return folder, refused
-        except CheckpointError as error:
-            refused.append(str(error))
-    return None, refused
-
-
-# -- save ------------------------------------------------------------------------------
 
 
 def _rng_state() -> dict:
@@ -178,59 +143,127 @@ def _set_rng_state(state: dict) -> None:
             get_cuda_rng_tracker().set_states(dict(state["cuda_tracker"]))
 
 
-def save(checkpoints: Path, engine, model, config: RunConfig, state: TrainerState) -> Path:
-    """Collective: every rank calls it. Returns the completed folder."""
+# -- save ------------------------------------------------------------------------------
+
+
+def _agree(error: BaseException | None, staging: Path, what: str) -> None:
+    """Collective: raise on every rank if any rank failed, after rank 0 removed the
+    half-written ``staging`` folder (so a full disk has room for the message)."""
+    local = None
+    if error is not None:
+        local = (
+            str(no_space_error(staging, error, what))
+            if is_no_space(error)
+            else (f"{type(error).__name__}: {error}")
+        )
+    gathered = gather_objects(local)
+    failures = [(rank, text) for rank, text in enumerate(gathered) if text is not None]
+    if not failures:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    # a full disk explains the other ranks' errors; name it first
+    failures.sort(key=lambda item: "no space left" not in item[1])
+    rank, text = failures[0]
+    if "no space left" in text:
+        # the staging folder is gone now: say how much room that left
+        text = str(no_space_error(staging, OSError(28, "No space left on device"), what))
+    previous = (
+        (staging.parent / LATEST).read_text().strip()
+        if (staging.parent / LATEST).is_file()
+        else None
+    )
+    kept = f"; the previous checkpoint {previous} is untouched" if previous else ""
+    raise CheckpointSaveError(f"saving {what} failed on rank {rank}: {text}{kept}") from error
+
+
+def save(
+    checkpoints: Path, engine, model, config: RunConfig, state: TrainerState, lease=None
+) -> Path:
+    """Collective: every rank calls it. Returns the completed folder. ``lease`` (rank 0's
+    ``run_lease.Lease``) is checked before the folder is committed."""
     rank = dist.get_rank()
     final = iteration_dir(checkpoints, state.step)
     staging = final.with_name(final.name + ".tmp")
+    what = f"checkpoint {final}"
+    error = None
     if rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        (staging / "model").mkdir(parents=True)
-        (staging / "trainer").mkdir()
-    barrier()
+        try:
+            shutil.rmtree(staging, ignore_errors=True)
+            (staging / "model").mkdir(parents=True)
+            (staging / "trainer").mkdir()
+        except OSError as caught:
+            error = caught
+    _agree(error, staging, what)
 
-    dist_checkpointing.save(sharded_state_dict(model), str(staging / "model"))
-    engine.save_state(staging / "engine")
-    trainer_file = staging / "trainer" / f"rank{rank}.pt"
-    torch.save({"state": asdict(state), "rng": _rng_state()}, trainer_file)
-    barrier()
+    try:
+        dist_checkpointing.save(sharded_state_dict(model), str(staging / "model"))
+        engine.save_state(staging / "engine")
+        trainer_file = staging / "trainer" / f"rank{rank}.pt"
+        torch.save({"state": asdict(state), "rng": _rng_state()}, trainer_file)
+    except FAILURES as caught:  # reported on every rank by _agree
+        error = caught
+    _agree(error, staging, what)
 
     if rank == 0:
-        save_config(config, staging / "config.yaml")
-        (staging / "layout.json").write_text(json.dumps(asdict(Layout.current(config))))
-        write_manifest(staging, state.step, config.train.checkpoint_hashes)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(staging, final)
-        _point_latest(checkpoints, final)
-        _keep_last(checkpoints, config.train.keep_last)
-    barrier()
+        try:
+            save_config(config, staging / "config.yaml")
+            layout = json.dumps(asdict(Layout.current(config)))
+            write_text_atomically(staging / "layout.json", layout)
+            write_manifest(staging, state.step, config.train.checkpoint_hashes)
+            if lease is not None:
+                lease.check()  # never commit into a run another job holds now
+            if final.exists():
+                shutil.rmtree(final)
+            staging.rename(final)
+            point_latest(checkpoints, final)
+            retire(checkpoints, config.train.keep_last, final)
+        except FAILURES as caught:
+            error = caught
+    _agree(error, staging, what)
     return final
-
-
-def _point_latest(checkpoints: Path, folder: Path) -> None:
-    temporary = checkpoints / (LATEST + ".tmp")
-    temporary.write_text(folder.name + "\n")
-    os.replace(temporary, checkpoints / LATEST)
-
-
-def _keep_last(checkpoints: Path, keep: int) -> None:
-    complete = sorted(p for p in checkpoints.glob("iter_*") if (p / MANIFEST).is_file())
-    for old in complete[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # -- load ------------------------------------------------------------------------------
 
 
-def load_model_weights(folder: Path, model) -> None:
-    """Weights from a verified distributed checkpoint, resharded to this rank's layout.
+def _mismatch(folder: Path, config: RunConfig, error: BaseException, fix: str) -> CheckpointError:
+    """A load that failed on tensor shapes, told in config fields where possible."""
+    saved = saved_config(folder)
+    text = str(error).strip().splitlines()
+    mismatches = [line.strip() for line in text if "mismatch" in line.lower()]
+    first = mismatches[0] if mismatches else (text[0] if text else "")
+    first = re.sub(r"^[\w.]+(Exception|Error): ", "", first)  # the text, not the type
+    if saved is not None:
+        differ = [c for c in changes(saved, config) if c.key.startswith(("model.", "attention."))]
+        if differ:
+            return CheckpointError(
+                f"checkpoint {folder} does not fit this model ({first}); its config.yaml "
+                f"differs in {listed(differ)}; {fix}"
+            )
+    return CheckpointError(f"checkpoint {folder} does not fit this model ({first}); {fix}")
+
+
+def load_model_weights(folder: Path, model, config: RunConfig | None = None, fix: str = "") -> None:
+    """Weights from a distributed checkpoint, resharded to this rank's layout; only the
+    weights and trainer state need to verify (a damaged optimizer does not matter here).
+    With ``config``, a checkpoint of another shape is refused naming the fields.
 
     Call before the engine is built: ZeRO keeps its own fp32 master copy of the weights.
     """
-    verify(folder)
-    state = dist_checkpointing.load(sharded_state_dict(model), str(folder / "model"))
-    load_sharded_state(model, state)
+    verify(folder, parts=WEIGHT_PARTS)
+    fix = fix or "use a config with the checkpoint's values, or another checkpoint"
+    if config is not None:
+        check_same_shape(folder, config, fix)
+    try:
+        state = dist_checkpointing.load(sharded_state_dict(model), str(folder / "model"))
+        load_sharded_state(model, state)
+    except CheckpointError:
+        raise
+    except FAILURES as error:  # Megatron's shape errors, torch's size mismatches
+        if config is None or "mismatch" not in str(error).lower():
+            raise
+        raise _mismatch(folder, config, error, fix) from error
 
 
 def same_layout(folder: Path, config: RunConfig) -> bool:
@@ -257,18 +290,27 @@ def save_weights(folder: Path, model, config: RunConfig) -> Path:
     """Collective: a weights-only checkpoint (``train.init_from`` reads it), atomic."""
     rank = dist.get_rank()
     staging = folder.with_name(folder.name + ".tmp")
+    what = f"weights {folder}"
+    error = None
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
         (staging / "model").mkdir(parents=True)
     barrier()
-    dist_checkpointing.save(sharded_state_dict(model), str(staging / "model"))
-    barrier()
+    try:
+        dist_checkpointing.save(sharded_state_dict(model), str(staging / "model"))
+    except FAILURES as caught:
+        error = caught
+    _agree(error, staging, what)
     if rank == 0:
-        save_config(config, staging / "config.yaml")
-        (staging / "layout.json").write_text(json.dumps(asdict(Layout.current(config))))
-        write_manifest(staging, 0, config.train.checkpoint_hashes)
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(staging, folder)
-    barrier()
+        try:
+            save_config(config, staging / "config.yaml")
+            layout = json.dumps(asdict(Layout.current(config)))
+            write_text_atomically(staging / "layout.json", layout)
+            write_manifest(staging, 0, config.train.checkpoint_hashes)
+            if folder.exists():
+                shutil.rmtree(folder)
+            staging.rename(folder)
+        except FAILURES as caught:
+            error = caught
+    _agree(error, staging, what)
     return folder

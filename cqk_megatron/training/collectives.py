@@ -109,3 +109,20 @@ def barrier(group=None) -> None:
         dist.barrier(group=group, device_ids=[here.index])
     else:
         dist.barrier(group=group)
+
+
+def gather_objects(value, group=None) -> list:
+    """Every rank's picklable ``value``, in rank order (on GPU, torch stages the pickles on
+    this rank's bound device): how the ranks agree on a failure's message before all of
+    them raise it (``training/checkpoint.py``)."""
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, value, group=group)
+    return gathered
+
+
+def from_rank0(value, group=None):
+    """Rank 0's picklable ``value`` on every rank of ``group`` (a decision rank 0 made
+    once: where the run starts, or why it refuses to)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]

@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from cqk_megatron.config import RunConfig, save_config, validate
+from cqk_megatron import checkpoint_files, run_lease
+from cqk_megatron.config import RunConfig, validate
+from cqk_megatron.data.checks import run_samples
 from cqk_megatron.device import device
 from cqk_megatron.distributed import (
     RendezvousError,
@@ -28,6 +30,7 @@ from cqk_megatron.exit_codes import EXIT_WATCHDOG
 from cqk_megatron.model import build_rank_model
 from cqk_megatron.perf.flops import flops_per_token, mfu, peak_flops
 from cqk_megatron.perf.plan import check_fits, gpu_memory_bytes
+from cqk_megatron.run_folder import run_dir_of, write_config
 from cqk_megatron.training import checkpoint, collectives, faults, watchdog
 from cqk_megatron.training.engine import DeepSpeedEngine
 from cqk_megatron.training.lr_schedule import learning_rate
@@ -60,10 +63,6 @@ def make_engine(model: torch.nn.Module, config: RunConfig):
 
         return MegatronEngine(model, config)
     return DeepSpeedEngine(model, config)
-
-
-def run_dir_of(config: RunConfig) -> Path:
-    return Path(config.log.root) / config.name
 
 
 def count_model_parameters(model: torch.nn.Module) -> tuple[int, int]:
@@ -105,10 +104,16 @@ def evaluate(engine, valid_dataset, config: RunConfig, dp_rank: int, dp: int) ->
     return sum(losses) / len(losses)
 
 
-def train(config: RunConfig, resume: str = "auto", datasets=None) -> int:
+def train(config: RunConfig, resume: str = "auto", datasets=None, on_start=None) -> int:
     """Train ``config``; returns 0 when finished, ``EXIT_REQUEUE`` when stopped early,
     ``EXIT_WATCHDOG`` when a rank never arrived at rendezvous (the watchdog ends the
-    process with it when a rank is lost later)."""
+    process with it when a rank is lost later).
+
+    ``resume``: see ``checkpoint_files.RESUME_HELP``. Rank 0 holds the run's lease
+    (``run_lease``) from before anything is written until the end: a second job on the
+    same run folder raises ``LeaseHeld`` on every rank, naming the holder. ``on_start``
+    is called on rank 0 once the run really starts (its resume choice is applied).
+    """
     dist_env = discover()
     faults.on_phase("rendezvous", 0, dist_env.rank)
     try:
@@ -117,66 +122,135 @@ def train(config: RunConfig, resume: str = "auto", datasets=None) -> int:
         watchdog.record_rendezvous_failure(run_dir_of(config), str(error), dist_env.rank)
         return EXIT_WATCHDOG
     with watchdog.watching(config, dist_env, run_dir_of(config)):
-        return _train(config, resume, datasets)
+        return _train_leased(config, resume, datasets, on_start)
 
 
-def _train(config: RunConfig, resume: str, datasets) -> int:
+def _train_leased(config: RunConfig, resume: str, datasets, on_start) -> int:
     world = dist.get_world_size()
     validate(config, world)
     init_model_parallel(config)
     rank = dist.get_rank()
     run_dir = run_dir_of(config)
-    checkpoints = run_dir / "checkpoints"
+    lease = _take_lease(run_dir, rank)
+    try:
+        return _train(config, resume, datasets, run_dir, lease, on_start)
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+def _on_rank0(step) -> None:
+    """Collective: ``step()`` on rank 0; if it raised, every rank raises (the others with
+    its message), so that no rank waits for one that has given up."""
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            step()
+        except Exception as caught:  # re-raised below, on every rank
+            error = caught
+    message = collectives.from_rank0(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if message is not None:
+        raise RuntimeError(f"rank 0 failed to start the run: {message}")
+
+
+def _take_lease(run_dir: Path, rank: int) -> run_lease.Lease | None:
+    lease, refusal = None, None
     if rank == 0:
-        checkpoints.mkdir(parents=True, exist_ok=True)
-        save_config(config, run_dir / "config.yaml")
-    collectives.barrier()
+        try:
+            lease = run_lease.acquire(run_dir)
+        except (run_lease.LeaseHeld, OSError) as error:
+            refusal = str(error)
+    refusal = collectives.from_rank0(refusal)
+    if refusal is not None:
+        raise run_lease.LeaseHeld(refusal)
+    return lease
+
+
+RESUME_SHAPE_FIX = (
+    "this run's checkpoints were saved with those values: set them back to resume it, or "
+    "start a new run (another name=..., or --resume none to start this one over)"
+)
+
+
+def _choose_start(
+    checkpoints: Path, resume: str, config: RunConfig, rank: int
+) -> checkpoint_files.ResumeChoice:
+    """Collective: rank 0 verifies the checkpoints once and decides where the run starts."""
+    choice, refusal = None, None
+    if rank == 0:
+        try:
+            choice = checkpoint_files.choose_resume(
+                checkpoints, resume, config.train.checkpoint_hashes
+            )
+            if choice.folder is not None:
+                checkpoint_files.check_same_shape(choice.folder, config, RESUME_SHAPE_FIX)
+        except checkpoint_files.CheckpointError as error:
+            refusal = str(error)
+        except OSError as error:  # an unreadable checkpoints folder: every rank stops
+            refusal = f"cannot read {checkpoints}: {error}"
+    choice, refusal = collectives.from_rank0((choice, refusal))
+    if refusal is not None:
+        raise checkpoint_files.CheckpointError(refusal)
+    return choice
+
+
+def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_start) -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checkpoints = run_dir / "checkpoints"
+    choice = _choose_start(checkpoints, resume, config, rank)
+    folder = choice.folder
 
     gpu_memory = gpu_memory_bytes()
     if gpu_memory:  # refuse, with the numbers, a layout that cannot fit before building it
         check_fits(config, world, gpu_memory).require()
     seed_everything(config.seed)
     model = build_rank_model(config)
-    state, folder = checkpoint.TrainerState(), None
-    if resume == "auto":
-        folder, refused = checkpoint.find_resumable(checkpoints)
-        if rank == 0:
-            for reason in refused:
-                print(f"skipping checkpoint: {reason}", file=sys.stderr)
-    elif resume != "none":
-        folder = Path(resume)
-        checkpoint.verify(folder)
-    exact = folder is not None and checkpoint.same_layout(folder, config)
+    state = checkpoint.TrainerState()
+    exact = (
+        folder is not None and not choice.weights_only and checkpoint.same_layout(folder, config)
+    )
     # Weights that do not come through the engine are loaded before it exists: ZeRO
     # copies them into its fp32 master weights when it is built.
     if folder is not None and not exact:
-        checkpoint.load_model_weights(folder, model)
+        checkpoint.load_model_weights(folder, model, config, RESUME_SHAPE_FIX)
         state, _ = checkpoint.load_trainer_state(folder)
     elif folder is None and config.train.init_from:
-        checkpoint.load_model_weights(Path(config.train.init_from), model)
+        init_from = Path(config.train.init_from)
+        fix = (
+            f"train.init_from={init_from} was saved with those values: use them, or point "
+            "train.init_from at a checkpoint of this model's shape"
+        )
+        checkpoint.load_model_weights(init_from, model, config, fix)
     params_total, params_non_embedding = count_model_parameters(model)
     engine = make_engine(model, config)
     if exact:
         state = checkpoint.load_exact(folder, engine)
-    if folder is not None and rank == 0:
-        how = "exactly" if exact else "weights only: the parallel layout changed, fresh optimizer"
-        print(f"resumed from {folder} at step {state.step} ({how})", flush=True)
 
     t = config.train
     seq = config.model.seq_length
     if datasets is None:
-        evaluations = t.train_steps // t.eval_interval + 1
-        datasets = default_datasets(
-            config,
-            t.train_steps * t.global_batch_size,
-            evaluations * t.eval_iters * t.global_batch_size,
-        )
+        train_samples, valid_samples, _ = run_samples(config)
+        datasets = default_datasets(config, train_samples, valid_samples)
     train_data, valid_data = datasets
+    # The run really starts here: only now is anything in its folder moved or replaced,
+    # and only then is the metrics file opened (what an earlier attempt logged past this
+    # step is superseded).
+    opened = {}
+
+    def start() -> None:
+        _start_run(run_dir, config, choice, folder, state, exact)
+        if on_start is not None:
+            on_start()
+        opened["logger"] = MetricsLogger(run_dir, config, enabled=True)
+        opened["logger"].set_start(state.step, final=state.step >= t.train_steps)
+
+    _on_rank0(start)
+    logger = opened.get("logger") or MetricsLogger(run_dir, config, enabled=False)
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     train_flops_per_token = flops_per_token(config, training=True)
     peak = peak_flops()
-    logger = MetricsLogger(run_dir, config, enabled=rank == 0)
-    logger.set_start(state.step)
     protect_checkpoint_writer()  # before any save, and before our handlers are installed
     stop = StopRequest(t.wall_clock_budget_s)
     last_saved = state.step
@@ -226,7 +300,7 @@ def _train(config: RunConfig, resume: str, datasets) -> int:
                 log_validation(logger, engine, valid_data, config, state, dp_rank, dp)
             if state.step % t.save_interval == 0:
                 with watchdog.phase("save"):
-                    checkpoint.save(checkpoints, engine, model, config, state)
+                    checkpoint.save(checkpoints, engine, model, config, state, lease)
                 last_saved = state.step
             stopping = stop.agreed()  # collective: every rank, every step
             if stopping or state.step == t.exit_after_steps:
@@ -235,7 +309,7 @@ def _train(config: RunConfig, resume: str, datasets) -> int:
                 )
                 if last_saved != state.step:
                     with watchdog.phase("save"):
-                        checkpoint.save(checkpoints, engine, model, config, state)
+                        checkpoint.save(checkpoints, engine, model, config, state, lease)
                 if rank == 0:
                     print(
                         f"stopping at step {state.step} ({reason})"
@@ -246,7 +320,7 @@ def _train(config: RunConfig, resume: str, datasets) -> int:
         log_validation(logger, engine, valid_data, config, state, dp_rank, dp, final=True)
         if last_saved != state.step:
             with watchdog.phase("save"):
-                checkpoint.save(checkpoints, engine, model, config, state)
+                checkpoint.save(checkpoints, engine, model, config, state, lease)
         logger.log(
             {
                 "kind": "summary",
@@ -264,6 +338,29 @@ def _train(config: RunConfig, resume: str, datasets) -> int:
             watchdog.enter("shutdown", state.step)
         stop.restore()
         logger.close()
+
+
+def _start_run(run_dir: Path, config: RunConfig, choice, folder, state, exact: bool) -> None:
+    """Rank 0, once the run is certain to start: set superseded files aside, say where it
+    starts, warn of a changed schedule, and record the config it runs with."""
+    for reason in choice.refused:
+        print(f"skipping checkpoint: {reason}", file=sys.stderr)
+    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    moved = checkpoint_files.apply_choice(run_dir, choice)
+    if moved:
+        print(moved, file=sys.stderr, flush=True)
+    if folder is not None:
+        if exact:
+            how = "exactly"
+        elif choice.weights_only:
+            how = "weights and trainer state only, as asked: fresh optimizer"
+        else:
+            how = "weights only: the parallel layout changed, fresh optimizer"
+        print(f"resumed from {folder} at step {state.step} ({how})", flush=True)
+        warning = checkpoint_files.schedule_warning(folder, config, state.step)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
+    write_config(run_dir, config)
 
 
 def first_batch_fingerprint(train_data, global_batch_size: int) -> str:

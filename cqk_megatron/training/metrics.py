@@ -5,6 +5,13 @@ JSONL lines: ``{"kind": "train", step, tokens, loss, lr, grad_norm, tokens_per_s
 step_time_s, tflops (per device), mfu (None without a known GPU peak), mem_gb, skipped,
 time}``, ``{"kind": "valid", step, tokens,
 val_loss, val_ppl, time[, final]}`` and, when a run finishes, ``{"kind": "summary", ...}``.
+
+One record per step and kind: a run that starts at step S (a resume, or ``--resume none``
+at 0) first rewrites the file (atomically) without the records past S that an earlier
+attempt logged after its last checkpoint, and without its summary; a ``final`` flag at
+S is dropped unless this attempt is the final one. ``read_metrics`` is the one reader
+(status, analysis, repro): it applies the same rule to files written before it, or
+interleaved by two writers.
 """
 
 from __future__ import annotations
@@ -14,16 +21,92 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from cqk_megatron.atomic import write_text_atomically
 from cqk_megatron.config import RunConfig, to_dict
+from cqk_megatron.run_folder import METRICS, no_space_error
+
+STEP_KINDS = ("train", "valid")
+
+
+@dataclass
+class MetricsFile:
+    """What ``read_metrics`` found: records in order, and a problem per unreadable line."""
+
+    records: list[dict] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    superseded: int = 0  # records dropped because a later attempt logged their steps again
+
+
+def _supersede(records: list[dict], start_step: int) -> list[dict]:
+    """Records of an attempt that (re)started at ``start_step``: the earlier ones up to it."""
+    kept = []
+    for record in records:
+        if record.get("kind") == "summary":
+            continue
+        step = record.get("step")
+        if isinstance(step, int) and step > start_step:
+            continue
+        kept.append(record)
+    return kept
+
+
+def read_metrics(path: Path) -> MetricsFile:
+    """The records of ``metrics.jsonl`` with at most one per (kind, step): a train record
+    whose step is not past the previous one starts a new attempt, which supersedes every
+    record from that step on (and any summary before it)."""
+    result = MetricsFile()
+    path = Path(path)
+    if not path.is_file():
+        return result
+    raw = path.read_text(errors="replace").splitlines()
+    records: list[dict] = []
+    last_train = 0
+    for number, text in enumerate(raw, start=1):
+        if not text.strip():
+            continue
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError:
+            where = "last line (truncated: run preempted?)" if number == len(raw) else "line"
+            result.problems.append(f"{path}:{number}: {where} is not valid JSON; skipped")
+            continue
+        if not isinstance(record, dict):
+            result.problems.append(f"{path}:{number}: not a JSON object; skipped")
+            continue
+        step = record.get("step")
+        if record.get("kind") in STEP_KINDS and any(r.get("kind") == "summary" for r in records):
+            # steps logged after a summary: the run was continued, that summary is stale
+            before = len(records)
+            records = [r for r in records if r.get("kind") != "summary"]
+            result.superseded += before - len(records)
+        if record.get("kind") == "train" and isinstance(step, int):
+            if step <= last_train:
+                before = len(records)
+                records = _supersede(records, step - 1)
+                result.superseded += before - len(records)
+            last_train = step
+        elif record.get("kind") in STEP_KINDS and isinstance(step, int):
+            same = [
+                i
+                for i, r in enumerate(records)
+                if r.get("kind") == record["kind"] and r.get("step") == step
+            ]
+            for i in reversed(same):
+                del records[i]
+            result.superseded += len(same)
+        records.append(record)
+    result.records = records
+    return result
 
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, config: RunConfig, enabled: bool) -> None:
         self.enabled = enabled
         self.config = config
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS
         self._wandb = None
         self._tensorboard = None
         self._bar = None
@@ -65,17 +148,41 @@ class MetricsLogger:
             tags=list(config.log.tags) + [config.attention.variant],
         )
 
-    def set_start(self, step: int) -> None:
+    def set_start(self, step: int, final: bool = False) -> None:
+        """This attempt starts at ``step`` (``final``: it only evaluates and finishes):
+        the file loses what an earlier attempt logged past ``step``, atomically."""
+        if self.enabled:
+            self._rewrite_from(step, final)
         if self._bar is not None:
             self._bar.n = step
             self._bar.refresh()
+
+    def _rewrite_from(self, step: int, final: bool) -> None:
+        found = read_metrics(self.path)
+        kept = [dict(r) for r in _supersede(found.records, step)]
+        for record in kept:
+            if record.get("final") and record.get("step") == step and not final:
+                record.pop("final")  # the run goes on past it
+        kept = [r for r in kept if not (final and r.get("final") and r.get("step") == step)]
+        if kept == found.records and not found.superseded and not found.problems:
+            return
+        self._file.close()
+        text = "".join(json.dumps(r) + "\n" for r in kept)
+        try:
+            write_text_atomically(self.path, text)
+        except OSError as error:
+            raise no_space_error(self.path, error) from error
+        self._file = self.path.open("a")
 
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
         record = {**record, "time": time.time()}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        except OSError as error:
+            raise no_space_error(self.path, error) from error
         numbers = {
             f"{record['kind']}/{k}": v
             for k, v in record.items()

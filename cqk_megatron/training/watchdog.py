@@ -691,12 +691,29 @@ def watching(config, dist_env, run_dir: Path | None = None):
     try:
         yield watchdog
     except BaseException as error:
-        if not isinstance(error, (KeyboardInterrupt, SystemExit)):
+        if _is_refusal(error):
+            # Refused on every rank together (collectives.from_rank0): nobody is lost, and a
+            # refused run leaves its folder as it was (no crash record).
+            watchdog.enter("shutdown", watchdog._phase.step)
+        elif not isinstance(error, (KeyboardInterrupt, SystemExit)):
             watchdog.on_error(error)
         raise
     finally:
         _CURRENT = None
         watchdog.close()
+
+
+def _is_refusal(error: BaseException) -> bool:
+    """The errors that refuse a run before it trains (cqk_megatron.train exits 2 on them):
+    a held run folder, checkpoints that do not verify, bad data or config. A failed save
+    is a failure, not a refusal."""
+    from cqk_megatron.checkpoint_files import CheckpointError, CheckpointSaveError
+    from cqk_megatron.config import ConfigError
+    from cqk_megatron.data.errors import DataError
+    from cqk_megatron.run_lease import LeaseHeld
+
+    refusal = isinstance(error, (LeaseHeld, CheckpointError, DataError, ConfigError))
+    return refusal and not isinstance(error, CheckpointSaveError)
 
 
 def record_rendezvous_failure(run_dir: Path | None, message: str, rank: int) -> None:

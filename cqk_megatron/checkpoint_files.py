@@ -1,0 +1,355 @@
+"""Checkpoint folders as files: manifests, verification, ``latest``, retention, and the
+choice of where a run starts. Torch-free, so that the launcher checks a run's checkpoints
+before it queues a job; ``cqk_megatron.training.checkpoint`` writes and reads them.
+
+Rules that keep good state:
+
+- a folder counts only if every file matches its ``manifest.json`` (written last);
+- a run resumes from its newest such folder; folders newer than it (half-written,
+  truncated) are moved to ``superseded/`` rather than overwritten later;
+- when checkpoints exist but none verifies, the run stops and lists them: resuming from
+  weights only (``weights:PATH``) or starting over (``none``) is the user's choice;
+- retention deletes a folder only when ``keep_last`` newer folders verify, and never
+  the one just written; ``latest`` names a folder that verifies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cqk_megatron.atomic import write_text_atomically
+from cqk_megatron.config import ConfigError, RunConfig, load_config
+from cqk_megatron.config_changes import (
+    Change,
+    schedule_changes,
+    shape_changes,
+    shape_mismatch_message,
+)
+from cqk_megatron.run_folder import CHECKPOINTS, METRICS, supersede
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+CONFIG = "config.yaml"
+# What a weights-only resume reads: the layout-free weights and the trainer state.
+WEIGHT_PARTS = ("model", "trainer", CONFIG, "layout.json")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is incomplete, corrupted or does not fit this run."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """Writing a checkpoint failed (a full disk, a lost lease); the previous one stands."""
+
+
+def iteration_dir(checkpoints: Path, step: int) -> Path:
+    return checkpoints / f"iter_{step:07d}"
+
+
+def iteration_step(folder: Path) -> int | None:
+    suffix = folder.name[len("iter_") :]
+    return int(suffix) if folder.name.startswith("iter_") and suffix.isdigit() else None
+
+
+def iterations(checkpoints: Path) -> list[Path]:
+    """``iter_NNNNNNN`` folders (not staging ``.tmp`` ones), oldest first."""
+    if not checkpoints.is_dir():
+        return []
+    found = [p for p in checkpoints.iterdir() if p.is_dir() and iteration_step(p) is not None]
+    return sorted(found, key=iteration_step)
+
+
+# -- manifest ------------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path, step: int, with_hashes: bool) -> None:
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
+        entry = {"size": path.stat().st_size}
+        if with_hashes:
+            entry["sha256"] = _sha256(path)
+        files[str(path.relative_to(folder))] = entry
+    write_text_atomically(folder / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
+
+
+def _in_parts(name: str, parts: tuple[str, ...] | None) -> bool:
+    return parts is None or name.split("/", 1)[0] in parts
+
+
+def verify(folder: Path, hashes: bool = True, parts: tuple[str, ...] | None = None) -> int:
+    """The step of a complete checkpoint; raises ``CheckpointError`` saying what is wrong.
+
+    ``hashes=False`` checks sizes only (cheap: retention, the launcher); ``parts`` limits
+    the check to files under those top-level names (``WEIGHT_PARTS``: a weights-only
+    resume does not need the optimizer's files).
+    """
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{folder}: no {MANIFEST}, so the checkpoint was never completed")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files, step = manifest["files"], int(manifest["step"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{manifest_path}: unreadable manifest ({error})") from error
+    for name, entry in files.items():
+        if not _in_parts(name, parts):
+            continue
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{folder}: {name} is listed in the manifest but missing")
+        size = path.stat().st_size
+        if size != entry["size"]:
+            raise CheckpointError(
+                f"{path}: {size} bytes but the manifest says {entry['size']} (truncated?)"
+            )
+        if hashes and "sha256" in entry and _sha256(path) != entry["sha256"]:
+            raise CheckpointError(f"{path}: contents do not match the manifest's sha256")
+    if parts is not None and not any(_in_parts(name, ("model",)) for name in files):
+        raise CheckpointError(f"{folder}: the manifest lists no model weights")
+    return step
+
+
+@dataclass
+class Candidate:
+    """One ``iter_*`` folder and what verification said of it."""
+
+    folder: Path
+    problem: str | None = None  # None: verifies
+    weights_intact: bool = False  # model/ and trainer/ verify (the optimizer may not)
+
+    @property
+    def step(self) -> int:
+        return iteration_step(self.folder)
+
+
+def survey(checkpoints: Path, hashes: bool = True, stop_at_good: bool = True) -> list[Candidate]:
+    """The folders newest first, each verified, until (and with) the first that verifies."""
+    found = []
+    for folder in reversed(iterations(checkpoints)):
+        candidate = Candidate(folder)
+        try:
+            verify(folder, hashes)
+            candidate.weights_intact = True
+        except CheckpointError as error:
+            candidate.problem = str(error)
+            try:
+                verify(folder, hashes, WEIGHT_PARTS)
+                candidate.weights_intact = True
+            except CheckpointError:
+                pass
+        found.append(candidate)
+        if candidate.problem is None and stop_at_good:
+            break
+    return found
+
+
+def find_resumable(checkpoints: Path, hashes: bool = True) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint (or None) and why newer ones were refused."""
+    found = survey(checkpoints, hashes)
+    good = [c.folder for c in found if c.problem is None]
+    return (good[0] if good else None), [c.problem for c in found if c.problem]
+
+
+# -- latest and retention ------------------------------------------------------------------
+
+
+def point_latest(checkpoints: Path, folder: Path) -> None:
+    write_text_atomically(checkpoints / LATEST, folder.name + "\n")
+
+
+def repoint_latest(checkpoints: Path) -> Path | None:
+    """Point ``latest`` at the newest folder that verifies (sizes), or remove it."""
+    for folder in reversed(iterations(checkpoints)):
+        try:
+            verify(folder, hashes=False)
+        except CheckpointError:
+            continue
+        point_latest(checkpoints, folder)
+        return folder
+    (checkpoints / LATEST).unlink(missing_ok=True)
+    return None
+
+
+def retire(checkpoints: Path, keep: int, just_written: Path) -> list[Path]:
+    """Delete folders older than the ``keep`` newest that verify (sizes), never
+    ``just_written``; folders that do not verify never count toward ``keep`` (while fewer
+    than ``keep`` verify, nothing is deleted), and one newer than the oldest kept folder is
+    never deleted. Returns what was deleted."""
+    folders = iterations(checkpoints)
+    verified = []
+    for folder in folders:
+        if folder == just_written:
+            verified.append(folder)
+            continue
+        try:
+            verify(folder, hashes=False)
+            verified.append(folder)
+        except CheckpointError:
+            continue
+    if len(verified) < keep:
+        return []  # fewer good folders than keep_last: every one stays
+    kept = set(verified[-keep:]) | {just_written}
+    oldest_kept = min(iteration_step(f) for f in kept)
+    deleted = []
+    for folder in folders:
+        if folder not in kept and iteration_step(folder) < oldest_kept:
+            shutil.rmtree(folder, ignore_errors=True)
+            deleted.append(folder)
+    return deleted
+
+
+# -- config recorded with a checkpoint -------------------------------------------------------
+
+
+def saved_config(folder: Path) -> RunConfig | None:
+    """The config a checkpoint was saved with, if it recorded one that still loads."""
+    path = folder / CONFIG
+    if not path.is_file():
+        return None
+    try:
+        return load_config(path)
+    except ConfigError:
+        return None
+
+
+def check_same_shape(folder: Path, config: RunConfig, fix: str) -> None:
+    """Refuse, naming the fields, a checkpoint whose recorded model has other shapes."""
+    saved = saved_config(folder)
+    if saved is None:
+        return
+    found = shape_changes(saved, config)
+    if found:
+        raise CheckpointError(shape_mismatch_message(f"checkpoint {folder}", found, fix))
+
+
+def schedule_warning(folder: Path, config: RunConfig, step: int) -> str | None:
+    """A warning when the learning-rate schedule differs from the checkpoint's."""
+    from cqk_megatron.training.lr_schedule import learning_rate
+
+    saved = saved_config(folder)
+    if saved is None:
+        return None
+    found: list[Change] = schedule_changes(saved, config)
+    if not found:
+        return None
+    before, now = learning_rate(step, saved.train), learning_rate(step, config.train)
+    return (
+        f"warning: the learning-rate schedule differs from checkpoint {folder.name}'s ("
+        + ", ".join(str(c) for c in found)
+        + f"): the learning rate at step {step} is {now:.3g} where the saved schedule gives "
+        f"{before:.3g}; keep the saved values to continue the same schedule"
+    )
+
+
+# -- where a run starts -------------------------------------------------------------------------
+
+
+@dataclass
+class ResumeChoice:
+    """Where a run starts: ``folder`` (None: from scratch) read ``exactly`` (weights,
+    optimizer, RNG: same layout) or weights and trainer state only, and what to move out
+    of the way first."""
+
+    folder: Path | None = None
+    weights_only: bool = False  # asked for: a fresh optimizer even in the same layout
+    refused: list[str] = field(default_factory=list)  # newer folders that did not verify
+    supersede: list[Path] = field(default_factory=list)  # moved to superseded/ first
+    start_over: bool = False  # --resume none on a run with history: metrics move too
+
+
+RESUME_HELP = (
+    "auto: the newest complete checkpoint of the run, if any (the run stops if checkpoints "
+    "exist but none verifies); none: start over (the run's checkpoints and metrics are "
+    "moved to RUN/superseded/); weights:PATH: the weights and step of checkpoint PATH with "
+    "a fresh optimizer (for a checkpoint whose optimizer files are damaged); PATH: that "
+    "checkpoint"
+)
+
+
+def all_corrupt_message(checkpoints: Path, found: list[Candidate]) -> str:
+    lines = [
+        f"none of the {len(found)} checkpoint(s) in {checkpoints} verifies, so the run did "
+        "not start and nothing was changed:"
+    ]
+    for candidate in found:
+        intact = " [weights and trainer state intact]" if candidate.weights_intact else ""
+        lines.append(f"  {candidate.folder.name}: {candidate.problem}{intact}")
+    ways = []
+    with_weights = [c for c in found if c.weights_intact]
+    if with_weights:
+        ways.append(
+            f"resume from the weights of {with_weights[0].folder.name} (step "
+            f"{with_weights[0].step}) with a fresh optimizer: --resume "
+            f"weights:{with_weights[0].folder}"
+        )
+    ways.append(
+        "start over: --resume none (the checkpoints and metrics are moved to "
+        f"{checkpoints.parent / 'superseded'}/, not deleted)"
+    )
+    ways.append("or train it as a new run: name=OTHER_NAME")
+    lines.append("ways on: " + "; ".join(ways))
+    return "\n".join(lines)
+
+
+def _newer_than(checkpoints: Path, step: int) -> list[Path]:
+    return [f for f in iterations(checkpoints) if iteration_step(f) > step]
+
+
+def choose_resume(checkpoints: Path, resume: str, hashes: bool = True) -> ResumeChoice:
+    """Read ``--resume`` (see ``RESUME_HELP``) against the run's checkpoints."""
+    if resume == "none":
+        return ResumeChoice(supersede=iterations(checkpoints), start_over=True)
+    if resume == "auto":
+        found = survey(checkpoints, hashes)
+        if not found:
+            return ResumeChoice()
+        good = [c for c in found if c.problem is None]
+        if not good:
+            raise CheckpointError(all_corrupt_message(checkpoints, found))
+        folder = good[0].folder
+        refused = [c.problem for c in found if c.problem]
+        return ResumeChoice(
+            folder, refused=refused, supersede=_newer_than(checkpoints, good[0].step)
+        )
+    weights_only = resume.startswith("weights:")
+    folder = Path(resume[len("weights:") :] if weights_only else resume).expanduser()
+    if not folder.is_dir():
+        raise CheckpointError(f"--resume {resume}: {folder} is not a checkpoint folder")
+    step = verify(folder, hashes, WEIGHT_PARTS if weights_only else None)
+    inside = folder.resolve().parent == checkpoints.resolve()
+    newer = _newer_than(checkpoints, step) if inside else []
+    return ResumeChoice(folder, weights_only=weights_only, supersede=newer)
+
+
+def apply_choice(run_dir: Path, choice: ResumeChoice) -> str | None:
+    """Move what the choice supersedes out of the way; a line saying where, if anything
+    moved. Rank 0 only, before anything new is written."""
+    paths = list(choice.supersede)
+    if choice.start_over:
+        paths.append(run_dir / METRICS)
+    moved = supersede(run_dir, paths)
+    checkpoints = run_dir / CHECKPOINTS
+    if checkpoints.is_dir():
+        if choice.folder is not None and choice.folder.parent.resolve() == checkpoints.resolve():
+            point_latest(checkpoints, choice.folder)
+        else:
+            repoint_latest(checkpoints)
+    if moved is None:
+        return None
+    names = ", ".join(p.name for p in choice.supersede if p.name.startswith("iter_"))
+    what = f"checkpoint(s) {names}" if names else ""
+    if choice.start_over and (moved / METRICS).exists():
+        what = f"{what} and metrics.jsonl" if what else "metrics.jsonl"
+    return f"moved {what} to {moved} (superseded, not deleted)"
