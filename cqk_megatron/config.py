@@ -21,22 +21,56 @@ from typing import Any
 
 import yaml
 
+# The couplings, scorings and named variants (presets of the two) are the registry's, as
+# live views: a coupling registered later (README, "Adding a variant") is in them too. The
+# registry is torch-free, like this module.
+from cqk_megatron.variants import (
+    COUPLING_IMPLS,
+    COUPLING_POSITIONS,
+    COUPLINGS,  # noqa: F401  (re-exported)
+    DIFFERENTIAL_KERNEL_SETTINGS,
+    INTEGRATOR_STEPS,
+    SCORINGS,  # noqa: F401
+    VARIANTS,  # noqa: F401
+    check_config,
+    unknown_names,
+    variant_name,
+)
+
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
-SCORINGS = ("standard", "differential")
-COUPLINGS = ("none", "euler", "hamiltonian", "mlp_only", "invertible")
-
-# Named variants are presets of the two orthogonal choices (coupling, scoring).
-VARIANTS: dict[str, tuple[str, str]] = {
-    "standard": ("none", "standard"),
-    "coupled": ("hamiltonian", "standard"),
-    "coupled_euler": ("euler", "standard"),
-    "mlp_only": ("mlp_only", "standard"),
-    "invertible": ("invertible", "standard"),
-    "differential": ("none", "differential"),
-    "coupled_differential": ("hamiltonian", "differential"),
-    "invertible_differential": ("invertible", "differential"),
+# Model families are presets of the model's architecture fields, as variants are of the
+# attention's: Llama-style (the default fields) and GPT-2-style.
+MODEL_FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {
+        "normalization": "RMSNorm",
+        "swiglu": True,
+        "position_embedding_type": "rope",
+        "add_bias_linear": False,
+    },
+    "gpt2": {
+        "normalization": "LayerNorm",
+        "swiglu": False,  # a GELU MLP of width 4 x hidden
+        "position_embedding_type": "learned_absolute",
+        "add_bias_linear": True,  # biases in QKV, attention output, fc1 and fc2, as GPT-2
+    },
 }
+POSITION_EMBEDDINGS = ("rope", "learned_absolute")
+
+
+def family_overrides(family: str) -> list[str]:
+    """``key=value`` overrides that turn any model config into ``family``'s architecture
+    (its fields set explicitly, so they win over a file that names the other family's;
+    the MLP width goes back to the family's default: 8/3 x hidden for SwiGLU, 4 x for GELU)."""
+    if family not in MODEL_FAMILIES:
+        raise ConfigError(
+            f"model family {family!r} is unknown; choose one of {list(MODEL_FAMILIES)}"
+        )
+    fields = [
+        f"model.{key}={str(value).lower() if isinstance(value, bool) else value}"
+        for key, value in MODEL_FAMILIES[family].items()
+    ]
+    return [f"model.family={family}", *fields, "model.ffn_hidden_size=null"]
 
 
 # train.recompute (Megatron-Core's recompute_granularity) and, for full, its method; the
@@ -51,7 +85,12 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """Transformer shape (Llama-style by default: RMSNorm, SwiGLU, RoPE, no biases)."""
+    """Transformer shape (Llama-style by default: RMSNorm, SwiGLU, RoPE, no biases).
+
+    ``family`` (``llama`` | ``gpt2``, see ``MODEL_FAMILIES``) fills in the architecture
+    fields it names wherever the config does not set them; ``validate`` refuses a field
+    that contradicts the family. ``None``: the fields alone decide.
+    """
 
     num_layers: int = 4
     hidden_size: int = 128
@@ -69,6 +108,17 @@ class ModelConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     layernorm_epsilon: float = 1e-5
+    position_embedding_type: str = "rope"  # rope | learned_absolute (model.seq_length rows)
+    add_bias_linear: bool = False  # biases in every linear layer but the output layer
+    family: str | None = None  # llama | gpt2: presets of the four fields above and swiglu
+
+    @property
+    def architecture_family(self) -> str:
+        """The family these fields describe (``llama``, ``gpt2``), or ``custom``."""
+        for name, fields in MODEL_FAMILIES.items():
+            if all(getattr(self, key) == value for key, value in fields.items()):
+                return name
+        return "custom"
 
     @property
     def head_dim(self) -> int:
@@ -98,9 +148,9 @@ class ModelConfig:
 class AttentionConfig:
     """The two orthogonal choices of a layer's attention and their options."""
 
-    coupling: str = "none"  # none | euler | hamiltonian | mlp_only | invertible
-    scoring: str = "standard"  # standard | differential
-    steps: int = 1  # integrator steps, 1..7
+    coupling: str = "none"  # a registered coupling (COUPLINGS): none, hamiltonian, ...
+    scoring: str = "standard"  # a registered scoring (SCORINGS): standard, differential
+    steps: int = 1  # integrator steps, in INTEGRATOR_STEPS (1..7)
     coupling_hidden: int | None = None  # hidden width of f; None: head_dim
     dt_init: float = 0.1
     position: str = "pre_rope"  # pre_rope | post_rope
@@ -118,10 +168,7 @@ class AttentionConfig:
     @property
     def variant(self) -> str:
         """The preset name of this (coupling, scoring) pair, or ``coupling+scoring``."""
-        for name, pair in VARIANTS.items():
-            if pair == (self.coupling, self.scoring):
-                return name
-        return f"{self.coupling}+{self.scoring}"
+        return variant_name(self.coupling, self.scoring)
 
 
 @dataclass
@@ -374,10 +421,19 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+def apply_model_family(data: dict) -> dict:
+    """Fill in the architecture fields of ``model.family`` that ``data`` leaves unset."""
+    model = data.get("model")
+    family = model.get("family") if isinstance(model, dict) else None
+    if family not in MODEL_FAMILIES:
+        return data  # None, or unknown: validate() names it
+    return _deep_merge(data, {"model": {**MODEL_FAMILIES[family], **model}})
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Load a YAML config (or the defaults) and apply overrides; does not validate."""
     data = load_yaml_dict(path) if path is not None else {}
-    data = apply_overrides(data, overrides or [])
+    data = apply_model_family(apply_overrides(data, overrides or []))
     source = str(path) if path is not None else "defaults"
     if overrides:
         source += " + overrides"
@@ -490,12 +546,27 @@ def validate(config: RunConfig, world_size: int | None = None) -> RunConfig:
     def choice(value: str, options: tuple[str, ...], dotted: str) -> None:
         check(value in options, f"{dotted}={value!r} is unknown; choose one of {list(options)}")
 
-    choice(a.coupling, COUPLINGS, "attention.coupling")
-    choice(a.scoring, SCORINGS, "attention.scoring")
-    choice(a.position, ("pre_rope", "post_rope"), "attention.position")
-    choice(a.coupling_impl, ("eager", "compiled"), "attention.coupling_impl")
-    choice(a.differential_kernel, ("auto", "paired", "split"), "attention.differential_kernel")
+    errors.extend(unknown_names(config))  # the registry's one message for each
+    choice(a.position, COUPLING_POSITIONS, "attention.position")
+    choice(a.coupling_impl, COUPLING_IMPLS, "attention.coupling_impl")
+    choice(a.differential_kernel, DIFFERENTIAL_KERNEL_SETTINGS, "attention.differential_kernel")
     choice(m.normalization, ("RMSNorm", "LayerNorm"), "model.normalization")
+    choice(m.position_embedding_type, POSITION_EMBEDDINGS, "model.position_embedding_type")
+    if m.family is not None:
+        choice(m.family, tuple(MODEL_FAMILIES), "model.family")
+        for key, value in MODEL_FAMILIES.get(m.family, {}).items():
+            check(
+                getattr(m, key) == value,
+                f"model.{key}={getattr(m, key)!r} contradicts model.family={m.family!r}, which "
+                f"has model.{key}={value!r}; drop the model.{key} override, or set "
+                "model.family=null to describe a custom architecture by its fields",
+            )
+    check(
+        not (a.position == "post_rope" and m.position_embedding_type != "rope"),
+        f"attention.position=post_rope needs RoPE, but model.position_embedding_type="
+        f"{m.position_embedding_type!r} has none (the coupling would run where pre_rope does); "
+        "use attention.position=pre_rope",
+    )
     choice(t.precision, ("fp32", "bf16", "fp64"), "train.precision")
     choice(config.backend, ("local", "transformer_engine"), "backend")
     choice(t.lr_schedule, ("cosine", "wsd", "constant"), "train.lr_schedule")
@@ -624,19 +695,7 @@ def validate(config: RunConfig, world_size: int | None = None) -> RunConfig:
             f"model.seq_length={m.seq_length} is not divisible by parallel.tensor_parallel={tp}, "
             "which sequence parallelism needs; change one of them",
         )
-    if a.scoring == "differential" and heads % tp == 0 and kv_heads % tp == 0:
-        check(
-            (heads // tp) % 2 == 0,
-            f"attention.scoring=differential pairs heads, but each tensor-parallel rank holds "
-            f"{heads // tp} query heads (model.num_attention_heads={heads} / "
-            f"parallel.tensor_parallel={tp}), an odd number; use an even count per rank",
-        )
-        check(
-            (kv_heads // tp) % 2 == 0,
-            f"attention.scoring=differential pairs key/value heads, but each tensor-parallel "
-            f"rank holds {kv_heads // tp} (model.num_query_groups={kv_heads} / "
-            f"parallel.tensor_parallel={tp}), an odd number; use an even count per rank",
-        )
+    errors.extend(check_config(config))  # the chosen coupling's and scoring's own rules
     layers_per_chunk = pp * (p.virtual_pipeline or 1)
     check(
         m.num_layers % layers_per_chunk == 0,
@@ -668,21 +727,14 @@ def validate(config: RunConfig, world_size: int | None = None) -> RunConfig:
             "sequence-parallel gradients to Megatron's finalize_model_grads, which only "
             "train.engine=megatron runs; use train.engine=megatron, or backend=local",
         )
+    low, high = INTEGRATOR_STEPS
     check(
-        1 <= a.steps <= 7,
-        f"attention.steps={a.steps} is out of range; the integrators take 1 to 7 steps",
+        low <= a.steps <= high,
+        f"attention.steps={a.steps} is out of range; the integrators take {low} to {high} steps",
     )
     check(a.dt_init > 0, f"attention.dt_init={a.dt_init} must be positive")
     hidden = a.coupling_hidden if a.coupling_hidden is not None else m.head_dim
-    check(
-        hidden >= (2 if a.coupling == "mlp_only" else 1),
-        f"attention.coupling_hidden={hidden} is too small"
-        + (
-            " (mlp_only splits it between f_q and f_k: at least 2)"
-            if a.coupling == "mlp_only"
-            else ""
-        ),
-    )
+    check(hidden >= 1, f"attention.coupling_hidden={hidden} is too small")
     check(a.invertible_layers >= 1, "attention.invertible_layers must be at least 1")
     check(a.invertible_scale_bound > 0, "attention.invertible_scale_bound must be positive")
 

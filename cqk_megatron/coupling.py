@@ -9,7 +9,8 @@ Shapes follow Megatron: ``q`` is ``[..., q_heads, head_dim]`` and ``k`` is
 the leading dimensions (``[seq, batch]`` in Megatron, ``[batch, seq]`` in Hugging Face)
 are only carried along, because every coupling acts per token and per head.
 
-Couplings (applied to ``(q, k)`` before scoring):
+Couplings (applied to ``(q, k)`` before scoring; the names, options and costs of each
+class are registered in ``cqk_megatron/variants``, which this file does not import):
 
 - ``euler``:        q <- q + dt * k ;  k <- k + dt * f(q_old)
 - ``hamiltonian``:  leapfrog, q as position and k as momentum:
@@ -39,7 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-COUPLING_KINDS = ("none", "euler", "hamiltonian", "mlp_only", "invertible")
+# The integrators' step counts, inclusive. ``config.validate`` reads this literal from this
+# file's source (``variants.options``), so the bound lives here once.
+INTEGRATOR_STEPS = (1, 7)
 
 
 def expand_kv(k: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -120,8 +123,9 @@ class _IntegratorCoupling(QKCoupling):
 
     def __init__(self, head_dim: int, hidden: int, steps: int = 1, dt_init: float = 0.1) -> None:
         super().__init__()
-        if not 1 <= steps <= 7:
-            raise ValueError(f"steps must be in 1..7, got {steps}")
+        low, high = INTEGRATOR_STEPS
+        if not low <= steps <= high:
+            raise ValueError(f"steps must be in {low}..{high}, got {steps}")
         self.steps = steps
         self.f = HeadMLP(head_dim, hidden)
         self.dt = PositiveStep(dt_init)
@@ -238,23 +242,6 @@ class InvertibleCoupling(QKCoupling):
             s1, t1 = self._scale_shift(q_net, expand_kv(k, group))
             q = (q - t1) * torch.exp(-s1)
         return q, k
-
-
-COUPLING_CLASSES: dict[str, type[QKCoupling] | None] = {
-    "none": None,
-    "euler": EulerCoupling,
-    "hamiltonian": HamiltonianCoupling,
-    "mlp_only": MLPOnlyCoupling,
-    "invertible": InvertibleCoupling,
-}
-
-
-def build_coupling(kind: str, head_dim: int, **options) -> QKCoupling | None:
-    """The coupling module for ``kind`` (``None`` for ``"none"``) with its options."""
-    if kind not in COUPLING_CLASSES:
-        raise ValueError(f"unknown coupling {kind!r}; choose one of {list(COUPLING_CLASSES)}")
-    cls = COUPLING_CLASSES[kind]
-    return None if cls is None else cls(head_dim=head_dim, **options)
 
 
 # ---------------------------------------------------------------------------------------

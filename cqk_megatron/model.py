@@ -38,7 +38,7 @@ def transformer_config(config: RunConfig) -> TransformerConfig:
         layernorm_epsilon=m.layernorm_epsilon,
         gated_linear_unit=m.swiglu,
         activation_func=F.silu if m.swiglu else F.gelu,
-        add_bias_linear=False,
+        add_bias_linear=m.add_bias_linear,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
@@ -114,7 +114,7 @@ def build_model(
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=config.model.tie_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type=config.model.position_embedding_type,
         rotary_base=config.model.rotary_base,
         vp_stage=vp_stage,
     )

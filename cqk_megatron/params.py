@@ -16,10 +16,12 @@ import torch
 from cqk_megatron.config import VARIANTS, RunConfig, load_config, validate
 from cqk_megatron.distributed import init_single_process
 from cqk_megatron.model import build_model, count_parameters
+from cqk_megatron.variants import UnknownVariantError, pair
 
 
 def variant_config(config: RunConfig, variant: str) -> RunConfig:
-    coupling, scoring = VARIANTS[variant]
+    """``config`` with ``variant``'s attention (a preset name or ``coupling+scoring``)."""
+    coupling, scoring = pair(variant)
     attention = dataclasses.replace(config.attention, coupling=coupling, scoring=scoring)
     parallel = dataclasses.replace(config.parallel, tensor_parallel=1, pipeline_parallel=1)
     return dataclasses.replace(config, attention=attention, parallel=parallel)
@@ -68,9 +70,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = load_config(args.config, args.overrides)
     variants = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    for variant in variants:
+        try:
+            pair(variant)
+        except UnknownVariantError as error:
+            parser.error(str(error))
     print(format_table(overhead_table(config, variants)))
 
 

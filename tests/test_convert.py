@@ -770,7 +770,7 @@ def test_import_refuses_what_it_cannot_read(tmp_path, exports):
     _, _, _, folder = exports.get("standard", "gqa")
     config = json.loads((folder / "config.json").read_text())
     for edit, message in (
-        ({"model_type": "gpt2"}, "model_type='gpt2' cannot be imported"),
+        ({"model_type": "mistral"}, "model_type='mistral' cannot be imported"),
         ({"hidden_size": 128}, "disagree.*hidden_size=128"),
     ):
         broken = tmp_path / f"broken-{next(iter(edit))}"

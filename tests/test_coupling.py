@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cqk_megatron import coupling as C
+from cqk_megatron import variants as V
 
 # ---------------------------------------------------------------------------------------
 # helpers (independent of the module under test)
@@ -324,11 +325,11 @@ def test_steps_out_of_range_rejected(cls, steps):
     with pytest.raises(ValueError):
         cls(head_dim=8, hidden=6, steps=steps)
     with pytest.raises(ValueError):
-        C.build_coupling(cls_kind(cls), 8, hidden=6, steps=steps)
+        V.build_coupling(cls_kind(cls), 8, hidden=6, steps=steps)
 
 
 def cls_kind(cls) -> str:
-    return {v: k for k, v in C.COUPLING_CLASSES.items() if v is not None}[cls]
+    return V.coupling_for_class(cls).name
 
 
 # ---------------------------------------------------------------------------------------
@@ -559,18 +560,25 @@ BUILD_OPTIONS = {
 
 
 def test_coupling_kinds_complete():
-    assert set(C.COUPLING_KINDS) == {"none", "euler", "hamiltonian", "mlp_only", "invertible"}
-    assert set(C.COUPLING_CLASSES) == set(C.COUPLING_KINDS)
+    assert set(V.COUPLINGS) == {"none", "euler", "hamiltonian", "mlp_only", "invertible"}
+    classes = {name: V.coupling(name).module_class() for name in V.COUPLINGS}
+    assert classes == {
+        "none": None,
+        "euler": C.EulerCoupling,
+        "hamiltonian": C.HamiltonianCoupling,
+        "mlp_only": C.MLPOnlyCoupling,
+        "invertible": C.InvertibleCoupling,
+    }
 
 
-@pytest.mark.parametrize("kind", C.COUPLING_KINDS)
+@pytest.mark.parametrize("kind", list(V.COUPLINGS))
 def test_build_every_kind(kind):
     if kind == "none":
-        assert C.build_coupling("none", 8) is None
+        assert V.build_coupling("none", 8) is None
         return
-    mod = C.build_coupling(kind, 8, **BUILD_OPTIONS[kind])
+    mod = V.build_coupling(kind, 8, **BUILD_OPTIONS[kind])
     assert isinstance(mod, C.QKCoupling)
-    assert isinstance(mod, C.COUPLING_CLASSES[kind])
+    assert isinstance(mod, V.coupling(kind).module_class())
     q, k = torch.randn(3, 2, 4, 8), torch.randn(3, 2, 2, 8)
     q2, k2 = mod(q, k)
     assert q2.shape == q.shape and k2.shape == k.shape
@@ -585,9 +593,9 @@ def test_build_every_kind(kind):
 @pytest.mark.parametrize("kind", ["", "Euler", "leapfrog", "diff", "None"])
 def test_build_unknown_kind(kind):
     with pytest.raises(ValueError) as err:
-        C.build_coupling(kind, 8, hidden=4)
+        V.build_coupling(kind, 8, hidden=4)
     msg = str(err.value)
-    for choice in C.COUPLING_KINDS:
+    for choice in V.COUPLINGS:
         assert choice in msg
 
 

@@ -15,11 +15,11 @@ import torch
 from cqk_megatron.attention import fast_coupling
 from cqk_megatron.attention.fast_coupling import fused_coupling, run_coupling
 from cqk_megatron.config import load_config
-from cqk_megatron.coupling import build_coupling
 from cqk_megatron.distributed import init_single_process
 from cqk_megatron.model import build_model
 from cqk_megatron.perf import bench
 from cqk_megatron.perf.measure import saved_activation_bytes
+from cqk_megatron.variants import build_coupling
 
 SEQ, BATCH, HEADS, HEAD_DIM, HIDDEN = 12, 2, 8, 8, 8
 TOL = {"rtol": 1e-5, "atol": 1e-5}

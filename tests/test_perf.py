@@ -18,12 +18,19 @@ import torch
 from _multiproc import run_ranks
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from cqk_megatron.attention.fast_coupling import run_coupling
 from cqk_megatron.config import CONFIGS_DIR, VARIANTS, load_config
 from cqk_megatron.distributed import init_single_process
 from cqk_megatron.model import build_model, count_parameters
 from cqk_megatron.params import count_variant_parameters, variant_config
 from cqk_megatron.perf import bench, plan
-from cqk_megatron.perf.flops import flops_breakdown, flops_per_token, mfu, peak_flops
+from cqk_megatron.perf.flops import (
+    coupling_flops,
+    flops_breakdown,
+    flops_per_token,
+    mfu,
+    peak_flops,
+)
 from cqk_megatron.perf.measure import SavedTensorMeter, saved_activation_bytes
 from cqk_megatron.perf.memory import (
     activation_estimate,
@@ -31,6 +38,7 @@ from cqk_megatron.perf.memory import (
     stage_parameters,
     total_parameters,
 )
+from cqk_megatron.specs import coupling_spec
 
 SEQ, BATCH, VOCAB = 32, 2, 256
 REPO = Path(__file__).resolve().parent.parent
@@ -111,6 +119,28 @@ def test_flops_match_flop_counter(variant):
     parts = flops_breakdown(config)
     if VARIANTS[variant][0] != "none":
         assert parts["coupling"] > 0 and parts["elementwise_not_counted"] > 0
+
+
+@pytest.mark.parametrize("kv_groups", [8, 4], ids=["mha", "gqa"])
+@pytest.mark.parametrize("coupling", ["euler", "hamiltonian", "mlp_only", "invertible"])
+def test_coupling_flops_are_exactly_those_of_the_form_that_runs(coupling, kv_groups):
+    """Each coupling's registered FLOPs term against FlopCounterMode on the coupling as the
+    layers run it (its fused form, eager): leapfrog's n + 1 kicks, fc2 on the key heads."""
+    config = tiny(
+        "standard",
+        f"attention.coupling={coupling}",
+        "attention.steps=3",
+        "attention.invertible_layers=2",
+        kv_groups=kv_groups,
+    )
+    d = config.model.head_dim
+    spec = coupling_spec(config.attention, d)
+    module = spec.module(head_dim=d, **spec.params)
+    q, k = torch.randn(SEQ, BATCH, 8, d), torch.randn(SEQ, BATCH, kv_groups, d)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        run_coupling(module, q, k, impl="eager")
+    assert counter.get_total_flops() / (SEQ * BATCH) == coupling_flops(config)
 
 
 def test_flops_with_mha_and_flash_recompute():

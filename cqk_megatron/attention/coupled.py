@@ -22,8 +22,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from cqk_megatron.attention.fast_coupling import RUN_IMPLS, has_fused_form, run_coupling
 from cqk_megatron.attention.tp_grads import sum_partial_grads_across_tp
-
-COUPLING_POSITIONS = ("pre_rope", "post_rope")
+from cqk_megatron.variants import COUPLING_POSITIONS
 
 
 @dataclass
@@ -64,7 +63,7 @@ class QKSelfAttention(SelfAttention):
             if coupling_impl == "compiled" and not has_fused_form(self.coupling):
                 raise ValueError(
                     f"attention.coupling_impl=compiled: {type(self.coupling).__name__} has no "
-                    "fused form in cqk_megatron/attention/fast_coupling.py; use eager"
+                    "fused form registered (CouplingVariant.fused); use eager"
                 )
             if coupling_position == "post_rope":
                 self.core_attention.register_forward_pre_hook(self._couple_rotated_qk)

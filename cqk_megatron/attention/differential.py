@@ -62,9 +62,10 @@ from torch.autograd.function import once_differentiable
 
 from cqk_megatron.attention.sdpa import SDPACoreAttention, sdpa_backend
 from cqk_megatron.attention.tp_grads import sum_partial_grads_across_tp
-from cqk_megatron.coupling import DIFFERENTIAL_KERNELS, DifferentialScoring, pair_values
+from cqk_megatron.coupling import DifferentialScoring, pair_values
+from cqk_megatron.variants import DIFFERENTIAL_KERNEL_SETTINGS
 
-KERNEL_SETTINGS = ("auto", *DIFFERENTIAL_KERNELS)  # attention.differential_kernel
+KERNEL_SETTINGS = DIFFERENTIAL_KERNEL_SETTINGS  # attention.differential_kernel: auto or a form
 FAST_WIDE_VALUE_BACKENDS = ("flash", "cudnn")  # SDPA kernels for which auto pairs
 PROBE_SEQ = 128  # probe length: past every kernel's minimum, a multiple of 64
 MAPS_BLOCK = 128  # query rows per block of paired_maps (fastest of 64..256 measured on CPU)

@@ -22,11 +22,13 @@ less is computed and an elementwise chain can fuse:
   group (the reference evaluates the net on the expanded keys); the shift ``t2`` is
   linear in the hidden activation, so its group mean is also taken before its matmul.
 
-``run_coupling`` applies one of these to ``(q, k)``: eagerly, through ``torch.compile``
-(``attention.coupling_impl=compiled``; inductor then fuses the elementwise work into the
-matmuls' neighbours), and optionally under ``torch.utils.checkpoint`` so the backward
-recomputes the coupling instead of storing its intermediates
-(``attention.recompute_coupling``). Every function takes the parameters as tensors, so
+Each registered coupling names its fused form (``CouplingVariant.fused``, one of the
+``*_form`` functions below for those that ship): ``(module, q, k) -> (function, parameter
+tensors, options)``. ``run_coupling`` applies one of these to ``(q, k)``: eagerly,
+through ``torch.compile`` (``attention.coupling_impl=compiled``; inductor then fuses the
+elementwise work into the matmuls' neighbours), and optionally under
+``torch.utils.checkpoint`` so the backward recomputes the coupling instead of storing its
+intermediates (``attention.recompute_coupling``). Every function takes the parameters as tensors, so
 one compiled graph serves every layer.
 """
 
@@ -40,17 +42,15 @@ from torch._dynamo.exc import TorchDynamoException
 from torch.utils.checkpoint import checkpoint
 
 from cqk_megatron.coupling import (
-    EulerCoupling,
-    HamiltonianCoupling,
     HeadMLP,
     InvertibleCoupling,
     MLPOnlyCoupling,
     QKCoupling,
     _group_size,
 )
+from cqk_megatron.variants import COUPLING_IMPLS, coupling_for_class
 
-COUPLING_IMPLS = ("eager", "compiled")  # attention.coupling_impl
-RUN_IMPLS = (*COUPLING_IMPLS, "reference")
+RUN_IMPLS = (*COUPLING_IMPLS, "reference")  # attention.coupling_impl's, and the module itself
 
 
 # --- building blocks (shapes ``[..., heads, d]``) ------------------------------------------
@@ -152,22 +152,22 @@ def _mlp_tensors(net: HeadMLP) -> list[torch.Tensor]:
     return tensors + ([net.fc2.bias] if net.fc2.bias is not None else [])
 
 
-def _integrator_call(function: Callable) -> Callable:
-    def call(coupling, q, k):
+def _integrator_form(function: Callable) -> Callable:
+    def form(coupling, q, k):
         group = _group_size(q, k)
         tensors = [*_mlp_tensors(coupling.f), coupling.dt.raw]
         return function, tensors, {"steps": coupling.steps, "group": group}
 
-    return call
+    return form
 
 
-def _mlp_only_call(coupling: MLPOnlyCoupling, q, k):
+def mlp_only_form(coupling: MLPOnlyCoupling, q, k):
     _group_size(q, k)  # same check as the reference
     tensors = [*_mlp_tensors(coupling.f_q), *_mlp_tensors(coupling.f_k), coupling.dt.raw]
     return mlp_only, tensors, {"steps": coupling.steps}
 
 
-def _invertible_call(coupling: InvertibleCoupling, q, k):
+def invertible_form(coupling: InvertibleCoupling, q, k):
     tensors = [
         t
         for q_net, k_net in zip(coupling.q_nets, coupling.k_nets, strict=True)
@@ -181,17 +181,19 @@ def _invertible_call(coupling: InvertibleCoupling, q, k):
     return invertible, tensors, options
 
 
-# Exact classes: a subclass may change the math, so it must register its own fused form.
-FUSED_FORMS: dict[type[QKCoupling], Callable] = {
-    EulerCoupling: _integrator_call(euler),
-    HamiltonianCoupling: _integrator_call(leapfrog),
-    MLPOnlyCoupling: _mlp_only_call,
-    InvertibleCoupling: _invertible_call,
-}
+euler_form = _integrator_form(euler)
+leapfrog_form = _integrator_form(leapfrog)
+
+
+def fused_form(coupling: QKCoupling) -> Callable | None:
+    """The fused form registered with exactly this module's class (a subclass may change
+    the math, so it is not given its parent's), or None."""
+    variant = coupling_for_class(type(coupling))
+    return None if variant is None else variant.fused_form()
 
 
 def has_fused_form(coupling: QKCoupling) -> bool:
-    return type(coupling) in FUSED_FORMS
+    return fused_form(coupling) is not None
 
 
 # --- running a coupling ---------------------------------------------------------------------
@@ -225,13 +227,14 @@ def _call_compiled(function: Callable, q, k, tensors, options):
 
 def fused_coupling(coupling: QKCoupling, q, k, compiled: bool = False):
     """The fused form of ``coupling`` applied to ``(q, k)``, compiled or not."""
-    if type(coupling) not in FUSED_FORMS:
+    form = fused_form(coupling)
+    if form is None:
         raise NotImplementedError(
-            f"{type(coupling).__name__} has no fused form; register one in "
-            "cqk_megatron/attention/fast_coupling.py FUSED_FORMS or set "
+            f"{type(coupling).__name__} has no fused form; give its registration one "
+            "(CouplingVariant.fused, README: Adding a variant) or set "
             "attention.coupling_impl=eager"
         )
-    function, tensors, options = FUSED_FORMS[type(coupling)](coupling, q, k)
+    function, tensors, options = form(coupling, q, k)
     if compiled:
         return _call_compiled(function, q, k, tensors, options)
     return function(q, k, *tensors, **options)

@@ -1,8 +1,10 @@
 """``RunConfig`` <-> Hugging Face ``config.json``.
 
 Standard attention with RMSNorm, SwiGLU and RoPE is exactly Llama, so it exports to
-transformers' own ``LlamaForCausalLM`` (no remote code). Everything else exports to the
-custom ``CQKForCausalLM`` (``hf_remote/``) registered through ``auto_map``. The full
+transformers' own ``LlamaForCausalLM`` (no remote code); standard attention in the GPT-2
+family (learned positions, LayerNorm, GELU, biases, multi-head) is exactly GPT-2 and exports
+to ``GPT2LMHeadModel``. Everything else exports to the custom ``CQKForCausalLM``
+(``hf_remote/``) registered through ``auto_map``. The full
 ``RunConfig`` also travels in the folder (``cqk_run_config.yaml``), so importing our own
 export gives the same config back; a foreign Llama folder gets a config derived from its
 ``config.json``.
@@ -17,17 +19,21 @@ import torch
 
 from cqk_megatron.config import COUPLINGS, SCORINGS, RunConfig
 from cqk_megatron.convert.errors import ConversionError
+from cqk_megatron.convert.remote_source import export_fields, variant_source
 from cqk_megatron.specs import coupling_spec
+from cqk_megatron.variants import COUPLING_POSITIONS, UnknownVariantError, coupling, scoring
 
 LLAMA = "llama"
+GPT2 = "gpt2"
 CQK = "cqk"
 CQK_AUTO_MAP = {
     "AutoConfig": "configuration_cqk.CQKConfig",
     "AutoModelForCausalLM": "modeling_cqk.CQKForCausalLM",
 }
-# What the exported modeling code implements; anything else is refused at export time.
-EXPORTABLE_COUPLINGS = ("none", "euler", "hamiltonian", "mlp_only", "invertible")
-EXPORTABLE_SCORINGS = ("standard", "differential")
+# What exports: every registered coupling and scoring (the registry's live views), whose
+# classes the folder ships (``remote_source``); anything else is refused at export time.
+EXPORTABLE_COUPLINGS = COUPLINGS
+EXPORTABLE_SCORINGS = SCORINGS
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -39,24 +45,59 @@ def is_llama_compatible(config: RunConfig) -> bool:
         and a.scoring == "standard"
         and m.normalization == "RMSNorm"
         and m.swiglu
+        and m.position_embedding_type == "rope"
+        and not m.add_bias_linear
     )
 
 
+def is_gpt2_compatible(config: RunConfig) -> bool:
+    """Whether transformers' GPT-2 computes exactly this model."""
+    m, a = config.model, config.attention
+    return (
+        a.coupling == "none"
+        and a.scoring == "standard"
+        and m.normalization == "LayerNorm"
+        and not m.swiglu
+        and m.position_embedding_type == "learned_absolute"
+        and m.add_bias_linear
+        and m.kv_heads == m.num_attention_heads
+    )
+
+
+def native_model_type(config: RunConfig) -> str | None:
+    """``llama`` or ``gpt2`` where a native transformers class is exact, else None."""
+    if is_llama_compatible(config):
+        return LLAMA
+    if is_gpt2_compatible(config):
+        return GPT2
+    return None
+
+
 def check_exportable(config: RunConfig) -> None:
-    """Refuse a variant that the exporter (and its modeling code) does not know."""
+    """Refuse a variant that the exporter (and its modeling code) does not know, or whose
+    classes it cannot ship."""
     a, m = config.attention, config.model
+    try:
+        coupling(a.coupling), scoring(a.scoring)
+    except UnknownVariantError as error:  # the registry's one message for the name
+        raise ConversionError(str(error)) from None
     if a.coupling not in EXPORTABLE_COUPLINGS or a.scoring not in EXPORTABLE_SCORINGS:
         raise ConversionError(
             f"variant {a.variant!r} (attention.coupling={a.coupling!r}, "
             f"attention.scoring={a.scoring!r}) is unknown to the Hugging Face exporter; it "
             f"exports couplings {list(EXPORTABLE_COUPLINGS)} and scorings "
-            f"{list(EXPORTABLE_SCORINGS)} (add the new kind to cqk_megatron/convert/hf_config.py "
-            "and hf_remote/modeling_cqk.py)"
+            f"{list(EXPORTABLE_SCORINGS)}"
         )
-    if a.position not in ("pre_rope", "post_rope"):
+    variant_source(config)  # refuses a class whose source cannot travel
+    if a.position not in COUPLING_POSITIONS:
         raise ConversionError(f"attention.position={a.position!r} is unknown to the exporter")
     if m.normalization not in ("RMSNorm", "LayerNorm"):
         raise ConversionError(f"model.normalization={m.normalization!r} is unknown to the exporter")
+    if m.position_embedding_type not in ("rope", "learned_absolute"):
+        raise ConversionError(
+            f"model.position_embedding_type={m.position_embedding_type!r} is unknown to the "
+            "exporter"
+        )
 
 
 def _token_ids(special_ids: dict[str, int | None]) -> dict[str, int | None]:
@@ -87,6 +128,8 @@ def hf_config_dict(
     }
     if is_llama_compatible(config):
         return _llama_config_dict(config, shape)
+    if is_gpt2_compatible(config):
+        return _gpt2_config_dict(config, shape)
     spec = coupling_spec(config.attention, m.head_dim)
     return {
         "architectures": ["CQKForCausalLM"],
@@ -97,10 +140,13 @@ def hf_config_dict(
         "normalization": m.normalization,
         "norm_eps": m.layernorm_epsilon,
         "mlp_activation": "swiglu" if m.swiglu else "gelu",
+        "position_embedding_type": m.position_embedding_type,
+        "linear_bias": m.add_bias_linear,
         "coupling": config.attention.coupling,
         "coupling_options": {} if spec is None else dict(spec.params),
         "coupling_position": config.attention.position,
         "scoring": config.attention.scoring,
+        **export_fields(config),
     }
 
 
@@ -120,6 +166,37 @@ def _llama_config_dict(config: RunConfig, shape: dict[str, Any]) -> dict[str, An
     )
     data = llama.to_dict()
     data["architectures"] = ["LlamaForCausalLM"]
+    data["dtype"] = shape["dtype"]
+    return data
+
+
+def _gpt2_config_dict(config: RunConfig, shape: dict[str, Any]) -> dict[str, Any]:
+    """Built by transformers' own ``GPT2Config``; ``gelu`` is the exact (erf) GELU that
+    Megatron's MLP applies (GPT-2's own ``gelu_new`` is the tanh approximation)."""
+    from transformers import GPT2Config
+
+    m = config.model
+    gpt2 = GPT2Config(
+        vocab_size=shape["vocab_size"],
+        n_positions=m.seq_length,
+        n_embd=m.hidden_size,
+        n_layer=m.num_layers,
+        n_head=m.num_attention_heads,
+        n_inner=m.ffn_size,
+        activation_function="gelu",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        layer_norm_epsilon=m.layernorm_epsilon,
+        initializer_range=m.init_method_std,
+        scale_attn_weights=True,
+        tie_word_embeddings=m.tie_embeddings,
+        use_cache=True,
+        # GPT2Config's defaults are GPT-2's own 50256; the tokenizer's ids (or None) instead
+        **{k: shape[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
+    )
+    data = gpt2.to_dict()
+    data["architectures"] = ["GPT2LMHeadModel"]
     data["dtype"] = shape["dtype"]
     return data
 
@@ -176,6 +253,38 @@ def run_config_from_llama(hf: dict[str, Any], source: str) -> RunConfig:
     return config
 
 
+def run_config_from_gpt2(hf: dict[str, Any], source: str) -> RunConfig:
+    """A ``RunConfig`` (GPT-2 family, standard attention) for a native GPT-2 ``config.json``."""
+    activation = hf.get("activation_function", "gelu_new")
+    if activation != "gelu":
+        raise ConversionError(
+            f"{source}: activation_function={activation!r} has no counterpart in cqk-megatron, "
+            "whose GPT-2 family applies the exact GELU ('gelu'); GPT-2's own 'gelu_new' is "
+            "the tanh approximation"
+        )
+    for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if hf.get(key):
+            raise ConversionError(f"{source}: {key}=true is not supported")
+    try:
+        heads, hidden, layers = hf["n_head"], hf["n_embd"], hf["n_layer"]
+        vocab, positions = hf["vocab_size"], hf["n_positions"]
+    except KeyError as error:
+        raise ConversionError(f"{source}: config.json lacks {error.args[0]!r}") from error
+    config = RunConfig()
+    m = config.model
+    m.family = GPT2
+    m.normalization, m.swiglu = "LayerNorm", False
+    m.position_embedding_type, m.add_bias_linear = "learned_absolute", True
+    m.num_layers, m.hidden_size, m.num_attention_heads = layers, hidden, heads
+    m.ffn_hidden_size = hf.get("n_inner") or 4 * hidden
+    m.vocab_size, m.make_vocab_size_divisible_by = vocab, math.gcd(vocab, 128)
+    m.seq_length = positions
+    m.tie_embeddings = bool(hf.get("tie_word_embeddings", True))
+    m.layernorm_epsilon = float(hf.get("layer_norm_epsilon", 1e-5))
+    m.init_method_std = float(hf.get("initializer_range", m.init_method_std))
+    return config
+
+
 def check_config_agrees(config: RunConfig, hf: dict[str, Any], source: str) -> None:
     """The saved ``RunConfig`` and ``config.json`` must describe the same model."""
     m = config.model
@@ -187,6 +296,15 @@ def check_config_agrees(config: RunConfig, hf: dict[str, Any], source: str) -> N
         "num_key_value_heads": m.kv_heads,
         "intermediate_size": m.ffn_size,
     }
+    if hf.get("model_type") == GPT2:
+        pairs = {
+            "vocab_size": m.padded_vocab_size,
+            "n_embd": m.hidden_size,
+            "n_layer": m.num_layers,
+            "n_head": m.num_attention_heads,
+            "n_inner": m.ffn_size,
+            "n_positions": m.seq_length,
+        }
     wrong = [f"{k}={hf.get(k)!r} vs {v}" for k, v in pairs.items() if hf.get(k) != v]
     if hf.get("model_type") == CQK:
         for key, value in (
@@ -204,26 +322,27 @@ def check_config_agrees(config: RunConfig, hf: dict[str, Any], source: str) -> N
 
 def run_config_from_cqk(hf: dict[str, Any], source: str) -> RunConfig:
     """A ``RunConfig`` for our custom ``config.json`` when ``cqk_run_config.yaml`` is gone."""
-    coupling, scoring = hf.get("coupling", "none"), hf.get("scoring", "standard")
-    if coupling not in COUPLINGS or scoring not in SCORINGS:
-        raise ConversionError(
-            f"{source}: coupling={coupling!r} / scoring={scoring!r} unknown; known couplings "
-            f"{list(COUPLINGS)}, scorings {list(SCORINGS)}"
-        )
+    coupling_name, scoring_name = hf.get("coupling", "none"), hf.get("scoring", "standard")
+    try:
+        variant = coupling(coupling_name)
+        scoring(scoring_name)
+    except UnknownVariantError as error:
+        raise ConversionError(f"{source}: {error}") from None
     llama_like = {**hf, "rms_norm_eps": hf.get("norm_eps", 1e-5)}
     llama_like["rope_parameters"] = {"rope_type": "default", "rope_theta": hf.get("rotary_base")}
     config = run_config_from_llama(llama_like, source)
     config.model.normalization = hf.get("normalization", "RMSNorm")
     config.model.swiglu = hf.get("mlp_activation", "swiglu") == "swiglu"
+    config.model.position_embedding_type = hf.get("position_embedding_type", "rope")
+    config.model.add_bias_linear = bool(hf.get("linear_bias", False))
     a = config.attention
-    a.coupling, a.scoring = coupling, scoring
+    a.coupling, a.scoring = coupling_name, scoring_name
     a.position = hf.get("coupling_position", "pre_rope")
     options = dict(hf.get("coupling_options") or {})
-    a.coupling_hidden = options.pop("hidden", None)
-    renames = {"layers": "invertible_layers", "scale_bound": "invertible_scale_bound"}
-    for key, value in options.items():
-        field = renames.get(key, key)
-        if not hasattr(a, field):
-            raise ConversionError(f"{source}: coupling option {key!r} is unknown to cqk-megatron")
+    try:  # the coupling's constructor keywords, back to the AttentionConfig fields they are
+        fields = variant.attention_fields(options, f"{source}: coupling_options")
+    except ValueError as error:
+        raise ConversionError(str(error)) from None
+    for field, value in fields.items():
         setattr(a, field, value)
     return config

@@ -8,8 +8,10 @@ checkpoints, gathers the full state dict with ``read_full_state_dict`` and hands
 The folder holds ``config.json``, ``generation_config.json``, the weights as
 safetensors (sharded above ``max_shard_size``), the tokenizer, ``README.md`` and
 ``cqk_run_config.yaml`` (the full ``RunConfig``, which the importer reads back); a
-non-Llama variant adds ``configuration_cqk.py``, ``modeling_cqk.py`` and a verbatim copy
-of ``cqk_megatron/coupling.py``.
+non-Llama variant adds ``configuration_cqk.py``, ``modeling_cqk.py``, a verbatim copy
+of ``cqk_megatron/coupling.py`` and ``cqk_variant.py``, the variant's classes
+(``remote_source``). Standard attention exports to a native class where one is exact:
+``LlamaForCausalLM`` (Llama family) or ``GPT2LMHeadModel`` (GPT-2 family).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from cqk_megatron.checkpoint_files import LATEST, MANIFEST
 from cqk_megatron.config import ConfigError, RunConfig, load_config, save_config, validate
 from cqk_megatron.convert.checkpoint_io import read_full_state_dict
 from cqk_megatron.convert.errors import ConversionError
-from cqk_megatron.convert.hf_config import check_exportable, hf_config_dict, is_llama_compatible
+from cqk_megatron.convert.gpt2_layout import megatron_to_gpt2
+from cqk_megatron.convert.hf_config import GPT2, check_exportable, hf_config_dict, native_model_type
 from cqk_megatron.convert.hf_remote import REMOTE_CODE_DIR, REMOTE_CODE_FILES
 from cqk_megatron.convert.layout import (
     ModelLayout,
@@ -35,11 +38,12 @@ from cqk_megatron.convert.layout import (
 )
 from cqk_megatron.convert.model_card import model_card
 from cqk_megatron.convert.output_dir import check_target, staged_folder
+from cqk_megatron.convert.remote_source import MATH_FILE, VARIANT_FILE, variant_source
 from cqk_megatron.convert.safetensors_io import DEFAULT_MAX_SHARD, parse_size, save_weights
 from cqk_megatron.convert.tokenizer import check_tokenizer, save_tokenizer, special_token_ids
 
 RUN_CONFIG_FILE = "cqk_run_config.yaml"
-COUPLING_FILE = "coupling.py"
+COUPLING_FILE = MATH_FILE
 CHECKPOINT_CONFIG = "config.yaml"
 # written last by the training engine (the checkpoint is whole); in checkpoints/: the name
 # of the newest complete iteration
@@ -85,15 +89,16 @@ def export_state_dict(
     target_dtype = _export_dtype(state, dtype)
     state = {name: tensor.detach().to("cpu", target_dtype) for name, tensor in state.items()}
     layout = ModelLayout.from_run_config(config)
-    hf_tensors = megatron_to_hf(state, layout)
+    native = native_model_type(config)
+    hf_tensors = (megatron_to_gpt2 if native == GPT2 else megatron_to_hf)(state, layout)
     num_parameters = sum(t.numel() for t in state.values())
 
     with staged_folder(out_dir, overwrite) as staging:
         _write_json(staging / "config.json", hf_config_dict(config, target_dtype, special_ids))
         _write_json(staging / "generation_config.json", _generation_config(special_ids))
         save_weights(hf_tensors, staging, max_shard_size)
-        if not is_llama_compatible(config):
-            _copy_remote_code(staging)
+        if native is None:
+            _copy_remote_code(staging, config)
         if tokenizer_path is not None:
             save_tokenizer(tokenizer_path, staging)
         save_config(config, staging / RUN_CONFIG_FILE)
@@ -150,11 +155,12 @@ def _generation_config(special_ids: dict[str, int | None]) -> dict:
     return config
 
 
-def _copy_remote_code(folder: Path) -> None:
+def _copy_remote_code(folder: Path, config: RunConfig) -> None:
     for name in REMOTE_CODE_FILES:
         shutil.copyfile(REMOTE_CODE_DIR / name, folder / name)
     # verbatim: the exported model and the Megatron layers share this one file
     shutil.copyfile(Path(coupling_module.__file__), folder / COUPLING_FILE)
+    (folder / VARIANT_FILE).write_text(variant_source(config))
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -1,10 +1,10 @@
 """Import a Hugging Face folder back into a full Megatron state dict and ``RunConfig``.
 
 Reads folders written by ``hf_export`` (``LlamaForCausalLM`` or ``CQKForCausalLM``,
-with the run's config in ``cqk_run_config.yaml``) and native Llama folders of a shape
-cqk-megatron can build (RMSNorm, SwiGLU, default RoPE, no biases), whose config is
-derived from ``config.json``. ``import_checkpoint`` then writes the state as a run
-checkpoint for continued pretraining.
+with the run's config in ``cqk_run_config.yaml``), native Llama folders of a shape
+cqk-megatron can build (RMSNorm, SwiGLU, default RoPE, no biases) and native GPT-2
+folders with the exact GELU, whose config is derived from ``config.json``.
+``import_checkpoint`` then writes the state as a run checkpoint for continued pretraining.
 """
 
 from __future__ import annotations
@@ -17,11 +17,14 @@ import torch
 from cqk_megatron.config import ConfigError, RunConfig, load_config, validate
 from cqk_megatron.convert.checkpoint_io import write_full_state_dict
 from cqk_megatron.convert.errors import ConversionError
+from cqk_megatron.convert.gpt2_layout import gpt2_to_megatron
 from cqk_megatron.convert.hf_config import (
     CQK,
+    GPT2,
     LLAMA,
     check_config_agrees,
     run_config_from_cqk,
+    run_config_from_gpt2,
     run_config_from_llama,
 )
 from cqk_megatron.convert.hf_export import RUN_CONFIG_FILE
@@ -30,7 +33,7 @@ from cqk_megatron.convert.output_dir import check_target
 from cqk_megatron.convert.safetensors_io import has_weights, load_weights
 from cqk_megatron.convert.tokenizer import SENTENCEPIECE_FILE
 
-IMPORTABLE_MODEL_TYPES = (LLAMA, CQK)
+IMPORTABLE_MODEL_TYPES = (LLAMA, GPT2, CQK)
 
 
 def read_hf_config(folder: Path) -> dict:
@@ -66,6 +69,9 @@ def run_config_for(folder: Path, hf: dict) -> RunConfig:
     elif hf["model_type"] == CQK:
         config = run_config_from_cqk(hf, str(folder / "config.json"))
         config.name = folder.name
+    elif hf["model_type"] == GPT2:
+        config = run_config_from_gpt2(hf, str(folder / "config.json"))
+        config.name = folder.name
     else:
         config = run_config_from_llama(hf, str(folder / "config.json"))
         config.name = folder.name
@@ -86,16 +92,18 @@ def import_hf_folder(folder: str | Path) -> tuple[dict[str, torch.Tensor], RunCo
     hf = read_hf_config(folder)
     config = run_config_for(folder, hf)
     tensors = load_weights(folder)
+    gpt2 = hf["model_type"] == GPT2
     if config.model.tie_embeddings:
         # some writers store the tied head as well; Megatron holds the embedding only
         head = tensors.pop("lm_head.weight", None)
-        embedding = tensors.get("model.embed_tokens.weight")
+        embedding = tensors.get("transformer.wte.weight" if gpt2 else "model.embed_tokens.weight")
         if head is not None and embedding is not None and not torch.equal(head, embedding):
             raise ConversionError(
                 f"{folder}: tie_word_embeddings is set but lm_head.weight differs from "
                 "model.embed_tokens.weight"
             )
-    state = hf_to_megatron(tensors, ModelLayout.from_run_config(config))
+    to_megatron = gpt2_to_megatron if gpt2 else hf_to_megatron
+    state = to_megatron(tensors, ModelLayout.from_run_config(config))
     check_megatron_state(state, config, f"'{folder}'")
     return state, config
 

@@ -10,6 +10,10 @@ Two fused Megatron tensors are split (and fused back):
 - ``linear_qkv``: rows grouped per query group, ``[q_1 .. q_g, k, v]`` for each of the
   ``num_query_groups`` groups, every block ``head_dim`` rows;
 - ``linear_fc1`` with SwiGLU: ``[gate; up]``.
+
+Biases (``model.add_bias_linear``) follow their weights' rows; the learned position table
+(``model.position_embedding_type=learned_absolute``) is ``model.embed_positions``. The
+native GPT-2 layout of standard attention is ``gpt2_layout.py``'s.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ import torch
 
 from cqk_megatron.config import RunConfig
 from cqk_megatron.convert.errors import ConversionError
-from cqk_megatron.coupling import DifferentialScoring, build_coupling
 from cqk_megatron.specs import coupling_spec
+from cqk_megatron.variants import scoring as registered_scoring
 
 MEGATRON_LAYER = "decoder.layers.{}."
 HF_LAYER = "model.layers.{}."
@@ -31,9 +35,11 @@ _LAYER_RENAMES = {
     "input_layernorm.weight": "input_layernorm.weight",
     "input_layernorm.bias": "input_layernorm.bias",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.linear_proj.bias": "self_attn.o_proj.bias",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "pre_mlp_layernorm.bias": "post_attention_layernorm.bias",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "mlp.linear_fc2.bias": "mlp.down_proj.bias",
 }
 # Per-layer submodules whose parameters keep their names below a renamed prefix.
 _LAYER_PREFIXES = {
@@ -42,6 +48,7 @@ _LAYER_PREFIXES = {
 }
 _GLOBAL_RENAMES = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "embedding.position_embeddings.weight": "model.embed_positions.weight",
     "decoder.final_layernorm.weight": "model.norm.weight",
     "decoder.final_layernorm.bias": "model.norm.bias",
     "output_layer.weight": "lm_head.weight",
@@ -69,6 +76,9 @@ class ModelLayout:
     gated_mlp: bool
     norm_bias: bool
     tie_embeddings: bool
+    linear_bias: bool = False  # biases in QKV, attention output, fc1 and fc2
+    learned_positions: bool = False  # a [seq_length, hidden] position table
+    max_positions: int = 0
 
     @classmethod
     def from_run_config(cls, config: RunConfig) -> ModelLayout:
@@ -84,6 +94,9 @@ class ModelLayout:
             gated_mlp=m.swiglu,
             norm_bias=m.normalization == "LayerNorm",
             tie_embeddings=m.tie_embeddings,
+            linear_bias=m.add_bias_linear,
+            learned_positions=m.position_embedding_type == "learned_absolute",
+            max_positions=m.seq_length,
         )
 
     @property
@@ -97,15 +110,17 @@ class ModelLayout:
 def split_qkv(fused: torch.Tensor, layout: ModelLayout) -> tuple[torch.Tensor, ...]:
     """Megatron's grouped ``linear_qkv`` weight -> ``(q_proj, k_proj, v_proj)`` weights."""
     groups, g, d = layout.num_kv_heads, layout.group_size, layout.head_dim
-    expected = (groups * (g + 2) * d, layout.hidden_size)
+    rows = groups * (g + 2) * d
+    expected = (rows, layout.hidden_size) if fused.dim() == 2 else (rows,)  # weight, bias
     if tuple(fused.shape) != expected:
         raise ConversionError(
-            f"linear_qkv weight has shape {tuple(fused.shape)}, expected {expected}"
+            f"linear_qkv tensor has shape {tuple(fused.shape)}, expected {expected}"
         )
-    blocks = fused.reshape(groups, g + 2, d, -1)
-    q = blocks[:, :g].reshape(groups * g * d, -1)
-    k = blocks[:, g].reshape(groups * d, -1)
-    v = blocks[:, g + 1].reshape(groups * d, -1)
+    tail = tuple(fused.shape[1:])
+    blocks = fused.reshape(groups, g + 2, d, *tail)
+    q = blocks[:, :g].reshape(groups * g * d, *tail)
+    k = blocks[:, g].reshape(groups * d, *tail)
+    v = blocks[:, g + 1].reshape(groups * d, *tail)
     return q.contiguous(), k.contiguous(), v.contiguous()
 
 
@@ -114,10 +129,11 @@ def fuse_qkv(
 ) -> torch.Tensor:
     """``(q_proj, k_proj, v_proj)`` weights -> Megatron's grouped ``linear_qkv`` weight."""
     groups, g, d = layout.num_kv_heads, layout.group_size, layout.head_dim
-    q = q.reshape(groups, g, d, -1)
-    k = k.reshape(groups, 1, d, -1)
-    v = v.reshape(groups, 1, d, -1)
-    return torch.cat([q, k, v], dim=1).reshape(groups * (g + 2) * d, -1).contiguous()
+    tail = tuple(q.shape[1:])  # (hidden,) for weights, () for biases
+    q = q.reshape(groups, g, d, *tail)
+    k = k.reshape(groups, 1, d, *tail)
+    v = v.reshape(groups, 1, d, *tail)
+    return torch.cat([q, k, v], dim=1).reshape(groups * (g + 2) * d, *tail).contiguous()
 
 
 # --- whole state dicts --------------------------------------------------------------------
@@ -148,18 +164,19 @@ def megatron_to_hf(state: dict[str, torch.Tensor], layout: ModelLayout) -> dict[
         if index is None:
             raise ConversionError(f"unexpected tensor '{name}' in the Megatron state dict")
         hf = HF_LAYER.format(index)
-        if suffix == "self_attention.linear_qkv.weight":
+        kind = suffix.rsplit(".", 1)[-1]  # weight | bias
+        if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
             q, k, v = split_qkv(tensor, layout)
-            out[hf + "self_attn.q_proj.weight"] = q
-            out[hf + "self_attn.k_proj.weight"] = k
-            out[hf + "self_attn.v_proj.weight"] = v
-        elif suffix == "mlp.linear_fc1.weight":
+            out[hf + f"self_attn.q_proj.{kind}"] = q
+            out[hf + f"self_attn.k_proj.{kind}"] = k
+            out[hf + f"self_attn.v_proj.{kind}"] = v
+        elif suffix in ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"):
             if layout.gated_mlp:
                 gate, up = tensor.chunk(2, dim=0)
-                out[hf + "mlp.gate_proj.weight"] = gate.contiguous()
-                out[hf + "mlp.up_proj.weight"] = up.contiguous()
+                out[hf + f"mlp.gate_proj.{kind}"] = gate.contiguous()
+                out[hf + f"mlp.up_proj.{kind}"] = up.contiguous()
             else:
-                out[hf + "mlp.up_proj.weight"] = tensor
+                out[hf + f"mlp.up_proj.{kind}"] = tensor
         elif suffix in _LAYER_RENAMES:
             out[hf + _LAYER_RENAMES[suffix]] = tensor
         else:
@@ -184,30 +201,28 @@ def hf_to_megatron(
         if index is None:
             raise ConversionError(f"unexpected tensor '{name}' in the Hugging Face weights")
         meg = MEGATRON_LAYER.format(index)
-        if suffix in (
-            "self_attn.q_proj.weight",
-            "self_attn.k_proj.weight",
-            "self_attn.v_proj.weight",
-        ):
-            fused_parts.setdefault((index, "qkv"), {})[suffix.split(".")[1][0]] = tensor
-        elif suffix in ("mlp.gate_proj.weight", "mlp.up_proj.weight") and layout.gated_mlp:
-            fused_parts.setdefault((index, "fc1"), {})[suffix.split(".")[1]] = tensor
-        elif suffix == "mlp.up_proj.weight":
-            out[meg + "mlp.linear_fc1.weight"] = tensor
+        kind = suffix.rsplit(".", 1)[-1]  # weight | bias
+        if suffix.rsplit(".", 1)[0] in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            fused_parts.setdefault((index, f"qkv.{kind}"), {})[suffix.split(".")[1][0]] = tensor
+        elif suffix.rsplit(".", 1)[0] in ("mlp.gate_proj", "mlp.up_proj") and layout.gated_mlp:
+            fused_parts.setdefault((index, f"fc1.{kind}"), {})[suffix.split(".")[1]] = tensor
+        elif suffix in ("mlp.up_proj.weight", "mlp.up_proj.bias"):
+            out[meg + f"mlp.linear_fc1.{kind}"] = tensor
         elif suffix in layer_back:
             out[meg + layer_back[suffix]] = tensor
         else:
             out[meg + _rename_prefix(name, suffix, prefix_back)] = tensor
-    for (index, kind), parts in sorted(fused_parts.items()):
+    for (index, fused), parts in sorted(fused_parts.items()):
         meg = MEGATRON_LAYER.format(index)
-        if kind == "qkv":
+        what, kind = fused.split(".")
+        if what == "qkv":
             _require_parts(parts, ("q", "k", "v"), f"{HF_LAYER.format(index)}self_attn.*_proj")
-            out[meg + "self_attention.linear_qkv.weight"] = fuse_qkv(
+            out[meg + f"self_attention.linear_qkv.{kind}"] = fuse_qkv(
                 parts["q"], parts["k"], parts["v"], layout
             )
         else:
             _require_parts(parts, ("gate_proj", "up_proj"), f"{HF_LAYER.format(index)}mlp")
-            out[meg + "mlp.linear_fc1.weight"] = torch.cat(
+            out[meg + f"mlp.linear_fc1.{kind}"] = torch.cat(
                 [parts["gate_proj"], parts["up_proj"]], dim=0
             ).contiguous()
     return out
@@ -255,6 +270,8 @@ def megatron_param_shapes(config: RunConfig) -> dict[str, tuple[int, ...]]:
     }
     if not layout.tie_embeddings:
         shapes["output_layer.weight"] = (layout.vocab_size, hidden)
+    if layout.learned_positions:
+        shapes["embedding.position_embeddings.weight"] = (layout.max_positions, hidden)
     extra = _attention_extras(config)
     for index in range(m.num_layers):
         layer = MEGATRON_LAYER.format(index)
@@ -267,6 +284,11 @@ def megatron_param_shapes(config: RunConfig) -> dict[str, tuple[int, ...]]:
         fc1_rows = layout.ffn_size * (2 if layout.gated_mlp else 1)
         shapes[f"{layer}mlp.linear_fc1.weight"] = (fc1_rows, hidden)
         shapes[f"{layer}mlp.linear_fc2.weight"] = (hidden, layout.ffn_size)
+        if layout.linear_bias:
+            shapes[f"{layer}self_attention.linear_qkv.bias"] = (qkv_rows,)
+            shapes[f"{layer}self_attention.linear_proj.bias"] = (hidden,)
+            shapes[f"{layer}mlp.linear_fc1.bias"] = (fc1_rows,)
+            shapes[f"{layer}mlp.linear_fc2.bias"] = (hidden,)
         shapes.update({layer + name: shape for name, shape in extra.items()})
     return shapes
 
@@ -276,13 +298,14 @@ def _attention_extras(config: RunConfig) -> dict[str, tuple[int, ...]]:
     extras: dict[str, tuple[int, ...]] = {}
     spec = coupling_spec(config.attention, head_dim)
     if spec is not None:
-        coupling = build_coupling(config.attention.coupling, head_dim, **spec.params)
-        for name, param in coupling.named_parameters():
+        for name, param in spec.module(head_dim=head_dim, **spec.params).named_parameters():
             extras[f"self_attention.coupling.{name}"] = tuple(param.shape)
-    if config.attention.scoring == "differential":
-        scoring = DifferentialScoring(head_dim, layer_index=0)
-        for name, param in scoring.named_parameters():
-            extras[f"self_attention.core_attention.differential.{name}"] = tuple(param.shape)
+    scoring = registered_scoring(config.attention.scoring)
+    math = scoring.math_class()
+    if math is not None:  # the core attention holds it as its ``math_attribute``
+        prefix = f"self_attention.core_attention.{scoring.math_attribute}."
+        for name, param in math(head_dim, layer_index=0).named_parameters():
+            extras[prefix + name] = tuple(param.shape)
     return extras
 
 

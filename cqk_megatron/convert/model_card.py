@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cqk_megatron.config import RunConfig
-from cqk_megatron.convert.hf_config import is_llama_compatible
+from cqk_megatron.convert.hf_config import GPT2, native_model_type
 
 
 def _human(count: float) -> str:
@@ -22,7 +22,9 @@ def model_card(
     has_tokenizer: bool = True,
 ) -> str:
     m, a = config.model, config.attention
-    native = is_llama_compatible(config)
+    native_type = native_model_type(config)
+    native = native_type is not None
+    native_class = "GPT2LMHeadModel" if native_type == GPT2 else "LlamaForCausalLM"
     load = (
         "model = AutoModelForCausalLM.from_pretrained(path)"
         if native
@@ -32,14 +34,20 @@ def model_card(
         ("Variant", f"`{a.variant}` (coupling `{a.coupling}`, scoring `{a.scoring}`)"),
         (
             "Architecture",
-            "`LlamaForCausalLM` (native)" if native else "`CQKForCausalLM` (remote code)",
+            f"`{native_class}` (native)" if native else "`CQKForCausalLM` (remote code)",
         ),
         ("Parameters", f"{_human(num_parameters)} ({num_parameters:,})"),
         (
             "Shape",
             f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
             f"({m.kv_heads} key/value), FFN {m.ffn_size}, {m.normalization}, "
-            f"{'SwiGLU' if m.swiglu else 'GELU'}, RoPE base {m.rotary_base}",
+            f"{'SwiGLU' if m.swiglu else 'GELU'}, "
+            + (
+                f"RoPE base {m.rotary_base}"
+                if m.position_embedding_type == "rope"
+                else "learned absolute positions"
+            )
+            + (", biases" if m.add_bias_linear else ""),
         ),
         ("Context length", str(m.seq_length)),
         (

@@ -52,10 +52,12 @@ from dataclasses import dataclass, field
 import torch
 
 from cqk_megatron.atomic import write_text_atomically
+from cqk_megatron.attention.fast_coupling import RUN_IMPLS
 from cqk_megatron.config import VARIANTS, ConfigError, RunConfig, load_config, validate
 from cqk_megatron.perf.flops import flops_breakdown, flops_per_token, mfu, peak_flops
 from cqk_megatron.perf.measure import saved_activation_bytes
 from cqk_megatron.perf.memory import activation_estimate
+from cqk_megatron.variants import DIFFERENTIAL_KERNELS, pair
 
 # Small enough for a 2-core CPU, with the real models' head_dim of 64.
 TINY = [
@@ -76,16 +78,15 @@ def load_bench_config(spec: str, overrides: list[str] | None = None) -> RunConfi
     return load_config(spec, overrides)
 
 
-IMPL_TAGS = ("eager", "compiled", "reference")  # attention.coupling_impl (+ reference)
-KERNEL_TAGS = ("paired", "split")  # attention.differential_kernel
+IMPL_TAGS = RUN_IMPLS  # attention.coupling_impl (+ reference: the coupling.py module)
+KERNEL_TAGS = DIFFERENTIAL_KERNELS  # attention.differential_kernel
 VARIANT_TAGS = (*IMPL_TAGS, *KERNEL_TAGS, "recompute")
 
 
 def split_variant(variant: str) -> tuple[str, list[str]]:
     """``"coupled@compiled@recompute"`` -> ``("coupled", ["compiled", "recompute"])``."""
     name, *tags = variant.split("@")
-    if name not in VARIANTS:
-        raise ValueError(f"unknown variant {name!r}; choose from {list(VARIANTS)}")
+    _, scoring = pair(name)  # a preset or coupling+scoring; the registry's message if neither
     unknown = [tag for tag in tags if tag not in VARIANT_TAGS]
     impls = [tag for tag in tags if tag in IMPL_TAGS]
     kernels = [tag for tag in tags if tag in KERNEL_TAGS]
@@ -95,10 +96,10 @@ def split_variant(variant: str) -> tuple[str, list[str]]:
             f"one of paired/split and/or recompute, as in coupled@compiled@recompute or "
             f"coupled_differential@paired"
         )
-    if kernels and VARIANTS[name][1] != "differential":
+    if kernels and scoring != "differential":
         raise ValueError(
             f"variant {variant!r}: @{kernels[0]} chooses differential attention's form, but "
-            f"{name} has {VARIANTS[name][1]} scoring; use it on a differential variant"
+            f"{name} has {scoring} scoring; use it on a differential variant"
         )
     return name, tags
 
@@ -106,7 +107,7 @@ def split_variant(variant: str) -> tuple[str, list[str]]:
 def variant_of(config: RunConfig, variant: str) -> RunConfig:
     """``config`` with ``variant``'s (coupling, scoring) and tags, on one process."""
     name, tags = split_variant(variant)
-    coupling, scoring = VARIANTS[name]
+    coupling, scoring = pair(name)
     attention = dataclasses.replace(config.attention, coupling=coupling, scoring=scoring)
     for impl in ("eager", "compiled"):
         if impl in tags:

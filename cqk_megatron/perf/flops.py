@@ -22,6 +22,7 @@ appendix B, and Megatron-LM, Narayanan et al. 2021), stated once:
 from __future__ import annotations
 
 from cqk_megatron.config import RunConfig
+from cqk_megatron.variants import CouplingCost, Heads, coupling, scoring
 
 # Dense bf16 tensor-core peaks per GPU (no 2:4 sparsity), from the vendor data sheets.
 PEAK_BF16_FLOPS: dict[str, float] = {
@@ -35,74 +36,37 @@ PEAK_BF16_FLOPS: dict[str, float] = {
 }
 
 
-def _mlp_flops(rows: float, in_dim: int, hidden: int, out_dim: int) -> float:
-    """A two-layer MLP ``in -> hidden -> out`` applied to ``rows`` vectors."""
-    return 2.0 * rows * (in_dim * hidden + hidden * out_dim)
+def coupling_cost(config: RunConfig) -> CouplingCost:
+    """One layer's coupling per token, as the registered coupling declares it (the form that
+    runs: see ``cqk_megatron/variants/builtin.py``); refused, naming the missing term, for
+    a coupling registered without one."""
+    a, m = config.attention, config.model
+    variant = coupling(a.coupling)
+    return variant.cost(Heads.of(m), variant.constructor_options(a, m.head_dim))
 
 
 def coupling_flops(config: RunConfig) -> float:
-    """Forward matmul FLOPs of one layer's coupling, per token.
-
-    ``f`` evaluations per integrator step: Euler 1, leapfrog 2, each on every query head
-    (``f`` acts on q); MLP-only runs ``f_q`` on the query heads and ``f_k`` on the key
-    heads, with the hidden width split between them; each invertible layer runs two
-    ``d -> hidden -> 2d`` networks (scale and shift of q from k, then of k from q'),
-    both on query-head rows (k is expanded to the query heads before its network).
-    """
-    m, a = config.model, config.attention
-    d, hq, hkv = m.head_dim, m.num_attention_heads, m.kv_heads
-    hidden = a.coupling_hidden or d
-    if a.coupling == "none":
-        return 0.0
-    if a.coupling == "euler":
-        return a.steps * _mlp_flops(hq, d, hidden, d)
-    if a.coupling == "hamiltonian":
-        return a.steps * 2 * _mlp_flops(hq, d, hidden, d)
-    if a.coupling == "mlp_only":
-        h_q, h_k = hidden // 2, hidden - hidden // 2
-        return a.steps * (_mlp_flops(hq, d, h_q, d) + _mlp_flops(hkv, d, h_k, d))
-    if a.coupling == "invertible":
-        return a.invertible_layers * 2 * _mlp_flops(hq, d, hidden, 2 * d)
-    raise ValueError(f"attention.coupling={a.coupling!r} has no FLOPs formula")
+    """Forward matmul FLOPs of one layer's coupling, per token."""
+    return coupling_cost(config).matmul
 
 
 def coupling_vector_flops(config: RunConfig) -> float:
-    """The coupling's elementwise work per token and layer (not in the totals).
-
-    Adds and multiplies of the integrator updates, the GQA group means (``hq d`` adds)
-    and expansions (``hq d`` copies, counted as one op each); activations not included.
-    """
-    m, a = config.model, config.attention
-    d, hq, hkv = m.head_dim, m.num_attention_heads, m.kv_heads
-    kick = hq * d + 2 * hkv * d  # group mean of f(q), then k + dt * mean
-    drift = hq * d + 2 * hq * d  # expand k to the query heads, then q + dt * k
-    per_step = {
-        "none": 0,
-        "euler": kick + drift,
-        "hamiltonian": 2 * kick + drift,
-        "mlp_only": 2 * hq * d + 2 * hkv * d,
-    }
-    if a.coupling in per_step:
-        return float(a.steps * per_step[a.coupling])
-    # invertible, per layer: tanh bound, exp, multiply-add for q and for k (+ k's means)
-    return float(a.invertible_layers * (hq * d * 5 + hq * d * 2 + hkv * d * 5))
+    """The coupling's elementwise work per token and layer (not in the totals)."""
+    return float(coupling_cost(config).elementwise)
 
 
 def attention_flops(config: RunConfig, seq_length: int) -> tuple[float, float]:
     """(scores, context) forward FLOPs per token and layer over the full ``s x s`` square.
 
-    Standard: ``q k^T`` and ``A v`` for every query head, width ``d``. Differential:
-    two score maps per differential head (``H/2`` of them, width ``d``), each applied
-    to a value of width ``2d``: scores ``2 x 2 (H/2) s d``, context ``2 x 2 (H/2) s 2d``.
+    Each of the scoring's attention calls (``AttentionCalls``) scores every one of its
+    query heads against ``s`` keys of width ``head_dim`` and applies the map to values of
+    its ``value_width``. Standard: one call over the ``H`` heads, width ``d``.
+    Differential: two maps per differential head (``H/2`` of them), values ``2d`` wide.
     """
-    m, a = config.model, config.attention
-    d, hq, s = m.head_dim, m.num_attention_heads, seq_length
-    if a.scoring == "standard":
-        return 2.0 * hq * s * d, 2.0 * hq * s * d
-    if a.scoring == "differential":
-        pairs = hq // 2
-        return 2 * 2.0 * pairs * s * d, 2 * 2.0 * pairs * s * (2 * d)
-    raise ValueError(f"attention.scoring={a.scoring!r} has no FLOPs formula")
+    m = config.model
+    calls = scoring(config.attention.scoring).attention_calls(Heads.of(m))
+    per_head = 2.0 * calls.calls * calls.q_heads * seq_length
+    return per_head * m.head_dim, per_head * calls.value_width
 
 
 def flops_breakdown(config: RunConfig, seq_length: int | None = None) -> dict[str, float]:

@@ -28,10 +28,12 @@ import math
 from dataclasses import dataclass, field
 
 from cqk_megatron.config import RECOMPUTE, RECOMPUTE_METHODS, RunConfig
+from cqk_megatron.variants import ActivationTerm, Heads, coupling, scoring
 
 BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}
 ENGINES = ("ddp", "zero1", "zero2", "zero3", "distopt")
-__all__ = ["RECOMPUTE", "RECOMPUTE_METHODS"]  # train.recompute's choices, from config.py
+# train.recompute's choices, from config.py; ActivationTerm, from the variant registry
+__all__ = ["RECOMPUTE", "RECOMPUTE_METHODS", "ActivationTerm"]
 SDPA_KERNELS = ("fused", "math")
 
 
@@ -47,43 +49,40 @@ def norm_parameters(config: RunConfig) -> int:
 
 
 def coupling_parameters(config: RunConfig) -> int:
-    """One layer's coupling (whole on every TP rank); see ``coupling.py`` for the nets.
-
-    ``f`` is ``d -> hidden`` with bias, then ``hidden -> d`` without; MLP-only splits the
-    hidden width between ``f_q`` and ``f_k`` (same count); the integrators add ``dt``.
-    Each invertible layer has two ``d -> hidden -> 2d`` nets with both biases.
-    """
+    """One layer's coupling (whole on every TP rank), counted on its module as built."""
     a, d = config.attention, config.model.head_dim
-    hidden = a.coupling_hidden or d
-    if a.coupling == "none":
-        return 0
-    if a.coupling in ("euler", "hamiltonian", "mlp_only"):
-        return hidden * (2 * d + 1) + 1
-    if a.coupling == "invertible":
-        return a.invertible_layers * 2 * (hidden * (d + 1) + 2 * d * hidden + 2 * d)
-    raise ValueError(f"attention.coupling={a.coupling!r} has no parameter formula")
+    variant = coupling(a.coupling)
+    return variant.parameters(d, variant.constructor_options(a, d))
 
 
 def scoring_parameters(config: RunConfig) -> int:
-    """Differential attention: four lambda vectors of ``d`` and an RMSNorm over ``2d``."""
-    if config.attention.scoring == "standard":
-        return 0
-    return 4 * config.model.head_dim + 2 * config.model.head_dim
+    """One layer's scoring parameters (differential: lambda and its norm), counted on its
+    math module as built."""
+    return scoring(config.attention.scoring).parameters(config.model.head_dim)
 
 
 def layer_parameters(config: RunConfig, tp: int = 1) -> int:
-    """One transformer layer on one TP rank (no biases: ``add_bias_linear=False``)."""
+    """One transformer layer on one TP rank.
+
+    With ``add_bias_linear`` the column-parallel biases (QKV, fc1) are split like their
+    rows; the row-parallel ones (attention output, fc2) are whole on every rank.
+    """
     m = config.model
     h, d, hq, hkv, f = m.hidden_size, m.head_dim, m.num_attention_heads, m.kv_heads, m.ffn_size
+    fc1_rows = f * (2 if m.swiglu else 1)  # gate and up fused
     sharded = (
         h * (hq + 2 * hkv) * d  # linear_qkv (column parallel)
         + hq * d * h  # linear_proj (row parallel)
-        + h * f * (2 if m.swiglu else 1)  # linear_fc1: gate and up fused
+        + h * fc1_rows  # linear_fc1
         + f * h  # linear_fc2
     )
+    if m.add_bias_linear:
+        sharded += (hq + 2 * hkv) * d + fc1_rows
     if sharded % tp:
         raise ValueError(f"layer weights do not split evenly over tensor_parallel={tp}")
     replicated = 2 * norm_parameters(config) + coupling_parameters(config)
+    if m.add_bias_linear:
+        replicated += 2 * h
     return sharded // tp + replicated + scoring_parameters(config)
 
 
@@ -96,9 +95,10 @@ def stage_parameters(
 ) -> int:
     """Parameters on one rank of a pipeline stage holding ``num_layers / pp`` layers.
 
-    The first stage has the word embeddings; the last the final norm and the output
-    layer, whose weight is the embedding's when tied and both are on one stage (a tied
-    output on a later stage keeps its own copy, kept equal by Megatron).
+    The first stage has the word embeddings (and the learned position table, whole on
+    every TP rank); the last the final norm and the output layer, whose weight is the
+    embedding's when tied and both are on one stage (a tied output on a later stage keeps
+    its own copy, kept equal by Megatron).
     """
     m = config.model
     if m.num_layers % pp:
@@ -106,6 +106,8 @@ def stage_parameters(
     total = m.num_layers // pp * layer_parameters(config, tp)
     if first:
         total += embedding_parameters(config, tp)
+        if m.position_embedding_type == "learned_absolute":
+            total += m.seq_length * m.hidden_size
     if last:
         total += norm_parameters(config)
         if not (m.tie_embeddings and first):
@@ -156,73 +158,15 @@ def model_state_bytes(
 # ---------------------------------------------------------------------------------------
 
 
-@dataclass
-class ActivationTerm:
-    """Elements per token kept for the backward by one layer, before any TP split.
-
-    ``sharded``: split over TP always (heads, FFN width); otherwise only with sequence
-    parallelism. ``dtype``: ``act`` (the training precision) or ``fp32`` (log-sum-exp,
-    norm statistics, upcasts). ``group``: which recomputation drops it.
-    """
-
-    elements: float
-    sharded: bool = True
-    dtype: str = "act"
-    group: str = "layer"  # layer | core_attention | coupling
-
-
-def _coupling_terms(config: RunConfig) -> dict[str, ActivationTerm]:
-    """What the coupling keeps, as ``attention/fast_coupling.py`` runs it (eager or
-    compiled): the mean over a query group is taken before ``f``'s output layer, leapfrog
-    steps share their kicks, ``k`` is broadcast over the group instead of copied."""
-    m, a = config.model, config.attention
-    d, hq, hkv = m.head_dim, m.num_attention_heads, m.kv_heads
-    hidden = a.coupling_hidden or d
-
-    def mlp(rows: int, width: int) -> float:  # input, fc1 output (SiLU's input), SiLU output
-        return rows * (d + 2 * width)
-
-    # one kick group_mean(f(q)): fc1's output on the query heads, the (group-meaned) SiLU
-    # output on the key heads (fc2's input); dt is folded into fc2's weight, so the kick
-    # itself is not kept for dt's gradient
-    kick = hq * hidden + hkv * hidden
-    new_qk = hq * d + hkv * d  # a step's output, the next step's input
-    if a.coupling == "none":
-        per_call = 0.0
-    elif a.coupling == "euler":
-        per_call = hq * d + a.steps * kick + (a.steps - 1) * new_qk
-    elif a.coupling == "hamiltonian":
-        per_call = hq * d + (a.steps + 1) * kick + a.steps * new_qk
-    elif a.coupling == "mlp_only":
-        h_q, h_k = hidden // 2, hidden - hidden // 2
-        per_call = a.steps * (mlp(hq, h_q) + mlp(hkv, h_k))  # dt folded into fc2 as well
-    elif a.coupling == "invertible":
-        # per layer: the q-net on the key heads (fc1 output, SiLU output), its bounded
-        # scale and exp on the key heads; q' (the k-net's input); the k-net's fc1 and SiLU
-        # outputs on the query heads, the group-meaned SiLU output (t2's input, the same
-        # tensor without GQA); the bounded s2 on the query heads and exp(mean s2)
-        meaned = hkv * hidden if hq != hkv else 0
-        per_layer = 2 * hkv * hidden + 2 * hkv * d + hq * d + 2 * hq * hidden + meaned
-        per_layer += hq * d + hkv * d
-        per_call = hq * d + a.invertible_layers * per_layer + (a.invertible_layers - 1) * hkv * d
-    else:
-        raise ValueError(f"attention.coupling={a.coupling!r} has no activation formula")
-    return {"coupling": ActivationTerm(per_call, group="coupling")} if per_call else {}
-
-
-def _keeps_qkv_output(config: RunConfig, sdpa_kernel: str) -> bool:
-    """Whether a kept view of the fused QKV output keeps all of it alive.
-
-    Standard scoring gives SDPA ``v`` as a view; differential scoring copies the values
-    into pairs, but some couplings keep a view of the pre-RoPE ``k`` (MLP-only's ``f_k``
-    input, the invertible k update, Euler's ``dt * k`` without GQA).
-    """
-    m, a = config.model, config.attention
-    if a.scoring == "standard":
-        return True
-    return a.coupling in ("mlp_only", "invertible") or (
-        a.coupling == "euler" and m.kv_heads == m.num_attention_heads
-    )
+def _coupling_terms(config: RunConfig) -> tuple[dict[str, ActivationTerm], bool]:
+    """What the coupling keeps, as it runs (``attention/fast_coupling.py``, eager or
+    compiled), as its registration declares it; and whether it keeps a view of the QKV
+    output (its pre-RoPE q or k)."""
+    a, m = config.attention, config.model
+    variant = coupling(a.coupling)
+    kept = variant.kept(Heads.of(m), variant.constructor_options(a, m.head_dim))
+    terms = {"coupling": ActivationTerm(kept.elements, group="coupling")} if kept.elements else {}
+    return terms, kept.keeps_qkv_view
 
 
 def activation_terms(
@@ -232,8 +176,10 @@ def activation_terms(
     if sdpa_kernel not in SDPA_KERNELS:
         raise ValueError(f"sdpa_kernel={sdpa_kernel!r}; choose one of {list(SDPA_KERNELS)}")
     m, a = config.model, config.attention
-    h, d, hq, hkv, f = m.hidden_size, m.head_dim, m.num_attention_heads, m.kv_heads, m.ffn_size
+    h, d, hq, f = m.hidden_size, m.head_dim, m.num_attention_heads, m.ffn_size
     s = seq_length or m.seq_length
+    heads, rule = Heads.of(m), scoring(a.scoring)
+    coupling_terms, coupling_keeps_view = _coupling_terms(config)
     stats = 1 if m.normalization == "RMSNorm" else 2  # 1/rms (and the mean for LayerNorm)
     terms = {
         # two norms (input and normalised input), their outputs as the linears' inputs
@@ -244,20 +190,15 @@ def activation_terms(
         # SwiGLU: fc1 output [gate; up] (2f), SiLU(gate), up + offset, product = fc2 input
         "mlp": ActivationTerm((2 + 1 + 1 + 1) * f if m.swiglu else 2 * f),
     }
-    if _keeps_qkv_output(config, sdpa_kernel):
-        terms["qkv_output"] = ActivationTerm((hq + 2 * hkv) * d)
-    terms["q_k_after_rope"] = ActivationTerm((hq + hkv) * d, group="core_attention")
-    if a.scoring == "standard":
-        calls, q_heads, v_width, v_heads = 1, hq, d, hkv
-    else:
-        calls, q_heads, v_width, v_heads = 2, hq // 2, 2 * d, hkv // 2
-        terms["value_pairs"] = ActivationTerm(hkv * d, group="core_attention")
-        # RMSNorm over 2d of (A1 - lambda A2) v: the fp32 input, 1/rms, normalised output
-        terms["differential_norm"] = ActivationTerm(hq * d, dtype="fp32", group="core_attention")
-        terms["differential_norm_out"] = ActivationTerm(hq * d, group="core_attention")
-        terms["differential_norm_stats"] = ActivationTerm(
-            hq // 2, dtype="fp32", group="core_attention"
-        )
+    # A kept view keeps the whole fused QKV output alive: the value that a scoring hands to
+    # SDPA as it is (not a copy), or a coupling's pre-RoPE q or k.
+    if rule.keeps_value_view or coupling_keeps_view:
+        terms["qkv_output"] = ActivationTerm((hq + 2 * m.kv_heads) * d)
+    terms["q_k_after_rope"] = ActivationTerm((hq + m.kv_heads) * d, group="core_attention")
+    terms.update(rule.activation_terms(heads))  # the scoring's own (differential: its norm)
+    attention_calls = rule.attention_calls(heads)
+    calls, q_heads = attention_calls.calls, attention_calls.q_heads
+    v_width, v_heads = attention_calls.value_width, attention_calls.kv_heads
     if sdpa_kernel == "fused":
         terms["sdpa_output"] = ActivationTerm(calls * q_heads * v_width, group="core_attention")
         terms["sdpa_logsumexp"] = ActivationTerm(
@@ -269,7 +210,7 @@ def activation_terms(
         terms["sdpa_math"] = ActivationTerm(
             calls * (q_heads * d + expanded + q_heads * s), group="core_attention"
         )
-    terms.update(_coupling_terms(config))
+    terms.update(coupling_terms)
     return terms
 
 
@@ -320,8 +261,8 @@ def activation_estimate(
 
     terms = activation_terms(config, s, sdpa_kernel)
     per_layer = {name: term_bytes(term) for name, term in terms.items()}
-    # RoPE's cos and sin, for q and for k, per position (not per token)
-    per_layer["rope_tables"] = 4 * s * m.head_dim * act
+    if m.position_embedding_type == "rope":  # cos and sin, for q and k, per position
+        per_layer["rope_tables"] = 4 * s * m.head_dim * act
     full_layer = sum(per_layer.values())
     dropped = set()
     if recompute == "selective":

@@ -3,6 +3,7 @@
     python -m cqk_megatron.repro --preset cpu-tiny
     python -m cqk_megatron.repro --preset paper-60m --data data/wikitext103/wt103_text_document \\
         --tokens 80M --variants standard,hamiltonian [--seeds 0,1] [train.lr=8e-4 ...]
+    python -m cqk_megatron.repro --preset cpu-tiny --family gpt2   # the GPT-2 model family
 
 Trains every variant x seed one after the other with the same data order, schedule and
 token budget, then writes ``OUT/comparison.md`` (+ ``.csv``, ``.json``) and
@@ -61,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
         "mlp_only, invertible, differential, coupled_differential, ... (default: preset's)",
     )
     parser.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1 (default: 0)")
+    parser.add_argument(
+        "--family",
+        choices=["llama", "gpt2"],
+        help="model family of every run (default: the preset's, Llama-style); gpt2: learned "
+        "positions, LayerNorm, GELU MLP of 4 x hidden, biases",
+    )
     parser.add_argument("--out", help="output folder (default: runs/repro/PRESET)")
     parser.add_argument("--nproc", type=int, default=1, help="processes per run (default 1)")
     parser.add_argument("--quiet", action="store_true", help="training output to logs only")
@@ -86,7 +93,8 @@ def run(argv: list[str] | None = None) -> int:
     seeds = parse_seeds(args.seeds, preset)
     tokens = parse_tokens(args.tokens, preset)
     check_overrides(args.overrides)  # before any data is built
-    out = Path(args.out or f"runs/repro/{preset.name}").expanduser().resolve()
+    suffix = f"-{args.family}" if args.family else ""
+    out = Path(args.out or f"runs/repro/{preset.name}{suffix}").expanduser().resolve()
     cuda = _cuda()
     if preset.name.startswith("paper") and not cuda:
         print(
@@ -96,7 +104,9 @@ def run(argv: list[str] | None = None) -> int:
         )
     reading = CorpusOptions(args.text_unit, args.text_field, args.input_format)
     data = resolve_data(args.data, args.tokenizer, preset, out, reading)
-    plan = build_plan(preset, variants, seeds, tokens, data, out, args.nproc, args.overrides, cuda)
+    plan = build_plan(
+        preset, variants, seeds, tokens, data, out, args.nproc, args.overrides, cuda, args.family
+    )
     print(f"preset {preset.name}: {preset.description}")
     print(f"data: {data.description}")
     print(

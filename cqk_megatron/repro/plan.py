@@ -14,7 +14,15 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from cqk_megatron.config import VARIANTS, ConfigError, RunConfig, load_config, validate
+from cqk_megatron.config import (
+    MODEL_FAMILIES,
+    VARIANTS,
+    ConfigError,
+    RunConfig,
+    family_overrides,
+    load_config,
+    validate,
+)
 from cqk_megatron.repro.data import DataChoice
 from cqk_megatron.repro.presets import Preset, ReproError
 
@@ -30,6 +38,7 @@ OWNED_KEYS = {
     "data.tokenizer": "use --tokenizer",
     "train.train_steps": "use --tokens (steps = tokens / (global_batch_size x seq_length))",
     "log.root": "use --out",
+    "model.family": "use --family",
 }
 
 
@@ -110,10 +119,17 @@ def build_plan(
     nproc: int,
     overrides: list[str],
     cuda: bool,
+    family: str | None = None,
 ) -> Plan:
+    """``family`` (``llama``, ``gpt2``): every run in that model family instead of the
+    preset's architecture; its runs are named ``PRESET-FAMILY-VARIANT-sSEED``."""
     if nproc < 1:
         raise ReproError(f"--nproc {nproc} must be at least 1")
     check_overrides(overrides)
+    if family is not None:
+        if family not in MODEL_FAMILIES:
+            raise ReproError(f"--family {family}: choose one of {list(MODEL_FAMILIES)}")
+        overrides = [*family_overrides(family), *overrides]
     base = _load(preset, [f"model.vocab_size={data.vocab_size}", *overrides])
     tokens_per_step = base.train.global_batch_size * base.model.seq_length
     steps = max(1, tokens // tokens_per_step)
@@ -135,7 +151,7 @@ def build_plan(
     for seed in seeds:
         for variant in variants:
             coupling, scoring = VARIANTS[variant]
-            name = f"{preset.name}-{variant}-s{seed}"
+            name = f"{preset.name}-{family + '-' if family else ''}{variant}-s{seed}"
             fixed = [
                 f"name={name}",
                 f"seed={seed}",

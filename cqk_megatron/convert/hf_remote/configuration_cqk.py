@@ -1,19 +1,21 @@
 """Configuration of the CQK causal language model (exported from cqk-megatron).
 
-A Llama-shaped decoder (pre-norm, RoPE, no biases) whose attention may couple each
-token's (q, k) before scoring (``coupling``: none, euler, hamiltonian, mlp_only,
-invertible) and may score differentially (``scoring``: standard, differential). The math
-of both lives in ``coupling.py`` beside this file, copied verbatim from cqk-megatron.
+A Llama-shaped decoder (pre-norm, RoPE, no biases; or GPT-2-shaped: learned absolute
+positions, LayerNorm, GELU, biases in every projection) whose attention may couple each
+token's (q, k) before scoring (``coupling``: a cqk-megatron coupling's name, e.g.
+hamiltonian; its module class ``coupling_class``, built with ``coupling_options``) and may
+score with a rule of its own (``scoring``, e.g. differential; its class ``scoring_class``,
+built with ``scoring_options``). The classes are those that ``cqk_variant.py`` beside this
+file names, from ``coupling.py``, copied verbatim from cqk-megatron, or shipped in it.
 Imports only transformers.
 """
 
 from transformers import PretrainedConfig
 
-COUPLINGS = ("none", "euler", "hamiltonian", "mlp_only", "invertible")
-SCORINGS = ("standard", "differential")
 COUPLING_POSITIONS = ("pre_rope", "post_rope")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 MLP_ACTIVATIONS = ("swiglu", "gelu")
+POSITION_EMBEDDINGS = ("rope", "learned_absolute")
 
 
 class CQKConfig(PretrainedConfig):
@@ -34,11 +36,17 @@ class CQKConfig(PretrainedConfig):
         normalization: str = "RMSNorm",
         norm_eps: float = 1e-5,
         mlp_activation: str = "swiglu",
+        position_embedding_type: str = "rope",
+        linear_bias: bool = False,
         initializer_range: float = 0.02,
         coupling: str = "none",
         coupling_options: dict | None = None,
         coupling_position: str = "pre_rope",
         scoring: str = "standard",
+        coupling_class: str | None = None,
+        coupling_source: str | None = None,
+        scoring_class: str | None = None,
+        scoring_options: dict | None = None,
         tie_word_embeddings: bool = False,
         use_cache: bool = True,
         **kwargs,
@@ -55,11 +63,17 @@ class CQKConfig(PretrainedConfig):
         self.normalization = normalization
         self.norm_eps = norm_eps
         self.mlp_activation = mlp_activation
+        self.position_embedding_type = position_embedding_type
+        self.linear_bias = linear_bias
         self.initializer_range = initializer_range
         self.coupling = coupling
         self.coupling_options = dict(coupling_options or {})
         self.coupling_position = coupling_position
         self.scoring = scoring
+        self.coupling_class = coupling_class
+        self.coupling_source = coupling_source
+        self.scoring_class = scoring_class
+        self.scoring_options = dict(scoring_options or {})
         self.tie_word_embeddings = tie_word_embeddings
         self.use_cache = use_cache
         self._check()
@@ -67,11 +81,10 @@ class CQKConfig(PretrainedConfig):
 
     def _check(self) -> None:
         choices = {
-            "coupling": (self.coupling, COUPLINGS),
             "coupling_position": (self.coupling_position, COUPLING_POSITIONS),
-            "scoring": (self.scoring, SCORINGS),
             "normalization": (self.normalization, NORMALIZATIONS),
             "mlp_activation": (self.mlp_activation, MLP_ACTIVATIONS),
+            "position_embedding_type": (self.position_embedding_type, POSITION_EMBEDDINGS),
         }
         for key, (value, options) in choices.items():
             if value not in options:

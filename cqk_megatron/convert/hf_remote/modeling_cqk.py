@@ -1,10 +1,13 @@
 """The CQK causal language model for transformers (``trust_remote_code=True``).
 
 Exported from cqk-megatron: numerically the Megatron ``GPTModel`` it came from (pre-norm
-decoder, RoPE with Megatron's non-interleaved ``rotate_half`` convention, no biases).
-Coupling and differential scoring come from ``coupling.py`` beside this file, a verbatim
-copy of cqk-megatron's, so both frameworks run the same math. Imports only torch,
-transformers and the two files beside it.
+decoder; RoPE with Megatron's non-interleaved ``rotate_half`` convention, or learned
+absolute positions; biases in the projections where the model has them).
+The coupling and scoring classes are those ``cqk_variant.py`` beside this file names
+(``config.coupling_class``, ``config.scoring_class``): from ``coupling.py``, a verbatim
+copy of cqk-megatron's, or shipped in ``cqk_variant.py`` for a variant registered outside
+it, so both frameworks run the same math. Imports only torch, transformers and the files
+beside it.
 
 Generation uses a ``DynamicCache``: a coupling acts per token and per head, so a token's
 coupled (and rotated) key never changes once computed, and the cache holds coupled keys.
@@ -22,7 +25,8 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_cqk import CQKConfig
-from .coupling import DifferentialScoring, RMSNorm, build_coupling
+from .coupling import RMSNorm
+from .cqk_variant import VARIANT_CLASSES
 
 try:  # transformers >= 5: initialisers that skip weights already loaded from the checkpoint
     from transformers import initialization as init
@@ -33,6 +37,18 @@ except ImportError:  # pragma: no cover - older transformers initialise before l
 _CACHE_FIELD = (
     "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 )
+
+
+def _variant_class(name: str) -> type:
+    """A class that ``cqk_variant.py`` names (``config.coupling_class``/``scoring_class``)."""
+    if name not in VARIANT_CLASSES:
+        raise ImportError(
+            f"config.json names class {name!r}, which cqk_variant.py does not define (it "
+            f"defines {sorted(VARIANT_CLASSES)}); was another exported folder of the same "
+            "name loaded earlier in this process? transformers keeps the first one's "
+            "cqk_variant.py: load this folder in a new process or under another name"
+        )
+    return VARIANT_CLASSES[name]
 
 
 def _norm(config: CQKConfig) -> nn.Module:
@@ -70,19 +86,24 @@ class CQKAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.coupling_position = config.coupling_position
-        hidden, d = config.hidden_size, self.head_dim
-        self.q_proj = nn.Linear(hidden, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=False)
-        self.coupling = build_coupling(config.coupling, head_dim=d, **config.coupling_options)
+        hidden, d, bias = config.hidden_size, self.head_dim, config.linear_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=bias)
+        self.coupling = None
+        if config.coupling_class is not None:
+            coupling = _variant_class(config.coupling_class)
+            self.coupling = coupling(head_dim=d, **config.coupling_options)
+        # A scoring's rule (differential: DifferentialScoring), called as rule(q, k, v,
+        # attend). Its layer index is 0-based, as in the Megatron layer; its options are the
+        # exporter's (differential: the paired form, each attention map once, two SDPA calls
+        # with values 2 head_dim wide: SDPA's math path on CPU, a fused kernel on GPU).
         self.differential = None
-        if config.scoring == "differential":
-            # lambda_init follows the 0-based layer index, as in the Megatron layer. Paired:
-            # each attention map once, two SDPA calls with values 2 head_dim wide (SDPA's
-            # math path on CPU; its memory-efficient or cuDNN kernel on GPU)
-            self.differential = DifferentialScoring(
-                d, layer_index=layer_idx, eps=config.norm_eps, kernel="paired"
+        if config.scoring_class is not None:
+            rule = _variant_class(config.scoring_class)
+            self.differential = rule(
+                d, layer_index=layer_idx, eps=config.norm_eps, **config.scoring_options
             )
         for module in (self.coupling, self.differential):
             if module is not None:  # these initialise themselves (identity maps, dt, lambda)
@@ -92,7 +113,7 @@ class CQKAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor],
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
         mask: torch.Tensor | None,
         is_causal: bool,
         cache=None,
@@ -103,7 +124,8 @@ class CQKAttention(nn.Module):
         v = self.v_proj(hidden_states).view(batch, seq, self.num_kv_heads, self.head_dim)
         if self.coupling is not None and self.coupling_position == "pre_rope":
             q, k = self.coupling(q, k)
-        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if rotary is not None:  # None: learned absolute positions, added to the embeddings
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if self.coupling is not None and self.coupling_position == "post_rope":
             q, k = self.coupling(q, k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # SDPA layout [b, heads, s, d]
@@ -132,12 +154,12 @@ class CQKAttention(nn.Module):
 class CQKMLP(nn.Module):
     def __init__(self, config: CQKConfig) -> None:
         super().__init__()
-        hidden, ffn = config.hidden_size, config.intermediate_size
+        hidden, ffn, bias = config.hidden_size, config.intermediate_size, config.linear_bias
         self.gated = config.mlp_activation == "swiglu"
         if self.gated:
-            self.gate_proj = nn.Linear(hidden, ffn, bias=False)
-        self.up_proj = nn.Linear(hidden, ffn, bias=False)
-        self.down_proj = nn.Linear(ffn, hidden, bias=False)
+            self.gate_proj = nn.Linear(hidden, ffn, bias=bias)
+        self.up_proj = nn.Linear(hidden, ffn, bias=bias)
+        self.down_proj = nn.Linear(ffn, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
@@ -173,6 +195,8 @@ class CQKPreTrainedModel(PreTrainedModel):
         std = self.config.initializer_range
         if isinstance(module, (nn.Linear, nn.Embedding)):
             init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                init.zeros_(module.bias)
         elif isinstance(module, (RMSNorm, nn.LayerNorm)):
             init.ones_(module.weight)
             if getattr(module, "bias", None) is not None:
@@ -227,6 +251,9 @@ class CQKModel(CQKPreTrainedModel):
     def __init__(self, config: CQKConfig) -> None:
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_positions = None
+        if config.position_embedding_type == "learned_absolute":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.layers = nn.ModuleList(
             CQKDecoderLayer(config, index) for index in range(config.num_hidden_layers)
         )
@@ -257,9 +284,13 @@ class CQKModel(CQKPreTrainedModel):
         past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
             position_ids = _positions(attention_mask, batch, seq, past, hidden.device)
-        rotary = rotary_cos_sin(
-            position_ids, self.config.head_dim, self.config.rotary_base, hidden.dtype
-        )
+        rotary = None
+        if self.embed_positions is not None:
+            hidden = hidden + self.embed_positions(position_ids)
+        else:
+            rotary = rotary_cos_sin(
+                position_ids, self.config.head_dim, self.config.rotary_base, hidden.dtype
+            )
         mask, is_causal = _attention_mask(attention_mask, seq, past, hidden.device)
         for layer in self.layers:
             hidden = layer(hidden, rotary, mask, is_causal, cache)
