@@ -45,6 +45,7 @@ setup(
         "console_scripts": [
             "cqk-params=cqk_megatron.params:main",
             "cqk-train=cqk_megatron.train:main",
+            "cqk-torchrun=cqk_megatron.torchrun:main",
             "cqk-plan=cqk_megatron.perf.plan:main",
             "cqk-bench=cqk_megatron.perf.bench:main",
             "cqk-convert=cqk_megatron.convert.cli:main",

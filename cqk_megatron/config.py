@@ -231,6 +231,21 @@ class TrainConfig:
     exit_after_steps: int | None = None  # checkpoint and exit for requeue at this step
     init_from: str | None = None  # weights-only checkpoint to start from (any layout)
     log_interval: int = 1
+    # faults (training/watchdog.py): no rank waits forever. Rendezvous, process-group
+    # creation, start-up and the first step are bounded by init_timeout_s; after the first
+    # step every process group's collectives time out after collective_timeout_s (raised
+    # to save_timeout_s + heartbeat_timeout_s during a checkpoint save). Each rank's
+    # watchdog heartbeats through the job's TCPStore every heartbeat_interval_s; a rank
+    # silent for heartbeat_timeout_s, or one whose main thread stays longer than its bound
+    # in a phase (a step or a data fetch: step_timeout_s; a save: save_timeout_s), ends
+    # the job with exit 76 and a line naming it. Anchors: torchtitan 300 s / 100 s,
+    # torchft heartbeats every 5 s, nvidia-resiliency-ext 60 s / 90 s soft / hard.
+    init_timeout_s: float = 300.0
+    collective_timeout_s: float = 100.0
+    step_timeout_s: float = 60.0
+    save_timeout_s: float = 600.0
+    heartbeat_interval_s: float = 5.0
+    heartbeat_timeout_s: float = 30.0
 
 
 @dataclass
@@ -443,6 +458,44 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def check_fault_bounds(t: TrainConfig, check) -> None:
+    """The watchdog's bounds must nest, or a collective times out (with torch's bare
+    error) before the watchdog can name the rank that caused it."""
+    names = (
+        "init_timeout_s",
+        "collective_timeout_s",
+        "step_timeout_s",
+        "save_timeout_s",
+        "heartbeat_interval_s",
+        "heartbeat_timeout_s",
+    )
+    values = {name: getattr(t, name) for name in names}
+    bad = [n for n, v in values.items() if not isinstance(v, (int, float)) or not v > 0]
+    for name in bad:
+        check(False, f"train.{name}={values[name]!r} must be a positive number of seconds")
+    if bad:
+        return
+    check(
+        t.heartbeat_interval_s < t.heartbeat_timeout_s,
+        f"train.heartbeat_interval_s={t.heartbeat_interval_s} must be below "
+        f"train.heartbeat_timeout_s={t.heartbeat_timeout_s} (a peer is declared lost after "
+        "several missed heartbeats, not one)",
+    )
+    for shorter in ("heartbeat_timeout_s", "step_timeout_s"):
+        check(
+            values[shorter] < t.collective_timeout_s,
+            f"train.{shorter}={values[shorter]} must be below "
+            f"train.collective_timeout_s={t.collective_timeout_s}, so that the watchdog names "
+            "a lost or stuck rank before its peers' collectives time out; raise "
+            "train.collective_timeout_s or lower the other",
+        )
+    check(
+        t.collective_timeout_s <= t.init_timeout_s,
+        f"train.collective_timeout_s={t.collective_timeout_s} must not exceed "
+        f"train.init_timeout_s={t.init_timeout_s} (start-up is the slow phase)",
+    )
+
+
 def _transformer_engine_importable() -> bool:
     import importlib.util
 
@@ -531,6 +584,7 @@ def validate(config: RunConfig, world_size: int | None = None) -> RunConfig:
     check(t.clip_grad >= 0, "train.clip_grad must be >= 0 (0 disables clipping)")
     check(t.train_steps >= 1, "train.train_steps must be at least 1")
     check(t.keep_last >= 1, "train.keep_last must be at least 1")
+    check_fault_bounds(t, check)
     for dotted, value in [
         ("train.eval_interval", t.eval_interval),
         ("train.save_interval", t.save_interval),

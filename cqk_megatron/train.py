@@ -3,9 +3,11 @@
 Runs under torchrun, ``srun`` or submitit (see ``cqk_megatron.distributed``), on CPU
 (gloo, fp32) or GPU (NCCL, bf16). Before a process group is built it runs the pre-flight
 checks (``cqk_megatron.preflight``: data, tokenizer, run folder and its lease, checkpoints,
-disk). Exit codes: 0 finished, 75 stopped by a signal or the wall-clock budget after
-saving a checkpoint (requeue and run again with ``--resume auto``), 2 refused before
-training (a bad config, data, run folder or checkpoints; one line says why), 1 error.
+disk). Exit codes (``cqk_megatron/exit_codes.py``): 0 finished, 75 stopped by a signal or
+the wall-clock budget after saving a checkpoint (requeue and run again with ``--resume
+auto``), 76 the watchdog ended it (a rank was lost: relaunch), 2 refused before training (a
+bad config, data, run folder or checkpoints; one line says why), 1 another error. Under
+torchrun, ``cqk-torchrun`` keeps these codes.
 """
 
 from __future__ import annotations
@@ -17,10 +19,9 @@ import sys
 from cqk_megatron.checkpoint_files import RESUME_HELP, CheckpointError, CheckpointSaveError
 from cqk_megatron.config import ConfigError, load_config, validate
 from cqk_megatron.data.errors import DataError
+from cqk_megatron.exit_codes import EXIT_REFUSED
 from cqk_megatron.run_folder import NoSpaceError
 from cqk_megatron.run_lease import LeaseHeld, LeaseLost
-
-EXIT_REFUSED = 2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,10 +59,24 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as error:
         _say(str(error))
         return EXIT_REFUSED
+    from cqk_megatron.torchrun import record_exit
+
+    try:
+        code = _train(config, args.resume)
+    except BaseException:
+        record_exit(1)
+        raise
+    record_exit(code)  # for cqk-torchrun, whose agent may be signalled before it sees this
+    return code
+
+
+def _train(config, resume: str) -> int:
+    """The loop's ``train``, with the refusals and errors it can explain as one line and a
+    code."""
     from cqk_megatron.training.loop import train  # heavy imports after the config is checked
 
     try:
-        return train(config, resume=args.resume)
+        return train(config, resume=resume)
     except CheckpointSaveError as error:
         _say(str(error))
         return 1

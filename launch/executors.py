@@ -13,6 +13,8 @@ from pathlib import Path
 import submitit
 from submitit.slurm import slurm as submitit_slurm
 
+from launch import attempts
+from launch.local_job import LocalExecutor
 from launch.resources import (
     ClusterProfile,
     Resources,
@@ -28,23 +30,41 @@ def job_python(profile: ClusterProfile) -> str:
     return profile.python or shlex.quote(sys.executable)
 
 
+def slurm_parameters(
+    folder: Path, profile: ClusterProfile, resources: Resources, job_name: str
+) -> dict:
+    """sbatch_parameters, and the batch script's lines around srun that make a failed
+    attempt relaunch itself (launch/attempts.py): a marker before, the teardown after."""
+    params = sbatch_parameters(profile, resources, REPO, job_name)
+    params["setup"] = [
+        *params["setup"],
+        f'echo "{attempts.MARKER} ${{SLURM_RESTART_COUNT:-0}} on $(hostname)" >&2',
+    ]
+    params["teardown"] = attempts.teardown_lines(job_python(profile), folder)
+    return params
+
+
 def slurm_executor(
     folder: Path, profile: ClusterProfile, resources: Resources, job_name: str
 ) -> submitit.SlurmExecutor:
     executor = submitit.SlurmExecutor(
         folder=folder, max_num_timeout=resources.max_requeues, python=job_python(profile)
     )
-    executor.update_parameters(**sbatch_parameters(profile, resources, REPO, job_name))
+    executor.update_parameters(**slurm_parameters(folder, profile, resources, job_name))
     return executor
 
 
 def local_executor(
-    folder: Path, profile: ClusterProfile, resources: Resources
+    folder: Path, profile: ClusterProfile, resources: Resources, run_dir: Path | None = None
 ) -> submitit.LocalExecutor:
-    from launch.local_job import LocalExecutor  # its job id ends every process of the job
-
+    """submitit's local executor with one controller (launch/local_job.py): its job id
+    ends every process of the job, and it ends a failed attempt's tasks and relaunches it."""
     executor = LocalExecutor(
-        folder=folder, max_num_timeout=resources.max_requeues, python=job_python(profile)
+        folder=folder,
+        run_dir=run_dir or folder.parent,
+        policy=attempts.Policy(resources.max_restarts, resources.max_identical_failures),
+        max_num_timeout=resources.max_requeues,
+        python=job_python(profile),
     )
     executor.update_parameters(
         nodes=1,
@@ -69,7 +89,7 @@ def sbatch_script(
     Uses submitit's own renderer (``submitit.slurm.slurm._make_sbatch_string``, private:
     submitit is pinned), so a dry run shows exactly what would be submitted.
     """
-    params = sbatch_parameters(profile, resources, REPO, job_name)
+    params = slurm_parameters(folder, profile, resources, job_name)
     if array_size is not None and array_size > 1:
         params["map_count"] = array_size
     command = " ".join(

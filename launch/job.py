@@ -35,11 +35,9 @@ import submitit
 from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE
 
 from cqk_megatron.config import RunConfig, from_dict
+from cqk_megatron.exit_codes import EXIT_REFUSED, EXIT_REQUEUE
 from launch import run_dir as runs
 from launch import slurm_state
-
-EXIT_REQUEUE = 75  # cqk_megatron.training.preemption.EXIT_REQUEUE, without importing torch
-
 
 # Rendezvous ports stay below Linux's default ephemeral range (32768-60999): there the
 # kernel hands out ports to outgoing connections and to gloo's own listeners, and a derived
@@ -102,11 +100,16 @@ class TrainingJob(submitit.helpers.Checkpointable):
         config: dict,
         max_requeues: int = 10,
         master_port: int | None = None,
+        max_restarts: int = 3,
+        max_identical_failures: int = 2,
         resume: str = "auto",
     ):
         self.config = config
         self.max_requeues = max_requeues
         self.master_port = master_port  # local jobs: chosen free by the launcher
+        # Read by the Slurm batch script's teardown (launch/attempts.py) from the pickle.
+        self.max_restarts = max_restarts
+        self.max_identical_failures = max_identical_failures
         self.resume = resume  # --resume of the launcher: until a run of this job starts
 
     def run_config(self) -> RunConfig:
@@ -129,6 +132,9 @@ class TrainingJob(submitit.helpers.Checkpointable):
         code = self._train(env, config, run_dir, rank0)
         # Training is over for this attempt: a late warning signal has nothing to save.
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        if code not in (0, EXIT_REQUEUE):
+            # EXIT_WATCHDOG (rendezvous failed): the launcher records and relaunches.
+            sys.exit(code)
         if code != EXIT_REQUEUE:
             if rank0:
                 runs.append_event(run_dir, "finished", job_id=env.job_id, exit=code)
@@ -178,7 +184,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             if rank0:
                 print(f"error: {error}", file=sys.stderr, flush=True)
                 runs.append_event(run_dir, "refused", job_id=env.job_id, reason=str(error))
-            sys.exit(2)
+            sys.exit(EXIT_REFUSED)
 
     def checkpoint(self, *args, **kwargs) -> submitit.helpers.DelayedSubmission:
         """submitit's requeue hook: the run's state is its checkpoints on disk, so the
@@ -187,6 +193,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
 
     def _record_start(self, env, run_dir: Path, variables: dict[str, str], attempt: int) -> None:
         paths = env.paths
+        _record_unended_attempt(run_dir, env.job_id, attempt)
         runs.append_event(
             run_dir,
             "started",
@@ -235,3 +242,19 @@ class TrainingJob(submitit.helpers.Checkpointable):
         if out.returncode != 0:
             return f"failed: scontrol requeue {job_id}: {out.stderr.strip()}", EXIT_REQUEUE
         return "requeued", EXIT_REQUEUE
+
+
+def _record_unended_attempt(run_dir: Path, job_id: str, attempt: int) -> None:
+    """An earlier attempt of this job that left no ending record lost its node or its
+    allocation (Slurm requeued the job itself, with ``--requeue``, and no teardown ran):
+    record it now, so that ``status`` counts it."""
+    from launch import attempts
+
+    history = [e for e in runs.events(run_dir) if str(e.get("job_id")) == str(job_id)]
+    starts = [e for e in history if e["event"] == "started"]
+    if not starts or attempt <= starts[-1].get("attempt", 0):
+        return
+    after = [e for e in history if e["time"] >= starts[-1]["time"]]
+    if any(e["event"] in ("failed", "stopped", "finished") for e in after):
+        return
+    attempts.record_lost_attempt(run_dir, job_id, starts[-1].get("attempt"), starts[-1]["time"])

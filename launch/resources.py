@@ -46,6 +46,11 @@ class Resources:
     srun_args: list[str] = field(default_factory=list)
     signal_delay_s: int = 120  # the warning signal (USR1) comes this long before the limit
     max_requeues: int = 10  # the job requeues itself at most this many times
+    # launch/attempts.py: a failed attempt (a rank died, hung or crashed) is relaunched
+    # from the newest complete checkpoint at most max_restarts times, and not again once
+    # the last max_identical_failures attempts failed the same way (rank, exit, step).
+    max_restarts: int = 3
+    max_identical_failures: int = 2
     array_parallelism: int = 16  # sweeps: array tasks running at once
 
     @property
@@ -84,14 +89,17 @@ def _check_types(values: dict, where: str) -> None:
         "cpus_per_task",
         "signal_delay_s",
         "max_requeues",
+        "max_restarts",
+        "max_identical_failures",
         "array_parallelism",
     )
     for key in ints:
         value = values.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise ConfigError(f"{where}: '{key}' must be a whole number, got {value!r}")
-        if value is not None and value < (0 if key == "gpus_per_node" else 1):
-            raise ConfigError(f"{where}: '{key}' must be at least 1, got {value}")
+        low = 0 if key in ("gpus_per_node", "max_restarts") else 1
+        if value is not None and value < low:
+            raise ConfigError(f"{where}: '{key}' must be at least {low}, got {value}")
     if "exclusive" in values and not isinstance(values["exclusive"], bool):
         raise ConfigError(f"{where}: 'exclusive' must be true or false")
     if "slurm_args" in values and not isinstance(values["slurm_args"], dict):
@@ -236,8 +244,9 @@ def sbatch_parameters(
     params.update({k: v for k, v in optional.items() if v is not None})
     if r.exclusive:
         params["exclusive"] = True
-    if r.srun_args:
-        params["srun_args"] = list(r.srun_args)
+    # One task's failure ends the job step at once: no task waits for a dead or stuck one
+    # (the batch script's teardown then records the attempt and requeues it).
+    params["srun_args"] = ["--kill-on-bad-exit=1", *r.srun_args]
     # USR1 (not submitit's default USR2) is the signal the training loop saves on; requeue
     # is explicit so that clusters with JobRequeue=0 still let the job requeue itself.
     extra = {"signal": f"USR1@{r.signal_delay_s}", "requeue": True}

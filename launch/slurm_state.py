@@ -4,8 +4,8 @@
 storage is disabled", and submitit then reports every job as UNKNOWN. ``scontrol show
 job`` answers from slurmctld's memory instead, which keeps a job for ``MinJobAge``
 seconds after it ends (300 by default); after that the honest answer is ``UNKNOWN``.
-Local jobs (submitit's local executor) are processes: RUNNING while their controller
-lives.
+Local jobs (submitit's local executor, with launch/local_job.py's controller) are
+processes: RUNNING while their controller lives.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """``python launch/submit.py status RUN_DIR...``: where a run stands.
 
 For each run folder: the latest job and its state (Slurm's, or the local process's), the
-attempt it is on, the process holding the run (its lease), why the last job refused to
-start or failed, the latest step, training and validation loss, the newest complete
-checkpoint, whether the run finished, the free disk space (a full disk cuts logs short,
-so it is said here), and the tail of its rank-0 log.
+attempt it is on, each failed attempt with its cause, where it restarted and the steps
+lost (launch/attempts.py), the process holding the run (its lease), why the last job
+refused to start or failed, the latest step, training and validation loss, the newest
+complete checkpoint, whether the run finished, the free disk space (a full disk cuts logs
+short, so it is said here), and the tail of its rank-0 log (and of the failed rank's, when
+another rank failed).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from pathlib import Path
 
 from cqk_megatron import run_lease
 from cqk_megatron.run_folder import free_bytes, human_bytes
+from launch import attempts, slurm_state
 from launch import run_dir as runs
-from launch import slurm_state
 
 LOW_DISK_BYTES = 1 << 30  # below this, status says the disk is (nearly) full
 
@@ -52,6 +54,7 @@ def describe(run_dir: Path, log_lines: int = 10) -> str:
             out.append(
                 f"last stop  exit {stops[-1].get('exit')}, requeue: {stops[-1].get('requeue')}"
             )
+        out.extend(_failed_attempts(run_dir, job_id))
     out.extend(_holder_and_problems(run_dir, history))
     summary = runs.summary(run_dir)
     train = runs.latest_train_record(run_dir)
@@ -78,7 +81,29 @@ def describe(run_dir: Path, log_lines: int = 10) -> str:
             tail = _tail(path, log_lines)
             out.append(f"log tail   {path} ({len(tail)} lines)")
             out.extend(f"  | {line}" for line in tail)
+        out.extend(_failed_rank_log(history, logs[-1], log_lines))
     return "\n".join(out)
+
+
+def _failed_attempts(run_dir: Path, job_id: str) -> list[str]:
+    """Each failed attempt of the job: its cause, where it restarted, the work lost."""
+    lines = attempts.attempt_lines(run_dir, job_id)
+    if not lines:
+        return []
+    lost = sum(e.get("work_lost_steps") or 0 for e in attempts.failures(run_dir, job_id))
+    return [f"failures   {len(lines)}, {lost} steps redone in all", *(f"  - {x}" for x in lines)]
+
+
+def _failed_rank_log(history: list[dict], rank0_log: dict, log_lines: int) -> list[str]:
+    """The error is in the log of the rank that failed, not always rank 0's: show it."""
+    failed = [e for e in history if attempts.is_attempt_record(e)]
+    rank = (failed[-1].get("cause") or {}).get("rank") if failed else None
+    if not isinstance(rank, int) or rank == 0:
+        return []
+    path = Path(rank0_log["stderr"].replace("_0_log.", f"_{rank}_log."))
+    tail = [line for line in _tail(path, 20 * log_lines) if not line.startswith("frame #")]
+    tail = tail[-log_lines:]
+    return [f"rank {rank} log {path} ({len(tail)} lines)", *(f"  | {line}" for line in tail)]
 
 
 def _holder_and_problems(run_dir: Path, history: list[dict]) -> list[str]:
@@ -87,7 +112,14 @@ def _holder_and_problems(run_dir: Path, history: list[dict]) -> list[str]:
     if holder is not None:
         alive = "" if holder.alive() else " (dead: the next job takes the run over)"
         out.append(f"held by    {holder.describe()}{alive}")
-    problems = [e for e in history if e["event"] in ("refused", "failed", "cancelled")]
+    # A failed attempt that the relauncher recorded (it has a cause) is listed by
+    # _failed_attempts; here: refusals, cancels and failures that ended a job outright.
+    problems = [
+        e
+        for e in history
+        if e["event"] in ("refused", "cancelled")
+        or (e["event"] == "failed" and not attempts.is_attempt_record(e))
+    ]
     if problems:
         last = problems[-1]
         why = last.get("reason") or last.get("how") or ""

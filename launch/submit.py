@@ -87,6 +87,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="seconds before the time limit that USR1 asks the job to checkpoint",
     )
     r.add_argument("--max-requeues", type=int, help="times a job may requeue itself")
+    r.add_argument(
+        "--max-restarts",
+        type=int,
+        help="times a failed attempt (a rank died, hung or crashed) is relaunched from the "
+        "newest complete checkpoint",
+    )
+    r.add_argument(
+        "--max-identical-failures",
+        type=int,
+        help="stop once this many attempts in a row failed the same way (rank, exit, step)",
+    )
     r.add_argument("--array-parallelism", type=int, help="sweep jobs running at once")
     parser.add_argument("--dry-run", action="store_true", help="print, submit nothing")
     parser.add_argument("--resume", default="auto", help=RESUME_HELP)
@@ -134,6 +145,8 @@ def cli_resources(args: argparse.Namespace, gpu_profile: bool) -> dict:
         "job_name": args.job_name,
         "signal_delay_s": args.signal_delay_s,
         "max_requeues": args.max_requeues,
+        "max_restarts": args.max_restarts,
+        "max_identical_failures": args.max_identical_failures,
         "array_parallelism": args.array_parallelism,
     }
     if args.tasks is not None:
@@ -288,20 +301,22 @@ def submit_group(
         # A run that has started keeps its recorded config until a job really starts it.
         if not (plan.run_dir / "config.yaml").exists():
             runs.write_config(plan.run_dir, plan.config)
+    relaunch = {
+        "max_restarts": resources.max_restarts,
+        "max_identical_failures": resources.max_identical_failures,
+        "resume": resume,
+    }
     if cluster == "local":
         # Every task runs on this machine: a port checked free here now beats a derived one.
         callables = [
             TrainingJob(
-                to_dict(p.config),
-                resources.max_requeues,
-                master_port=free_local_port(),
-                resume=resume,
+                to_dict(p.config), resources.max_requeues, master_port=free_local_port(), **relaunch
             )
             for p in group
         ]
     else:
         callables = [
-            TrainingJob(to_dict(p.config), resources.max_requeues, resume=resume) for p in group
+            TrainingJob(to_dict(p.config), resources.max_requeues, **relaunch) for p in group
         ]
     if cluster == "local":
         # No job arrays here: at most array_parallelism runs at once on this machine; the
@@ -311,7 +326,9 @@ def submit_group(
             while sum(not job.done() for job in jobs) >= resources.array_parallelism:
                 progress.poll()
                 time.sleep(progress.poll_s)
-            executor = local_executor(plan.run_dir / "submitit", profile, plan.resources)
+            executor = local_executor(
+                plan.run_dir / "submitit", profile, plan.resources, plan.run_dir
+            )
             jobs.append(executor.submit(job_callable))
             record_submission(plan, jobs[-1], cluster, False, argv)
             progress.add(plan, jobs[-1])
@@ -369,7 +386,9 @@ class Progress:
                     self.bars.pop(name).close()
                 self.ended += 1
                 count = f" [{self.ended}/{self.total} ended]" if self.total > 1 else ""
-                print(f"{name}: job {job.job_id} ended ({state}){count}", flush=True)
+                done = runs.is_finished(plan.run_dir, plan.config.train.train_steps)
+                outcome = "the run finished" if done else "the run did not finish"
+                print(f"{name}: job {job.job_id} ended ({state}): {outcome}{count}", flush=True)
                 del self.pending[name]
         for plan, _ in self.pending.values():
             self._update_bar(plan)

@@ -20,15 +20,18 @@ from cqk_megatron.config import RunConfig, validate
 from cqk_megatron.data.checks import run_samples
 from cqk_megatron.device import device
 from cqk_megatron.distributed import (
+    RendezvousError,
+    discover,
     init_model_parallel,
     init_process_group,
     seed_cuda_rng_tracker,
 )
+from cqk_megatron.exit_codes import EXIT_WATCHDOG
 from cqk_megatron.model import build_rank_model
 from cqk_megatron.perf.flops import flops_per_token, mfu, peak_flops
 from cqk_megatron.perf.plan import check_fits, gpu_memory_bytes
 from cqk_megatron.run_folder import run_dir_of, write_config
-from cqk_megatron.training import checkpoint, collectives
+from cqk_megatron.training import checkpoint, collectives, faults, watchdog
 from cqk_megatron.training.engine import DeepSpeedEngine
 from cqk_megatron.training.lr_schedule import learning_rate
 from cqk_megatron.training.metrics import MetricsLogger
@@ -102,14 +105,27 @@ def evaluate(engine, valid_dataset, config: RunConfig, dp_rank: int, dp: int) ->
 
 
 def train(config: RunConfig, resume: str = "auto", datasets=None, on_start=None) -> int:
-    """Train ``config``; returns 0 when finished, ``EXIT_REQUEUE`` when stopped early.
+    """Train ``config``; returns 0 when finished, ``EXIT_REQUEUE`` when stopped early,
+    ``EXIT_WATCHDOG`` when a rank never arrived at rendezvous (the watchdog ends the
+    process with it when a rank is lost later).
 
     ``resume``: see ``checkpoint_files.RESUME_HELP``. Rank 0 holds the run's lease
     (``run_lease``) from before anything is written until the end: a second job on the
     same run folder raises ``LeaseHeld`` on every rank, naming the holder. ``on_start``
     is called on rank 0 once the run really starts (its resume choice is applied).
     """
-    init_process_group()
+    dist_env = discover()
+    faults.on_phase("rendezvous", 0, dist_env.rank)
+    try:
+        init_process_group(dist_env, timeout_s=config.train.init_timeout_s)
+    except RendezvousError as error:
+        watchdog.record_rendezvous_failure(run_dir_of(config), str(error), dist_env.rank)
+        return EXIT_WATCHDOG
+    with watchdog.watching(config, dist_env, run_dir_of(config)):
+        return _train_leased(config, resume, datasets, on_start)
+
+
+def _train_leased(config: RunConfig, resume: str, datasets, on_start) -> int:
     world = dist.get_world_size()
     validate(config, world)
     init_model_parallel(config)
@@ -240,13 +256,16 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
     last_saved = state.step
     try:
         while state.step < t.train_steps:
+            watchdog.enter("step", state.step + 1)
             lr = learning_rate(state.step, t)
             engine.set_lr(lr)
             indices = micro_batch_indices(
                 state.consumed_samples, t.global_batch_size, t.micro_batch_size, dp_rank, dp
             )
             started = time.perf_counter()
-            result = engine.train_step([fetch(train_data, idx) for idx in indices])
+            with watchdog.phase("data"):
+                batch = [fetch(train_data, idx) for idx in indices]
+            result = engine.train_step(batch)
             step_time = time.perf_counter() - started
             state.step += 1
             state.consumed_samples += t.global_batch_size
@@ -280,7 +299,8 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
             if state.step % t.eval_interval == 0 and state.step < t.train_steps:
                 log_validation(logger, engine, valid_data, config, state, dp_rank, dp)
             if state.step % t.save_interval == 0:
-                checkpoint.save(checkpoints, engine, model, config, state, lease)
+                with watchdog.phase("save"):
+                    checkpoint.save(checkpoints, engine, model, config, state, lease)
                 last_saved = state.step
             stopping = stop.agreed()  # collective: every rank, every step
             if stopping or state.step == t.exit_after_steps:
@@ -288,7 +308,8 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
                     "another rank was signalled" if stopping else "train.exit_after_steps"
                 )
                 if last_saved != state.step:
-                    checkpoint.save(checkpoints, engine, model, config, state, lease)
+                    with watchdog.phase("save"):
+                        checkpoint.save(checkpoints, engine, model, config, state, lease)
                 if rank == 0:
                     print(
                         f"stopping at step {state.step} ({reason})"
@@ -298,7 +319,8 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
                 return EXIT_REQUEUE
         log_validation(logger, engine, valid_data, config, state, dp_rank, dp, final=True)
         if last_saved != state.step:
-            checkpoint.save(checkpoints, engine, model, config, state, lease)
+            with watchdog.phase("save"):
+                checkpoint.save(checkpoints, engine, model, config, state, lease)
         logger.log(
             {
                 "kind": "summary",
@@ -312,6 +334,8 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
         )
         return 0
     finally:
+        if sys.exc_info()[0] is None:  # an error is the watchdog's to judge, not a shutdown
+            watchdog.enter("shutdown", state.step)
         stop.restore()
         logger.close()
 
@@ -351,7 +375,8 @@ def first_batch_fingerprint(train_data, global_batch_size: int) -> str:
 
 
 def log_validation(logger, engine, valid_data, config, state, dp_rank, dp, final=False) -> None:
-    loss = evaluate(engine, valid_data, config, dp_rank, dp)
+    with watchdog.phase("eval"):
+        loss = evaluate(engine, valid_data, config, dp_rank, dp)
     record = {
         "kind": "valid",
         "step": state.step,

@@ -10,9 +10,10 @@ from __future__ import annotations
 import signal
 import time
 
+from cqk_megatron.exit_codes import EXIT_REQUEUE
 from cqk_megatron.training import collectives
 
-EXIT_REQUEUE = 75  # EX_TEMPFAIL: "try again", the launcher requeues
+__all__ = ["EXIT_REQUEUE", "STOP_SIGNALS", "StopRequest", "protect_checkpoint_writer"]
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 

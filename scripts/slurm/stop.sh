@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Stop the cluster of start.sh: cancel its jobs, then end slurmd, slurmctld and munged by
 # the pids in their pid files under $CQK_SLURM_DIR (default /tmp/cqk-slurm), and nothing
-# else. State and logs stay for inspection; start.sh reuses them.
+# else; a multi-node cluster's network namespaces (what still runs in them, and the
+# bridge and links that start.sh listed in netns.list) are deleted last. State and logs
+# stay for inspection; start.sh reuses them.
 set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
 DIR=${CQK_SLURM_DIR:-/tmp/cqk-slurm}
 export SLURM_CONF=$DIR/slurm.conf
+# shellcheck source=scripts/slurm/nodes.sh
+source "$HERE/nodes.sh"
 
 pid_of() {  # pid_of PIDFILE NAME: the pid, if it is a live process called NAME
   [ -s "$1" ] || return 1
@@ -31,8 +36,9 @@ if pid_of "$DIR/run/slurmctld.pid" slurmctld >/dev/null && [ -f "$SLURM_CONF" ];
   fi
 fi
 
-for daemon in slurmd slurmctld munged; do
-  pid=$(pid_of "$DIR/run/$daemon.pid" "$daemon") || continue
+stop_daemon() {  # stop_daemon PIDFILE NAME
+  local pid
+  pid=$(pid_of "$1" "$2") || return 0
   kill "$pid"
   for _ in $(seq 1 40); do
     running "$pid" || break
@@ -41,5 +47,12 @@ for daemon in slurmd slurmctld munged; do
   if running "$pid"; then
     kill -9 "$pid"
   fi
-  echo "slurm: stopped $daemon ($pid)" >&2
+  echo "slurm: stopped $2 ($pid, $(basename "$1" .pid))" >&2
+}
+
+for pidfile in "$DIR"/run/slurmd*.pid; do  # slurmd.pid, or slurmd-<node>.pid per node
+  [ -e "$pidfile" ] && stop_daemon "$pidfile" slurmd
 done
+stop_daemon "$DIR/run/slurmctld.pid" slurmctld
+stop_daemon "$DIR/run/munged.pid" munged
+teardown_nodes "$DIR"

@@ -27,7 +27,13 @@ export OMP_NUM_THREADS=8
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 export NCCL_IB_TIMEOUT=22
+echo "cqk-attempt: begins ${SLURM_RESTART_COUNT:-0} on $(hostname)" >&2
 
 # command
 export SUBMITIT_EXECUTOR=slurm
-srun --unbuffered --output /shared/cqk-megatron/runs/1b-coupled-4x8/submitit/%j_%t_log.out --error /shared/cqk-megatron/runs/1b-coupled-4x8/submitit/%j_%t_log.err /shared/cqk-megatron/.venv/bin/python -u -m submitit.core._submit /shared/cqk-megatron/runs/1b-coupled-4x8/submitit
+srun --unbuffered --output /shared/cqk-megatron/runs/1b-coupled-4x8/submitit/%j_%t_log.out --error /shared/cqk-megatron/runs/1b-coupled-4x8/submitit/%j_%t_log.err --kill-on-bad-exit=1 /shared/cqk-megatron/.venv/bin/python -u -m submitit.core._submit /shared/cqk-megatron/runs/1b-coupled-4x8/submitit
+
+
+# teardown
+cqk_srun_exit=$?  # srun's, kept for the step below
+/shared/cqk-megatron/.venv/bin/python -m launch.attempts after-srun /shared/cqk-megatron/runs/1b-coupled-4x8/submitit $cqk_srun_exit
