@@ -15,7 +15,6 @@ Rules that keep good state:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from cqk_megatron.config_changes import (
     shape_changes,
     shape_mismatch_message,
 )
+from cqk_megatron.file_hash import file_sha256
 from cqk_megatron.run_folder import CHECKPOINTS, METRICS, supersede
 
 MANIFEST = "manifest.json"
@@ -66,20 +66,12 @@ def iterations(checkpoints: Path) -> list[Path]:
 # -- manifest ------------------------------------------------------------------------------
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def write_manifest(folder: Path, step: int, with_hashes: bool) -> None:
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
         entry = {"size": path.stat().st_size}
         if with_hashes:
-            entry["sha256"] = _sha256(path)
+            entry["sha256"] = file_sha256(path)
         files[str(path.relative_to(folder))] = entry
     write_text_atomically(folder / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
 
@@ -114,7 +106,7 @@ def verify(folder: Path, hashes: bool = True, parts: tuple[str, ...] | None = No
             raise CheckpointError(
                 f"{path}: {size} bytes but the manifest says {entry['size']} (truncated?)"
             )
-        if hashes and "sha256" in entry and _sha256(path) != entry["sha256"]:
+        if hashes and "sha256" in entry and file_sha256(path) != entry["sha256"]:
             raise CheckpointError(f"{path}: contents do not match the manifest's sha256")
     if parts is not None and not any(_in_parts(name, ("model",)) for name in files):
         raise CheckpointError(f"{folder}: the manifest lists no model weights")

@@ -33,6 +33,7 @@ from typing import Any
 
 from cqk_megatron.data.errors import DataError
 from cqk_megatron.data.metadata import write_json
+from cqk_megatron.file_hash import file_sha256
 from data_tools.cli import friendly_errors
 from data_tools.outputs import commit_file, partial_paths
 from data_tools.preprocess import preprocess
@@ -181,14 +182,6 @@ def write_corpus(path: Path, settings: DemoSettings) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def output_files(folder: Path) -> list[Path]:
     names = [
         "corpus.jsonl",
@@ -216,7 +209,7 @@ def is_complete(folder: Path, settings: DemoSettings) -> dict[str, Any] | None:
         entry = recorded.get(path.name)
         if entry is None or not path.is_file() or path.stat().st_size != entry["bytes"]:
             return None
-        if _sha256(path) != entry["sha256"]:
+        if file_sha256(path) != entry["sha256"]:
             return None
     return manifest
 
@@ -283,7 +276,8 @@ def build_demo(
         "tokens": result.tokens,
         "seconds": round(seconds, 2),
         "files": {
-            p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in output_files(folder)
+            p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+            for p in output_files(folder)
         },
     }
     manifest_file = folder / "manifest.json"

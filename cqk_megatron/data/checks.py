@@ -15,7 +15,6 @@ the launcher runs these before it queues a job, ``build_datasets`` before it bui
 from __future__ import annotations
 
 import functools
-import hashlib
 import re
 import struct
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from cqk_megatron.data.tokenizer import (
     check_vocab_fits,
     load_tokenizer,
 )
+from cqk_megatron.file_hash import file_sha256
 
 _INDEX_HEADER = b"MMIDIDX\x00\x00"  # megatron.core.datasets.indexed_dataset's
 _DTYPES = {  # megatron.core.datasets.indexed_dataset.DType codes
@@ -91,17 +91,9 @@ def read_index(prefix: str) -> Index:
     return Index(np.dtype(_DTYPES[code]), lengths, pointers)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def index_fingerprint(prefix: str | Path) -> str:
     """sha256 of ``P.idx``: cqk-preprocess records it in ``P.meta.json``."""
-    return _sha256(idx_path(prefix))
+    return file_sha256(idx_path(prefix))
 
 
 def _check_belongs(prefix: str, index: Index, meta: dict | None) -> None:
