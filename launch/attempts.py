@@ -11,7 +11,8 @@ cause and appends a ``failed`` event to ``jobs.jsonl``::
 
 The cause comes from, in order: a rank's own crash record or a watchdog verdict in
 ``RUN/faults.jsonl`` (which names a stopped or silent rank that never exited), else the
-first task that exited badly (an exit code, or the signal that killed it). The job is
+first task that exited badly (an exit code, or the signal that killed it), unless that
+task is one that gave a verdict: it was ending because of it. The job is
 started again (it resumes from the newest complete checkpoint: a half-written one is never
 taken) unless ``max_restarts`` failed attempts were relaunched already, or the last
 ``max_identical_failures`` attempts failed the same way (same rank, same exit, same step):
@@ -96,8 +97,15 @@ def find_cause(
     """Which rank ended the attempt, how, where and when (see the module's docstring)."""
     hosts = hosts or {}
     records = _faults_since(run_dir, since)
-    crashed = [r for r in records if r.get("event") == "crashed"]
     lost = [r for r in records if r.get("event") == "lost" and r.get("ranks")]
+    # A rank that gave a verdict is ending because of it: whatever it does after (exit 76,
+    # or killed by Slurm ending the step of a DOWN node while it closes) is not the cause.
+    verdict_at = {r.get("by_rank"): r.get("time", 0) for r in reversed(lost)}
+    crashed = [
+        r
+        for r in records
+        if r.get("event") == "crashed" and r.get("time", 0) < verdict_at.get(r.get("rank"), 1e99)
+    ]
     rendezvous = [r for r in records if r.get("event") == "rendezvous"]
     cause: dict = {}
     if crashed:
@@ -111,7 +119,11 @@ def find_cause(
         }
         if first["rank"] in exits:
             cause["exit"] = exits[first["rank"]]
-    elif first_bad is not None and exits.get(first_bad) != EXIT_WATCHDOG:
+    elif (
+        first_bad is not None
+        and exits.get(first_bad) != EXIT_WATCHDOG
+        and first_bad not in verdict_at
+    ):
         code = exits[first_bad]
         cause = {"rank": first_bad, "host": hosts.get(first_bad), "reason": describe_exit(code)}
         cause["signal" if code < 0 else "exit"] = abs(code)

@@ -440,6 +440,29 @@ def test_srun_lines_give_each_task_its_exit_and_node():
     assert hosts == {1: "node2", 0: "node1", 2: "node3", 3: "node3"}
 
 
+def test_the_rank_a_verdict_names_is_the_cause_whatever_its_giver_did_next(tmp_path):
+    # node2 vanished: rank 0's watchdog named rank 1, then, while rank 0 was ending, Slurm
+    # (node2 DOWN) killed its step, and its main thread raised too. srun saw only rank 0.
+    from launch.attempts import find_cause
+
+    verdict = {"event": "lost", "by_rank": 0, "ranks": [1], "host": "node2", "time": 100.0}
+    verdict.update(step=15, phase="forward", reason="sent no heartbeat for 5.0 s")
+    late_crash = {"event": "crashed", "rank": 0, "host": "node1", "time": 101.0}
+    late_crash.update(step=15, phase="forward", error="RuntimeError: boom")
+    (tmp_path / "faults.jsonl").write_text(
+        "\n".join(json.dumps(r) for r in (verdict, late_crash)) + "\n"
+    )
+    for code in (-15, -9, 1, 76):
+        cause = find_cause(tmp_path, {0: code}, 0, since=50.0, hosts={0: "node1"})
+        assert (cause["rank"], cause["host"], cause["detected_by"]) == (1, "node2", 0), code
+    # A rank that was itself killed first (not a verdict's giver) is still the cause.
+    cause = find_cause(tmp_path, {1: -9, 0: 76}, 1, since=50.0, hosts={1: "node2"})
+    assert (cause["rank"], cause["signal"]) == (1, 9)
+    # A crash before any verdict stays the cause.
+    (tmp_path / "faults.jsonl").write_text(json.dumps({**late_crash, "time": 99.0}) + "\n")
+    assert find_cause(tmp_path, {0: 1}, 0, since=50.0)["reason"] == "crashed: RuntimeError: boom"
+
+
 def test_a_failure_repeated_the_same_way_stops_and_the_budget_is_bounded():
     from launch.attempts import Policy, decide
 

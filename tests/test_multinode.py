@@ -306,7 +306,7 @@ def test_node2_vanishing_from_the_network_is_named_and_the_job_resumes_when_it_r
     stops = events(run_dir, "stopped")
     assert all(stop["exit"] == EXIT_REQUEUE for stop in stops)
     assert not later and [e["attempt"] for e in starts] == list(range(1, 3 + len(stops)))
-    assert (failed["cause"]["rank"], failed["cause"]["host"]) == (1, "node2")
+    assert (failed["cause"]["rank"], failed["cause"]["host"]) == (1, "node2"), (failed, lost)
     assert 0 <= failed["work_lost_steps"] <= SAVE_INTERVAL
     log = "\n".join(p.read_text(errors="replace") for p in run_dir.glob("submitit/*_log.*"))
     assert f"exits {EXIT_WATCHDOG}" in log
