@@ -15,26 +15,33 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
     """Yield a temporary path next to ``path`` to write; on success it replaces ``path``,
     on an error it is removed.
 
-    The file gets the permissions a plain ``open`` would give (``0o666`` less the umask):
-    ``mkstemp`` makes it ``0600``, and reports, configs and metrics that only their
-    writer can read are no use to the rest of a team on a shared cluster.
+    The file gets the permissions a plain ``open`` would give (``0o666`` less the umask),
+    set after the block, whatever the writer did: ``mkstemp`` makes it ``0600``, and so
+    does safetensors' ``save_file`` (it writes its own temporary and renames it), and
+    reports, configs, metrics and exported weights that only their writer can read are
+    no use to the rest of a team on a shared cluster.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(handle)
     temporary = Path(name)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(temporary, 0o666 & ~umask)
     try:
         yield temporary
+        os.chmod(temporary, 0o666 & ~current_umask())
         os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
 
 
+def current_umask() -> int:
+    """The process's umask (reading it means setting it: put it straight back)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
 def write_text_atomically(path: Path | str, text: str) -> None:
     with atomic_path(path) as temporary:
-        temporary.write_text(text)
+        temporary.write_text(text, encoding="utf-8")

@@ -29,11 +29,10 @@ from cqk_megatron.config_changes import (
     shape_mismatch_message,
 )
 from cqk_megatron.file_hash import file_sha256
-from cqk_megatron.run_folder import CHECKPOINTS, METRICS, supersede
+from cqk_megatron.run_folder import CHECKPOINTS, CONFIG, METRICS, SUPERSEDED, supersede
 
-MANIFEST = "manifest.json"
-LATEST = "latest"
-CONFIG = "config.yaml"
+MANIFEST = "manifest.json"  # written last: the folder is whole
+LATEST = "latest"  # in checkpoints/: the name of the newest complete folder
 # What a weights-only resume reads: the layout-free weights and the trainer state.
 WEIGHT_PARTS = ("model", "trainer", CONFIG, "layout.json")
 
@@ -155,6 +154,14 @@ def find_resumable(checkpoints: Path, hashes: bool = True) -> tuple[Path | None,
 
 
 # -- latest and retention ------------------------------------------------------------------
+
+
+def latest_name(checkpoints: Path) -> str | None:
+    """The folder name ``latest`` holds (as written: it may name a folder gone since)."""
+    path = checkpoints / LATEST
+    if path.is_file():
+        return path.read_text().strip() or None
+    return None
 
 
 def point_latest(checkpoints: Path, folder: Path) -> None:
@@ -288,7 +295,7 @@ def all_corrupt_message(checkpoints: Path, found: list[Candidate]) -> str:
         )
     ways.append(
         "start over: --resume none (the checkpoints and metrics are moved to "
-        f"{checkpoints.parent / 'superseded'}/, not deleted)"
+        f"{checkpoints.parent / SUPERSEDED}/, not deleted)"
     )
     ways.append("or train it as a new run: name=OTHER_NAME")
     lines.append("ways on: " + "; ".join(ways))
@@ -343,5 +350,5 @@ def apply_choice(run_dir: Path, choice: ResumeChoice) -> str | None:
     names = ", ".join(p.name for p in choice.supersede if p.name.startswith("iter_"))
     what = f"checkpoint(s) {names}" if names else ""
     if choice.start_over and (moved / METRICS).exists():
-        what = f"{what} and metrics.jsonl" if what else "metrics.jsonl"
+        what = f"{what} and {METRICS}" if what else METRICS
     return f"moved {what} to {moved} (superseded, not deleted)"

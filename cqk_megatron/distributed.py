@@ -6,7 +6,8 @@ and the first node of ``SLURM_JOB_NODELIST``) and submitit (which sets the Slurm
 variables too). The default process group is NCCL on GPU and gloo on CPU (why not both
 backends at once: ``cqk_megatron.training.collectives``), and the rank's GPU is bound
 (``cqk_megatron.device.bind``) before it is created. A single process started without any
-of these (a plain ``cqk-train``) rendezvouses on a port that is free now, so two of them on
+of these (a plain ``cqk-train``) rendezvouses on a port that is free now (the port rule:
+``cqk_megatron.ports``), so two of them on
 one machine do not collide; a port already taken is reported with how to choose another.
 """
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import socket
 import subprocess
 import time
@@ -29,6 +29,7 @@ from megatron.core import parallel_state
 from cqk_megatron import cpu_bridge
 from cqk_megatron.config import RunConfig
 from cqk_megatron.device import bind
+from cqk_megatron.ports import free_port, rendezvous_port
 
 
 @dataclass(frozen=True)
@@ -67,35 +68,16 @@ def discover(env: dict[str, str] | None = None) -> DistEnv:
             master_port=int(env.get("MASTER_PORT", 29500)),
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:  # srun, submitit
-        job_id = int(env.get("SLURM_JOB_ID", "0") or 0)
         return DistEnv(
             rank=int(env["SLURM_PROCID"]),
             local_rank=int(env.get("SLURM_LOCALID", 0)),
             world_size=int(env["SLURM_NTASKS"]),
             master_addr=env.get("MASTER_ADDR")
             or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
-            # launch/job.py's rendezvous_port: below the kernel's ephemeral port range
-            master_port=int(env.get("MASTER_PORT", 20000 + job_id % 12000)),
+            master_port=int(env.get("MASTER_PORT") or rendezvous_port(env.get("SLURM_JOB_ID", ""))),
         )
     port = env.get("MASTER_PORT")
     return DistEnv(0, 0, 1, "127.0.0.1", int(port) if port else free_port())
-
-
-# Below Linux's ephemeral range (32768-60999), where gloo's own sockets take their ports:
-# the range launch/job.py's rendezvous ports come from.
-PORTS = range(20000, 32000)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free on ``host`` now, drawn at random from ``PORTS``."""
-    for port in random.sample(PORTS, 200):
-        with socket.socket() as probe:
-            try:
-                probe.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port among 200 tried in {PORTS.start}-{PORTS.stop - 1}")
 
 
 def _port_in_use(error: Exception) -> bool:

@@ -11,6 +11,8 @@ the local controller and the Slurm batch script read them without importing torc
 - ``EXIT_REFUSED`` (2): refused before training (a bad config, data, run folder, lease or
   checkpoints; one line says why): running it again as it is cannot help, so it is not
   relaunched. ``1``: any other error.
+- ``EXIT_INJECTED`` (3): a fault drill's ``action=exit`` (``cqk_megatron.training.faults``):
+  a bad exit that is none of the above, as an unknown failure would be.
 """
 
 from __future__ import annotations
@@ -18,3 +20,4 @@ from __future__ import annotations
 EXIT_REQUEUE = 75
 EXIT_WATCHDOG = 76
 EXIT_REFUSED = 2
+EXIT_INJECTED = 3

@@ -1,23 +1,69 @@
-"""The files of a run folder ``log.root/name`` that training writes and every tool reads.
+"""The run contract: the files of a run folder ``log.root/name``, what their records are,
+and what state a run is in. Training writes the folder; launch, repro, analysis and
+convert read it through this module. Torch-free: they read run folders without Megatron.
 
-- ``config.yaml``: the resolved config, replaced only when a run really starts (after
-  its lease is taken and its checkpoint chosen), so a refused attempt never rewrites it;
-- ``metrics.jsonl``: see ``cqk_megatron.training.metrics`` (writer and the one reader);
-- ``lease.json``: which process holds the run (``cqk_megatron.run_lease``);
-- ``checkpoints/``: ``cqk_megatron.checkpoint_files``;
-- ``superseded/<UTC time>/``: what a run moved out of the way instead of deleting it
-  (checkpoints newer than the one it resumed from, or everything on ``--resume none``).
+The files (each name defined here and nowhere else):
 
-Torch-free: the launcher, analysis and repro read run folders without Megatron.
+- ``config.yaml`` (``CONFIG``): the resolved config, replaced only when a run really
+  starts (after its lease is taken and its checkpoint chosen), so a refused attempt never
+  rewrites it (``write_config``);
+- ``metrics.jsonl`` (``METRICS``): rank 0's records, one JSON object a line, each with a
+  ``kind`` (``RECORD_KINDS``): ``train`` and ``valid`` per logged step, and ``summary``
+  once, when the run has trained all of its ``train.train_steps`` and evaluated. Written by
+  ``cqk_megatron.training.metrics.MetricsLogger``, read by ``read_metrics`` (at most one
+  record per step and kind: what a resumed attempt logged again supersedes the earlier);
+- ``jobs.jsonl`` (``JOBS``): the launcher's and the job's events, one a line
+  (``append_event``; ``submitted``, ``started``, ``stopped``, ``finished``, ``refused``,
+  ``failed``, ``cancelled``, ...; see ``launch/run_dir.py`` and ``launch/attempts.py``);
+- ``faults.jsonl`` (``FAULTS``): the watchdog's crash records and verdicts
+  (``cqk_megatron.training.watchdog``);
+- ``lease.json`` (``LEASE``): which process holds the run (``cqk_megatron.run_lease``);
+- ``checkpoints/`` (``CHECKPOINTS``): ``cqk_megatron.checkpoint_files`` owns the names in
+  it (``iter_NNNNNNN``, ``manifest.json``, ``latest``);
+- ``superseded/<UTC time>/`` (``SUPERSEDED``): what a run moved out of the way instead of
+  deleting it (checkpoints newer than the one it resumed from, or everything on
+  ``--resume none``);
+- ``submitit/`` (``SUBMITIT``): the job logs of the launcher.
+
+A run's state (``run_status``), the one definition that ``launch status``, the launcher,
+repro and analysis use:
+
+- ``finished``: ``metrics.jsonl`` holds a summary record (as ``read_metrics`` reads it: a
+  summary that later steps were logged after is stale and dropped), and, when the caller
+  asks for ``train_steps`` (the launcher, for the config it would run now), one for at
+  least that many steps: a run whose ``train.train_steps`` was raised since is not
+  finished. Finished wins over everything below.
+- ``failed``: not finished, and nothing will carry the run on by itself. With launcher
+  events (``jobs.jsonl``): the last ``failed`` event after the last ``submitted`` or
+  ``started`` one has no ``relaunch`` decision (``launch/attempts.py`` decided ``stop``:
+  its restart budget spent or the same failure again; or rank 0 recorded a failure, a
+  checkpoint it could not save, and no relaunch decision came after). Without launcher
+  events (a plain ``cqk-train``, a repro run): ``faults.jsonl`` holds a crash record or a
+  watchdog verdict newer than the last metrics record (the process died after it last
+  logged; a resume that logs again makes the run partial again). A ``refused`` event is
+  *not* a failure of the run: it is one job's refusal (the folder held by another live
+  job, checkpoints that need the user's choice of ``--resume``), and the run as it stands
+  is what it was before.
+- ``partial``: started (a metrics record, a checkpoint folder or a ``started`` event),
+  neither finished nor failed: running, preempted, stopped to requeue, cancelled.
+- ``new``: nothing of the above yet (a folder with at most a config and a submission).
+
+The other facts of the contract have one home each, beside this module: checkpoint names
+in ``cqk_megatron.checkpoint_files``, exit codes in ``cqk_megatron.exit_codes``, the
+rendezvous-port rule in ``cqk_megatron.ports``, atomic writes (with the umask's
+permissions) in ``cqk_megatron.atomic``.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import yaml
 
@@ -26,9 +72,20 @@ from cqk_megatron.config import RunConfig, to_dict
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
+JOBS = "jobs.jsonl"
+FAULTS = "faults.jsonl"
 LEASE = "lease.json"
 CHECKPOINTS = "checkpoints"
 SUPERSEDED = "superseded"
+SUBMITIT = "submitit"
+
+# The ``kind`` of a metrics record.
+TRAIN, VALID, SUMMARY = "train", "valid", "summary"
+STEP_KINDS = (TRAIN, VALID)  # one per logged step
+RECORD_KINDS = (TRAIN, VALID, SUMMARY)
+
+State = Literal["new", "partial", "finished", "failed"]
+STATES: tuple[State, ...] = ("new", "partial", "finished", "failed")
 
 
 def run_dir_of(config: RunConfig) -> Path:
@@ -119,3 +176,194 @@ def no_space_error(path: Path, error: BaseException, what: str = "") -> BaseExce
         f"no space left on device writing {what or path} ({human_bytes(free)} free on the "
         f"filesystem of {mount}); free space there or point log.root at a larger filesystem",
     )
+
+
+# -- JSON-lines files ----------------------------------------------------------------------
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The readable records of a JSON-lines file (a line cut short by a crash is skipped)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def append_event(run_dir: Path, event: str, **fields) -> None:
+    """One line in ``jobs.jsonl``; a single ``write`` of a short line, so concurrent
+    writers (the launcher, a job) do not interleave."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = {"event": event, "time": time.time(), **fields}
+    with (run_dir / JOBS).open("a") as file:
+        file.write(json.dumps(record, default=str) + "\n")
+
+
+def events(run_dir: Path) -> list[dict]:
+    """The events of ``jobs.jsonl`` (each with an ``event`` name), in order."""
+    return [e for e in read_jsonl(Path(run_dir) / JOBS) if "event" in e]
+
+
+# -- metrics.jsonl -------------------------------------------------------------------------
+
+
+@dataclass
+class MetricsFile:
+    """What ``read_metrics`` found: records in order, and a problem per unreadable line."""
+
+    records: list[dict] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    superseded: int = 0  # records dropped because a later attempt logged their steps again
+
+
+def records_up_to(records: list[dict], start_step: int) -> list[dict]:
+    """Records of an attempt that (re)started at ``start_step``: the earlier ones up to it
+    (and no summary)."""
+    kept = []
+    for record in records:
+        if record.get("kind") == SUMMARY:
+            continue
+        step = record.get("step")
+        if isinstance(step, int) and step > start_step:
+            continue
+        kept.append(record)
+    return kept
+
+
+def read_metrics(path: Path) -> MetricsFile:
+    """The records of ``metrics.jsonl`` with at most one per (kind, step): a train record
+    whose step is not past the previous one starts a new attempt, which supersedes every
+    record from that step on (and any summary before it)."""
+    result = MetricsFile()
+    path = Path(path)
+    if not path.is_file():
+        return result
+    raw = path.read_text(errors="replace").splitlines()
+    records: list[dict] = []
+    last_train = 0
+    for number, text in enumerate(raw, start=1):
+        if not text.strip():
+            continue
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError:
+            where = "last line (truncated: run preempted?)" if number == len(raw) else "line"
+            result.problems.append(f"{path}:{number}: {where} is not valid JSON; skipped")
+            continue
+        if not isinstance(record, dict):
+            result.problems.append(f"{path}:{number}: not a JSON object; skipped")
+            continue
+        step = record.get("step")
+        if record.get("kind") in STEP_KINDS and any(r.get("kind") == SUMMARY for r in records):
+            # steps logged after a summary: the run was continued, that summary is stale
+            before = len(records)
+            records = [r for r in records if r.get("kind") != SUMMARY]
+            result.superseded += before - len(records)
+        if record.get("kind") == TRAIN and isinstance(step, int):
+            if step <= last_train:
+                before = len(records)
+                records = records_up_to(records, step - 1)
+                result.superseded += before - len(records)
+            last_train = step
+        elif record.get("kind") in STEP_KINDS and isinstance(step, int):
+            same = [
+                i
+                for i, r in enumerate(records)
+                if r.get("kind") == record["kind"] and r.get("step") == step
+            ]
+            for i in reversed(same):
+                del records[i]
+            result.superseded += len(same)
+        records.append(record)
+    result.records = records
+    return result
+
+
+def last_record(records: list[dict], kind: str) -> dict | None:
+    """The last record of ``kind`` (``TRAIN``, ``VALID``, ``SUMMARY``), or None."""
+    found = [r for r in records if r.get("kind") == kind]
+    return found[-1] if found else None
+
+
+# -- the state of a run --------------------------------------------------------------------
+
+# Launcher events after which a run goes on: a new job, or one of its attempts, starting.
+_STARTS = ("submitted", "started")
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """Where a run stands (see the module's docstring for what each state means)."""
+
+    state: State
+    summary: dict | None = None  # the summary record, when there is one
+    why: str = ""  # for ``failed``: what ended it (the launcher's or the watchdog's words)
+
+    @property
+    def finished(self) -> bool:
+        return self.state == "finished"
+
+
+def _launcher_failure(history: list[dict]) -> dict | None:
+    """The ``failed`` event that ended the run for good, if the launcher recorded one."""
+    last_start = max((i for i, e in enumerate(history) if e["event"] in _STARTS), default=-1)
+    failures = [e for e in history[last_start + 1 :] if e["event"] == "failed"]
+    if failures and failures[-1].get("decision") != "relaunch":
+        return failures[-1]
+    return None
+
+
+def _fault_after(run_dir: Path, records: list[dict]) -> dict | None:
+    """A crash record or watchdog verdict newer than the last metrics record."""
+    logged = max((r["time"] for r in records if isinstance(r.get("time"), int | float)), default=0)
+    faults = [
+        r
+        for r in read_jsonl(run_dir / FAULTS)
+        if r.get("event") in ("crashed", "lost", "rendezvous")
+        and isinstance(r.get("time"), int | float)
+        and r["time"] > logged
+    ]
+    return faults[-1] if faults else None
+
+
+def _why(record: dict) -> str:
+    """The launcher's or the watchdog's words for what ended the run, on one line."""
+    text = record.get("why") or record.get("reason") or record.get("line")
+    if not text and record.get("error"):  # a rank's crash record
+        text = f"rank {record.get('rank')} crashed at step {record.get('step')}: {record['error']}"
+    text = str(text or record["event"])
+    return text.splitlines()[0] if text else ""
+
+
+def run_status(run_dir: Path, train_steps: int | None = None) -> RunStatus:
+    """The state of the run in ``run_dir``: ``finished`` (for at least ``train_steps``
+    steps, when given), ``failed``, ``partial`` or ``new``."""
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir / METRICS).records
+    summary = last_record(records, SUMMARY)
+    if summary is not None and (
+        train_steps is None or int(summary.get("steps") or 0) >= train_steps
+    ):
+        return RunStatus("finished", summary)
+    history = events(run_dir)
+    if history:
+        failure = _launcher_failure(history)
+    else:
+        failure = _fault_after(run_dir, records)
+    if failure is not None:
+        return RunStatus("failed", summary, _why(failure))
+    checkpoints = run_dir / CHECKPOINTS
+    started = (
+        bool(records)
+        or (checkpoints.is_dir() and any(checkpoints.iterdir()))
+        or any(e["event"] == "started" for e in history)
+    )
+    return RunStatus("partial" if started else "new", summary)

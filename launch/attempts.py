@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cqk_megatron.exit_codes import EXIT_REFUSED, EXIT_REQUEUE, EXIT_WATCHDOG
+from cqk_megatron.run_folder import FAULTS, METRICS, TRAIN, append_event, events, read_jsonl
 from launch import run_dir as runs
 
-FAULTS = "faults.jsonl"  # cqk_megatron.training.watchdog.FAULTS_FILE, without torch
 LOCAL_REQUEUE = 144  # submitit's local requeue code (rank 0 asks for a restart)
 MARKER = "cqk-attempt: begins"  # printed by the batch script before srun (setup_lines)
 
@@ -77,14 +77,14 @@ def _checkpoint_step(run_dir: Path) -> int:
 def _step_reached(run_dir: Path, since: float) -> int | None:
     steps = [
         r["step"]
-        for r in runs.read_jsonl(run_dir / runs.METRICS)
-        if r.get("kind") == "train" and r.get("time", 0) >= since
+        for r in read_jsonl(run_dir / METRICS)
+        if r.get("kind") == TRAIN and r.get("time", 0) >= since
     ]
     return max(steps) if steps else None
 
 
 def _faults_since(run_dir: Path, since: float) -> list[dict]:
-    return [r for r in runs.read_jsonl(run_dir / FAULTS) if r.get("time", 0) >= since]
+    return [r for r in read_jsonl(run_dir / FAULTS) if r.get("time", 0) >= since]
 
 
 def find_cause(
@@ -174,9 +174,7 @@ def is_attempt_record(event: dict) -> bool:
 
 def failures(run_dir: Path, job_id: str) -> list[dict]:
     return [
-        e
-        for e in runs.events(run_dir)
-        if is_attempt_record(e) and str(e.get("job_id")) == str(job_id)
+        e for e in events(run_dir) if is_attempt_record(e) and str(e.get("job_id")) == str(job_id)
     ]
 
 
@@ -237,7 +235,7 @@ def record_failure(
     }
     decision, why = decide(failures(run_dir, job_id), record, policy)
     record.update(decision=decision, why=why)
-    runs.append_event(run_dir, "failed", **record)
+    append_event(run_dir, "failed", **record)
     return record
 
 
@@ -266,7 +264,7 @@ def record_lost_attempt(run_dir: Path, job_id: str, attempt: int, since: float) 
         "decision": "relaunch",
         "why": "requeued by Slurm (node failure)",
     }
-    runs.append_event(run_dir, "failed", **record)
+    append_event(run_dir, "failed", **record)
     return record
 
 
@@ -289,7 +287,7 @@ def summary_line(record: dict) -> str:
 def attempt_lines(run_dir: Path, job_id: str | None = None) -> list[str]:
     """One line per failed attempt, for ``status`` and the launcher's summary."""
     out = []
-    for record in runs.events(run_dir):
+    for record in events(run_dir):
         if not is_attempt_record(record):
             continue
         if job_id is not None and str(record.get("job_id")) != str(job_id):
@@ -385,9 +383,7 @@ def after_srun(folder: Path, srun_exit: int) -> int:
         return srun_exit  # stopped to requeue: rank 0 has seen to it
     attempt = int(os.environ.get("SLURM_RESTART_COUNT") or 0) + 1
     started = [
-        e
-        for e in runs.events(run_dir)
-        if e.get("event") == "started" and str(e.get("job_id")) == job_id
+        e for e in events(run_dir) if e.get("event") == "started" and str(e.get("job_id")) == job_id
     ]
     since = started[-1]["time"] if started else time.time() - 1e9
     record = record_failure(

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from cqk_megatron import run_lease
+from cqk_megatron.run_folder import LEASE
 from launch import run_dir as runs
 from launch import slurm_state
 
@@ -63,7 +64,7 @@ def cancel(run_dir: Path, wait_s: float = 180.0) -> tuple[bool, str]:
         what = f"SIGTERM to local job {job_id}"
     elif holder.host == socket.gethostname():
         os.kill(holder.pid, signal.SIGTERM)
-        what = f"SIGTERM to pid {holder.pid} (the holder of {run_dir / 'lease.json'})"
+        what = f"SIGTERM to pid {holder.pid} (the holder of {run_dir / LEASE})"
     else:
         return False, (
             f"{run_dir}: held by {holder.describe()}, which no job of this launcher started "

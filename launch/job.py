@@ -36,20 +36,9 @@ from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE
 
 from cqk_megatron.config import RunConfig, from_dict
 from cqk_megatron.exit_codes import EXIT_REFUSED, EXIT_REQUEUE
+from cqk_megatron.ports import PORT_BASE, PORT_SPAN, port_is_free, rendezvous_port
 from launch import run_dir as runs
 from launch import slurm_state
-
-# Rendezvous ports stay below Linux's default ephemeral range (32768-60999): there the
-# kernel hands out ports to outgoing connections and to gloo's own listeners, and a derived
-# port that one of them holds made rank 0 fail with EADDRINUSE while rank 1 waited.
-PORT_BASE, PORT_SPAN = 20000, 12000
-
-
-def rendezvous_port(job_id: str) -> int:
-    """The port every task derives from the job id alone (no communication needed)."""
-    digits = "".join(ch for ch in str(job_id) if ch.isdigit()) or "0"
-    return PORT_BASE + int(digits) % PORT_SPAN
-
 
 _HANDED_OUT: set[int] = set()
 
@@ -63,11 +52,8 @@ def free_local_port(start: int | None = None) -> int:
         port = PORT_BASE + (start - PORT_BASE + offset) % PORT_SPAN
         if port in _HANDED_OUT:
             continue
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+        if not port_is_free(port):
+            continue
         _HANDED_OUT.add(port)
         return port
     raise RuntimeError(f"no free port in {PORT_BASE}-{PORT_BASE + PORT_SPAN - 1} on 127.0.0.1")

@@ -4,7 +4,8 @@ For each run folder: the latest job and its state (Slurm's, or the local process
 attempt it is on, each failed attempt with its cause, where it restarted and the steps
 lost (launch/attempts.py), the process holding the run (its lease), why the last job
 refused to start or failed, the latest step, training and validation loss, the newest
-complete checkpoint, whether the run finished, the free disk space (a full disk cuts logs
+complete checkpoint, whether the run finished (or is partial, or failed: the run contract's
+``run_status``), the free disk space (a full disk cuts logs
 short, so it is said here), and the tail of its rank-0 log (and of the failed rank's, when
 another rank failed).
 """
@@ -15,7 +16,7 @@ import argparse
 from pathlib import Path
 
 from cqk_megatron import run_lease
-from cqk_megatron.run_folder import free_bytes, human_bytes
+from cqk_megatron.run_folder import free_bytes, human_bytes, run_status
 from launch import attempts, slurm_state
 from launch import run_dir as runs
 
@@ -56,13 +57,16 @@ def describe(run_dir: Path, log_lines: int = 10) -> str:
             )
         out.extend(_failed_attempts(run_dir, job_id))
     out.extend(_holder_and_problems(run_dir, history))
-    summary = runs.summary(run_dir)
+    status = run_status(run_dir)
     train = runs.latest_train_record(run_dir)
     valid = runs.latest_valid_record(run_dir)
-    if summary is not None:
+    if status.finished:
+        summary = status.summary
         out.append(f"finished   yes: {summary.get('steps')} steps, {summary.get('tokens')} tokens")
+    elif status.state == "failed":
+        out.append(f"finished   no: failed ({status.why})")
     else:
-        out.append("finished   no")
+        out.append(f"finished   no ({status.state})")
     if train is not None:
         out.append(
             f"progress   step {train['step']}, loss {train['loss']:.4f}, lr {train['lr']:.3g}"

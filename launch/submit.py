@@ -33,6 +33,7 @@ import yaml  # noqa: E402
 
 from cqk_megatron.checkpoint_files import RESUME_HELP  # noqa: E402
 from cqk_megatron.config import ConfigError, to_dict  # noqa: E402
+from cqk_megatron.run_folder import CONFIG, SUBMITIT, write_config  # noqa: E402
 from launch import run_dir as runs  # noqa: E402
 from launch import slurm_state  # noqa: E402
 from launch.plan import RunPlan, plan_run, plan_sweep  # noqa: E402
@@ -190,8 +191,8 @@ def dry_run(plans: list[RunPlan], groups: list[list[RunPlan]], profile, cluster:
 
 def submitit_folder(group: list[RunPlan], sweep) -> Path:
     if sweep is None:
-        return group[0].run_dir / "submitit"
-    return Path(group[0].config.log.root) / "submitit"
+        return group[0].run_dir / SUBMITIT
+    return Path(group[0].config.log.root) / SUBMITIT
 
 
 def job_name(group: list[RunPlan], sweep) -> str:
@@ -299,8 +300,8 @@ def submit_group(
     resources = group[0].resources
     for plan in group:
         # A run that has started keeps its recorded config until a job really starts it.
-        if not (plan.run_dir / "config.yaml").exists():
-            runs.write_config(plan.run_dir, plan.config)
+        if not (plan.run_dir / CONFIG).exists():
+            write_config(plan.run_dir, plan.config)
     relaunch = {
         "max_restarts": resources.max_restarts,
         "max_identical_failures": resources.max_identical_failures,
@@ -327,7 +328,7 @@ def submit_group(
                 progress.poll()
                 time.sleep(progress.poll_s)
             executor = local_executor(
-                plan.run_dir / "submitit", profile, plan.resources, plan.run_dir
+                plan.run_dir / SUBMITIT, profile, plan.resources, plan.run_dir
             )
             jobs.append(executor.submit(job_callable))
             record_submission(plan, jobs[-1], cluster, False, argv)

@@ -13,7 +13,6 @@ import pytest  # noqa: E402
 
 from cqk_megatron.analysis.plots import save  # noqa: E402
 from cqk_megatron.atomic import atomic_path, write_text_atomically  # noqa: E402
-from launch.run_dir import write_atomically  # noqa: E402
 
 
 @pytest.fixture
@@ -29,7 +28,7 @@ def mode(path) -> int:
 
 def test_written_files_get_the_umask_permissions_not_0600(tmp_path, umask_022):
     write_text_atomically(tmp_path / "a" / "report.md", "# report\n")
-    write_atomically(tmp_path / "config.yaml", "name: x\n")
+    write_text_atomically(tmp_path / "config.yaml", "name: x\n")
     figure, _ = plt.subplots()
     save(figure, tmp_path / "figures" / "loss.png")
     for path in (tmp_path / "a" / "report.md", tmp_path / "config.yaml"):

@@ -802,3 +802,26 @@ def test_cli_reports_errors_with_exit_code_2(tmp_path, capsys):
     (tmp_path / "taken").mkdir()
     assert cli_main(["export", str(tmp_path), str(tmp_path / "taken")]) == 2
     assert "--overwrite" in capsys.readouterr().err
+
+
+def test_exported_safetensors_weights_are_readable_by_the_team(tmp_path):
+    """safetensors' ``save_file`` makes its files 0600 whatever the umask (it renames its
+    own temporary): HF exports must still come out with the umask's mode."""
+    import stat
+
+    from cqk_megatron.convert.safetensors_io import save_weights
+
+    previous = os.umask(0o022)
+    try:
+        single = save_weights({"w": torch.ones(4, 4)}, tmp_path)
+        (tmp_path / "sharded").mkdir()
+        sharded = save_weights(
+            {"a": torch.ones(64, 64), "b": torch.ones(64, 64)}, tmp_path / "sharded", 20000
+        )
+    finally:
+        os.umask(previous)
+    paths = [tmp_path / n for n in single] + [tmp_path / "sharded" / n for n in sharded]
+    assert len(paths) == 4  # one file; two shards and their index
+    for path in paths:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, (path, oct(path.stat().st_mode))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "sharded"]

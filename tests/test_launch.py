@@ -578,7 +578,8 @@ def test_the_same_job_through_the_local_executor(reference):
 
 
 def test_requeues_are_bounded(tmp_path):
-    from launch.job import EXIT_REQUEUE, TrainingJob
+    from cqk_megatron.exit_codes import EXIT_REQUEUE
+    from launch.job import TrainingJob
 
     job = TrainingJob(config={}, max_requeues=2)
     outcome, code = job._requeue(SimpleNamespace(cluster="slurm"), attempt=3)
@@ -591,12 +592,10 @@ def test_requeues_are_bounded(tmp_path):
     assert outcome == "cancelled: not requeued" and code == EXIT_REQUEUE
 
 
-def test_exit_code_and_time_syntax_agree_with_the_engine_and_slurm():
-    from cqk_megatron.training.preemption import EXIT_REQUEUE as ENGINE_EXIT
-    from launch.job import EXIT_REQUEUE, rendezvous_port
+def test_time_syntax_agrees_with_slurm_and_ports_stay_below_the_ephemeral_range():
+    from cqk_megatron.ports import rendezvous_port
     from launch.resources import time_minutes
 
-    assert EXIT_REQUEUE == ENGINE_EXIT
     assert [time_minutes(t) for t in ("90", "1:30", "01:30:00", "2-00:00:00", "1-2")] == [
         90,
         2,
@@ -611,7 +610,7 @@ def test_exit_code_and_time_syntax_agree_with_the_engine_and_slurm():
 
 def test_plain_srun_derives_the_same_port_as_the_launcher():
     from cqk_megatron.distributed import discover
-    from launch.job import rendezvous_port
+    from cqk_megatron.ports import rendezvous_port
 
     env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "31337"}
     found = discover({**env, "SLURM_JOB_NODELIST": "node[3-4]"})

@@ -266,19 +266,20 @@ def test_a_crash_and_resume_logs_every_step_once_and_readers_agree(tmp_path):
     assert len(valid) == len(set(valid)) and valid == sorted(valid)
     # the readers: one reader, the same answer
     from cqk_megatron.analysis.ingest import read_metrics as ingest_read
-    from cqk_megatron.repro.runner import summary_record
+    from cqk_megatron.run_folder import run_status
     from launch import run_dir as runs
 
     lines, problems = ingest_read(run_dir / "metrics.jsonl")
     assert [line["step"] for line in lines if line["kind"] == "train"] == list(range(1, total + 1))
     assert problems == []
     assert runs.latest_train_record(run_dir)["step"] == total
-    assert summary_record(run_dir)["steps"] == runs.summary(run_dir)["steps"] == total
+    status = run_status(run_dir, total)
+    assert status.state == "finished" and status.summary["steps"] == total
 
 
 def test_the_reader_supersedes_records_a_resumed_attempt_logged_again(tmp_path):
     """Files written before the writer superseded records (or by two writers at once)."""
-    from cqk_megatron.training.metrics import read_metrics
+    from cqk_megatron.run_folder import read_metrics
 
     path = tmp_path / "metrics.jsonl"
     records = [

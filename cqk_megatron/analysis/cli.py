@@ -21,6 +21,7 @@ import pandas as pd
 
 from cqk_megatron.analysis import compare
 from cqk_megatron.analysis.ingest import humanize_count, ingest
+from cqk_megatron.atomic import atomic_path
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,8 +96,8 @@ def cmd_table(args) -> None:
     _print_runs(ingested.runs)
     if args.csv:
         path = Path(args.csv)
-        ingested.table.to_csv(path.with_name(path.name + ".tmp"), index=False)
-        path.with_name(path.name + ".tmp").replace(path)
+        with atomic_path(path) as temporary:
+            ingested.table.to_csv(temporary, index=False)
         print(f"wrote the tidy table ({len(ingested.table)} rows) to {path}")
 
 

@@ -29,11 +29,18 @@ import pandas as pd
 from cqk_megatron.analysis import wandb_runs
 from cqk_megatron.analysis.step_time import run_step_time
 from cqk_megatron.config import VARIANTS, ConfigError, RunConfig, from_dict, load_config
-from cqk_megatron.training import metrics as training_metrics
+from cqk_megatron.run_folder import (
+    CONFIG,
+    METRICS,
+    STEP_KINDS,
+    SUMMARY,
+    TRAIN,
+    VALID,
+    run_status,
+)
+from cqk_megatron.run_folder import read_metrics as read_metrics_file
 
-METRICS_FILE = "metrics.jsonl"
-CONFIG_FILE = "config.yaml"
-REQUIRED = {"train": ("step", "tokens", "loss"), "valid": ("step", "tokens", "val_loss")}
+REQUIRED = {TRAIN: ("step", "tokens", "loss"), VALID: ("step", "tokens", "val_loss")}
 COLUMNS = [
     "run",
     "variant",
@@ -152,7 +159,7 @@ def read_metrics(path: Path) -> tuple[list[dict], list[str]]:
     """Parse ``metrics.jsonl`` through the training side's one reader (one record per step
     and kind: what a resumed attempt logged again supersedes the earlier attempt's): the
     good lines, and a problem per line that was not."""
-    found = training_metrics.read_metrics(path)
+    found = read_metrics_file(path)
     lines, problems = [], list(found.problems)
     for line in found.records:
         kind = line.get("kind")
@@ -173,21 +180,25 @@ class RunRecord:
     finished: bool
     source: str
     problems: list[str]
+    state: str = ""  # the run contract's state (``run_status``); wandb: finished or partial
+    why: str = ""  # for a failed run: what ended it
 
 
 def read_run_dir(path: Path) -> RunRecord:
-    config_path, metrics_path = path / CONFIG_FILE, path / METRICS_FILE
+    config_path, metrics_path = path / CONFIG, path / METRICS
     if not metrics_path.is_file():
-        raise RunError(f"{path}: no {METRICS_FILE} (has the run logged a step yet?)")
+        raise RunError(f"{path}: no {METRICS} (has the run logged a step yet?)")
     if not config_path.is_file():
-        raise RunError(f"{path}: no {CONFIG_FILE}; the engine writes the resolved config there")
+        raise RunError(f"{path}: no {CONFIG}; the engine writes the resolved config there")
     try:
         config = load_config(config_path)
     except ConfigError as error:
         raise RunError(f"{path}: unreadable config: {error}") from error
     lines, problems = read_metrics(metrics_path)
-    finished = any(line.get("kind") == "summary" for line in lines)
-    return RunRecord(str(path), config, lines, finished, "jsonl", problems)
+    status = run_status(path)
+    return RunRecord(
+        str(path), config, lines, status.finished, "jsonl", problems, status.state, status.why
+    )
 
 
 def record_from_wandb(run: dict, path: str) -> RunRecord:
@@ -199,7 +210,8 @@ def record_from_wandb(run: dict, path: str) -> RunRecord:
     summary = wandb_runs.summary_line(run["summary"], run["config"])
     if summary is not None and run["finished"]:
         lines.append(summary)
-    return RunRecord(path, config, lines, run["finished"], "wandb", list(run["problems"]))
+    state = "finished" if run["finished"] else "partial"
+    return RunRecord(path, config, lines, run["finished"], "wandb", list(run["problems"]), state)
 
 
 def read_wandb_dir(path: Path) -> RunRecord:
@@ -221,7 +233,7 @@ def _finite(value) -> float:
 def record_rows(record: RunRecord) -> tuple[list[dict], list[str]]:
     """One row per train/valid line of a run, with its parameter counts."""
     config, problems = record.config, list(record.problems)
-    summaries = [line for line in record.lines if line.get("kind") == "summary"]
+    summaries = [line for line in record.lines if line.get("kind") == SUMMARY]
     summary = summaries[-1] if summaries else {}
     total = summary.get("params_total")
     non_embedding = summary.get("params_non_embedding")
@@ -253,9 +265,9 @@ def record_rows(record: RunRecord) -> tuple[list[dict], list[str]]:
     latest = {(line.get("kind"), line.get("step")): line for line in record.lines}
     for line in record.lines:
         kind = line.get("kind")
-        if kind not in ("train", "valid") or latest[(kind, line.get("step"))] is not line:
+        if kind not in STEP_KINDS or latest[(kind, line.get("step"))] is not line:
             continue
-        loss = _finite(line["loss"] if kind == "train" else line["val_loss"])
+        loss = _finite(line["loss"] if kind == TRAIN else line["val_loss"])
         if math.isnan(loss):
             dropped += 1
             continue
@@ -285,7 +297,9 @@ def record_rows(record: RunRecord) -> tuple[list[dict], list[str]]:
         problems.append(f"{record.path}: {dropped} non-finite loss value(s) dropped")
     if not rows:
         raise RunError(f"{record.path}: no train or valid lines with a finite loss")
-    if not record.finished:
+    if record.state == "failed":
+        problems.append(f"{record.path}: failed run (no summary line; {record.why})")
+    elif not record.finished:
         problems.append(f"{record.path}: partial run (no summary line: preempted or running)")
     return rows, problems
 
@@ -310,14 +324,14 @@ def find_runs(paths: list[str | Path]) -> tuple[list[tuple[str, Path]], list[Ski
             continue
         for folder, subfolders, files in os.walk(root):
             here = Path(folder)
-            if METRICS_FILE in files:
+            if METRICS in files:
                 found.append(("jsonl", here))
                 subfolders[:] = []
             elif wandb_runs.is_offline_run_dir(here):
                 found.append(("wandb", here))
                 subfolders[:] = []
-            elif CONFIG_FILE in files and here.name not in ("files",) and not _in_checkpoint(here):
-                skipped.append(Skipped(str(here), f"{CONFIG_FILE} but no {METRICS_FILE} yet"))
+            elif CONFIG in files and here.name not in ("files",) and not _in_checkpoint(here):
+                skipped.append(Skipped(str(here), f"{CONFIG} but no {METRICS} yet"))
             subfolders.sort()
     return found, skipped
 

@@ -26,6 +26,7 @@ from cqk_megatron.analysis.fits import (
 )
 from cqk_megatron.analysis.ingest import Ingested, fit_points, humanize_count, run_summary
 from cqk_megatron.analysis.step_time import CPU_CLOCK, format_ratio, step_time_ratios
+from cqk_megatron.atomic import atomic_path, write_text_atomically
 
 LADDER_SIZES = (60e6, 150e6, 350e6, 1e9, 3e9, 7e9)
 MAX_BUDGETS = 6  # compute budgets in the compute-optimal table
@@ -590,12 +591,6 @@ def render_markdown(analysis: Analysis, figures: dict[str, Path], folder: Path) 
 # ---------------------------------------------------------------------------------------
 
 
-def _write_text(path: Path, text: str) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
-
-
 def fits_json(analysis: Analysis) -> dict:
     level = analysis.options.level
     return {
@@ -643,11 +638,13 @@ def write_report(analysis: Analysis, folder: str | Path) -> Path:
             figures_dir / "multiplier_vs_size.png",
             _budget_words(analysis.options),
         )
-    table.to_csv(folder / "runs.csv.tmp", index=False)
-    os.replace(folder / "runs.csv.tmp", folder / "runs.csv")
-    _write_text(folder / "fits.json", json.dumps(fits_json(analysis), indent=2, default=_jsonable))
+    with atomic_path(folder / "runs.csv") as temporary:
+        table.to_csv(temporary, index=False)
+    write_text_atomically(
+        folder / "fits.json", json.dumps(fits_json(analysis), indent=2, default=_jsonable)
+    )
     report = folder / "report.md"
-    _write_text(report, render_markdown(analysis, figures, folder))
+    write_text_atomically(report, render_markdown(analysis, figures, folder))
     return report
 
 

@@ -18,6 +18,8 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from cqk_megatron.run_folder import SUMMARY, TRAIN, VALID
+
 HEADER = b":W&B"
 FILE_HEADER_LEN = 7
 RECORD_HEADER_LEN = 7
@@ -150,9 +152,9 @@ def history_to_metrics(history: list[dict]) -> list[dict]:
         valid_loss = _first(row, VALID_LOSS_KEYS)
         base = {"step": step, "tokens": tokens, "time": row.get("_timestamp")}
         if train_loss is not None:
-            lines.append({**base, "kind": "train", "loss": train_loss, "lr": _first(row, LR_KEYS)})
+            lines.append({**base, "kind": TRAIN, "loss": train_loss, "lr": _first(row, LR_KEYS)})
         if valid_loss is not None:
-            lines.append({**base, "kind": "valid", "val_loss": valid_loss})
+            lines.append({**base, "kind": VALID, "val_loss": valid_loss})
     return lines
 
 
@@ -164,7 +166,7 @@ def summary_line(summary: dict, config: dict) -> dict | None:
             values[key] = config.get(key)
     if values["params_total"] is None:
         return None
-    return {"kind": "summary", **values}
+    return {"kind": SUMMARY, **values}
 
 
 def api_available() -> bool:

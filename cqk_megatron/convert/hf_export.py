@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from cqk_megatron import coupling as coupling_module
-from cqk_megatron.checkpoint_files import LATEST, MANIFEST
+from cqk_megatron.checkpoint_files import LATEST, MANIFEST, latest_name
 from cqk_megatron.config import ConfigError, RunConfig, load_config, save_config, validate
 from cqk_megatron.convert.checkpoint_io import read_full_state_dict
 from cqk_megatron.convert.errors import ConversionError
@@ -41,13 +41,10 @@ from cqk_megatron.convert.output_dir import check_target, staged_folder
 from cqk_megatron.convert.remote_source import MATH_FILE, VARIANT_FILE, variant_source
 from cqk_megatron.convert.safetensors_io import DEFAULT_MAX_SHARD, parse_size, save_weights
 from cqk_megatron.convert.tokenizer import check_tokenizer, save_tokenizer, special_token_ids
+from cqk_megatron.run_folder import CHECKPOINTS, CONFIG
 
 RUN_CONFIG_FILE = "cqk_run_config.yaml"
 COUPLING_FILE = MATH_FILE
-CHECKPOINT_CONFIG = "config.yaml"
-# written last by the training engine (the checkpoint is whole); in checkpoints/: the name
-# of the newest complete iteration
-MANIFEST_FILE, LATEST_FILE = MANIFEST, LATEST
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -173,10 +170,10 @@ def _write_json(path: Path, data: dict) -> None:
 def find_checkpoint_config(checkpoint_dir: Path) -> Path:
     """``config.yaml`` in the checkpoint folder, or beside it (``checkpoints/``, run dir)."""
     for folder in (checkpoint_dir, checkpoint_dir.parent, checkpoint_dir.parent.parent):
-        if (folder / CHECKPOINT_CONFIG).is_file():
-            return folder / CHECKPOINT_CONFIG
+        if (folder / CONFIG).is_file():
+            return folder / CONFIG
     raise ConversionError(
-        f"'{checkpoint_dir}': no {CHECKPOINT_CONFIG} in it or its run folder; a checkpoint is "
+        f"'{checkpoint_dir}': no {CONFIG} in it or its run folder; a checkpoint is "
         "exported with the resolved config its run saved"
     )
 
@@ -186,28 +183,26 @@ def resolve_checkpoint_dir(path: Path) -> Path:
     a ``checkpoints/`` folder or a run folder; refuses anything else with the reason."""
     if not path.is_dir():
         raise ConversionError(f"checkpoint '{path}' is not a folder")
-    for checkpoints in (path, path / "checkpoints"):
-        if (checkpoints / LATEST_FILE).is_file() and not (path / MANIFEST_FILE).is_file():
-            name = (checkpoints / LATEST_FILE).read_text().strip()
+    for checkpoints in (path, path / CHECKPOINTS):
+        name = latest_name(checkpoints)
+        if name is not None and not (path / MANIFEST).is_file():
             if not (checkpoints / name).is_dir():
                 raise ConversionError(
-                    f"'{checkpoints / LATEST_FILE}' names '{name}', which does not exist; "
+                    f"'{checkpoints / LATEST}' names '{name}', which does not exist; "
                     "pass an iteration folder instead"
                 )
             return resolve_checkpoint_dir(checkpoints / name)
-    if (path / MANIFEST_FILE).is_file() and not path.name.endswith(".tmp"):
+    if (path / MANIFEST).is_file() and not path.name.endswith(".tmp"):
         return path
     names = sorted(p.name for p in path.iterdir())
     if path.name.endswith(".tmp") or "model" in names or any(n.endswith(".distcp") for n in names):
         raise ConversionError(
-            f"checkpoint '{path}' is half-written: it has no {MANIFEST_FILE}, which is written "
+            f"checkpoint '{path}' is half-written: it has no {MANIFEST}, which is written "
             "last; export an earlier, complete iteration"
         )
     iterations = [n for n in names if n.startswith("iter_") and not n.endswith(".tmp")]
     hint = f" (pick an iteration folder, e.g. {path / iterations[-1]})" if iterations else ""
-    raise ConversionError(
-        f"'{path}' is not a run checkpoint: no {MANIFEST_FILE} or {LATEST_FILE}{hint}"
-    )
+    raise ConversionError(f"'{path}' is not a run checkpoint: no {MANIFEST} or {LATEST}{hint}")
 
 
 def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, **options) -> Path:

@@ -15,6 +15,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from cqk_megatron.atomic import atomic_path, write_text_atomically
 from cqk_megatron.convert.errors import ConversionError
 
 SINGLE_FILE = "model.safetensors"
@@ -64,17 +65,19 @@ def save_weights(
     shards = _shards(owned, parse_size(max_shard_size))
     metadata = {"format": "pt"}
     if len(shards) == 1:
-        save_file(shards[0], folder / SINGLE_FILE, metadata=metadata)
+        with atomic_path(folder / SINGLE_FILE) as temporary:
+            save_file(shards[0], temporary, metadata=metadata)
         return [SINGLE_FILE]
     names, weight_map = [], {}
     for i, shard in enumerate(shards, start=1):
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, folder / name, metadata=metadata)
+        with atomic_path(folder / name) as temporary:
+            save_file(shard, temporary, metadata=metadata)
         names.append(name)
         weight_map.update(dict.fromkeys(shard, name))
     total = sum(t.numel() * t.element_size() for t in owned.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    write_text_atomically(folder / INDEX_FILE, json.dumps(index, indent=2) + "\n")
     return [*names, INDEX_FILE]
 
 

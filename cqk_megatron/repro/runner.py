@@ -1,6 +1,7 @@
 """Train the planned runs one after the other, each in its own process(es).
 
-A run whose ``metrics.jsonl`` holds a summary line is done and skipped; one with
+A run that is finished (the run contract's ``run_status``: its ``metrics.jsonl`` holds a
+summary line) is done and skipped; one with
 checkpoints resumes from the newest complete one (the training command does that by
 itself). A run folder made with other settings (another budget, preset or override) is
 refused rather than resumed into a different schedule.
@@ -9,18 +10,19 @@ refused rather than resumed into a different schedule.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 
+from cqk_megatron.atomic import write_text_atomically
 from cqk_megatron.config import load_config, to_dict
+from cqk_megatron.exit_codes import EXIT_REQUEUE
+from cqk_megatron.ports import free_port
 from cqk_megatron.repro.plan import Plan, PlannedRun
 from cqk_megatron.repro.presets import ReproError
-from cqk_megatron.training.metrics import read_metrics
-from cqk_megatron.training.preemption import EXIT_REQUEUE
+from cqk_megatron.run_folder import CHECKPOINTS, CONFIG, run_status
 
 # Keys that may change between the first attempt and a resume without changing the run.
 RESUME_NEUTRAL = {
@@ -51,18 +53,11 @@ def _flatten(data: dict, prefix: str = "") -> dict[str, object]:
     return flat
 
 
-def summary_record(run_dir: Path) -> dict | None:
-    """The run's summary line (written once, when it finished), or None."""
-    records = read_metrics(run_dir / "metrics.jsonl").records
-    summaries = [r for r in records if r.get("kind") == "summary"]
-    return summaries[-1] if summaries else None
-
-
 def status(run: PlannedRun) -> str:
-    """``done``, ``resume`` (checkpoints exist) or ``new``."""
-    if summary_record(run.run_dir) is not None:
+    """``done`` (the contract's ``finished``), ``resume`` (checkpoints exist) or ``new``."""
+    if run_status(run.run_dir).finished:
         return "done"
-    checkpoints = run.run_dir / "checkpoints"
+    checkpoints = run.run_dir / CHECKPOINTS
     if checkpoints.is_dir() and any(checkpoints.iterdir()):
         return "resume"
     return "new"
@@ -70,7 +65,7 @@ def status(run: PlannedRun) -> str:
 
 def check_same_settings(run: PlannedRun) -> None:
     """Refuse a run folder whose saved config differs from the planned one."""
-    saved_path = run.run_dir / "config.yaml"
+    saved_path = run.run_dir / CONFIG
     if not saved_path.is_file():
         return
     saved = _flatten(to_dict(load_config(saved_path)))
@@ -89,19 +84,10 @@ def check_same_settings(run: PlannedRun) -> None:
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def write_config(run: PlannedRun, folder: Path) -> Path:
-    """The resolved config the training process reads (temporary name, then renamed)."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """The resolved config the training process reads (written atomically)."""
     path = folder / f"{run.name}.yaml"
-    partial = path.with_suffix(".yaml.partial")
-    partial.write_text(yaml.safe_dump(to_dict(run.config), sort_keys=False))
-    os.replace(partial, path)
+    write_text_atomically(path, yaml.safe_dump(to_dict(run.config), sort_keys=False))
     return path
 
 
@@ -117,7 +103,7 @@ def train_command(config_path: Path, nproc: int) -> list[str]:
         "--master-addr",
         "127.0.0.1",
         "--master-port",
-        str(_free_port()),
+        str(free_port()),
         "-m",
         "cqk_megatron.train",
         "--config",
@@ -158,5 +144,5 @@ def train_run(run: PlannedRun, plan: Plan, echo: bool) -> None:
             f"run {run.name} failed (exit {code}); its output is in {log_path}. Fix the cause "
             "and run the same command again: finished runs are kept, this one resumes"
         )
-    if summary_record(run.run_dir) is None:
+    if not run_status(run.run_dir).finished:
         raise ReproError(f"run {run.name} exited 0 but wrote no summary to {run.run_dir}")

@@ -30,9 +30,10 @@ from cqk_megatron.analysis.ingest import ingest
 from cqk_megatron.analysis.plots import loss_curves
 from cqk_megatron.analysis.report import markdown_table
 from cqk_megatron.analysis.step_time import CPU_CLOCK, format_ratio, step_time_ratios
+from cqk_megatron.atomic import write_text_atomically
 from cqk_megatron.repro.plan import Plan
 from cqk_megatron.repro.presets import ReproError
-from cqk_megatron.repro.runner import summary_record
+from cqk_megatron.run_folder import run_status
 
 BASELINE = "standard"
 COLUMNS = [
@@ -85,19 +86,13 @@ def hardware() -> str:
     return f"CPU: {model}, {cores} cores (torch {torch.__version__})"
 
 
-def _write(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text, encoding="utf-8")
-    os.replace(partial, path)
-
-
 def per_run(plan: Plan) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(the analysis' tidy table of the plan's runs, one row per run with its fingerprint)."""
     ingested = ingest([run.run_dir for run in plan.runs])
     runs = ingested.runs.set_index("run")
     rows = []
     for run in plan.runs:
-        summary = summary_record(run.run_dir) or {}
+        summary = run_status(run.run_dir).summary or {}
         if run.name not in runs.index:
             reasons = "; ".join(f"{s.path}: {s.reason}" for s in ingested.skipped)
             raise ReproError(f"run {run.name} could not be read for the table ({reasons})")
@@ -323,7 +318,7 @@ def write_comparison(plan: Plan, command: list[str]) -> Comparison:
         out / "comparison.json",
         out / "loss_vs_tokens.png",
     )
-    _write(csv, table.to_csv(index=False))
+    write_text_atomically(csv, table.to_csv(index=False))
     record = {
         "preset": plan.preset.name,
         "command": command,
@@ -339,7 +334,7 @@ def write_comparison(plan: Plan, command: list[str]) -> Comparison:
         "variants": json.loads(table.to_json(orient="records")),
         "runs": json.loads(runs.to_json(orient="records")),
     }
-    _write(json_path, json.dumps(record, indent=2) + "\n")
-    _write(markdown, render_markdown(plan, table, runs, same))
+    write_text_atomically(json_path, json.dumps(record, indent=2) + "\n")
+    write_text_atomically(markdown, render_markdown(plan, table, runs, same))
     loss_curves(tidy, plot)
     return Comparison(table, runs, same, markdown, csv, json_path, plot)

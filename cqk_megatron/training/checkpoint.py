@@ -58,7 +58,7 @@ from cqk_megatron.config import RunConfig, save_config
 from cqk_megatron.config_changes import changes, listed
 from cqk_megatron.device import device
 from cqk_megatron.model import load_sharded_state, sharded_state_dict
-from cqk_megatron.run_folder import is_no_space, no_space_error
+from cqk_megatron.run_folder import CONFIG, is_no_space, no_space_error
 from cqk_megatron.training.collectives import barrier, gather_objects
 
 # torch.distributed.checkpoint reports a failed save or load as CheckpointException, which
@@ -207,7 +207,7 @@ def save(
 
     if rank == 0:
         try:
-            save_config(config, staging / "config.yaml")
+            save_config(config, staging / CONFIG)
             layout = json.dumps(asdict(Layout.current(config)))
             write_text_atomically(staging / "layout.json", layout)
             write_manifest(staging, state.step, config.train.checkpoint_hashes)
@@ -303,7 +303,7 @@ def save_weights(folder: Path, model, config: RunConfig) -> Path:
     _agree(error, staging, what)
     if rank == 0:
         try:
-            save_config(config, staging / "config.yaml")
+            save_config(config, staging / CONFIG)
             layout = json.dumps(asdict(Layout.current(config)))
             write_text_atomically(staging / "layout.json", layout)
             write_manifest(staging, 0, config.train.checkpoint_hashes)

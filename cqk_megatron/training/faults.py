@@ -36,9 +36,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from cqk_megatron.exit_codes import EXIT_INJECTED
+
 ACTIONS = ("crash", "exit", "kill", "stop", "hang")
 PHASES = ("rendezvous", "startup", "data", "step", "eval", "save", "shutdown")
-EXIT_INJECTED = 3  # action=exit: any code that is not one of cqk_megatron.exit_codes
 
 
 class InjectedFault(RuntimeError):

@@ -26,20 +26,16 @@ from cqk_megatron.distributed import (
     init_process_group,
     seed_cuda_rng_tracker,
 )
-from cqk_megatron.exit_codes import EXIT_WATCHDOG
+from cqk_megatron.exit_codes import EXIT_REQUEUE, EXIT_WATCHDOG
 from cqk_megatron.model import build_rank_model
 from cqk_megatron.perf.flops import flops_per_token, mfu, peak_flops
 from cqk_megatron.perf.plan import check_fits, gpu_memory_bytes
-from cqk_megatron.run_folder import run_dir_of, write_config
+from cqk_megatron.run_folder import CHECKPOINTS, SUMMARY, TRAIN, VALID, run_dir_of, write_config
 from cqk_megatron.training import checkpoint, collectives, faults, watchdog
 from cqk_megatron.training.engine import DeepSpeedEngine
 from cqk_megatron.training.lr_schedule import learning_rate
 from cqk_megatron.training.metrics import MetricsLogger
-from cqk_megatron.training.preemption import (
-    EXIT_REQUEUE,
-    StopRequest,
-    protect_checkpoint_writer,
-)
+from cqk_megatron.training.preemption import StopRequest, protect_checkpoint_writer
 from cqk_megatron.training.sampler import collate, fetch, micro_batch_indices
 
 
@@ -198,7 +194,7 @@ def _choose_start(
 
 def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_start) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
-    checkpoints = run_dir / "checkpoints"
+    checkpoints = run_dir / CHECKPOINTS
     choice = _choose_start(checkpoints, resume, config, rank)
     folder = choice.folder
 
@@ -275,7 +271,7 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
                 tokens_per_s = t.global_batch_size * seq / step_time
                 logger.log(
                     {
-                        "kind": "train",
+                        "kind": TRAIN,
                         "step": state.step,
                         "tokens": state.tokens,
                         "loss": result.loss,
@@ -323,7 +319,7 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
                 checkpoint.save(checkpoints, engine, model, config, state, lease)
         logger.log(
             {
-                "kind": "summary",
+                "kind": SUMMARY,
                 "params_total": params_total,
                 "params_non_embedding": params_non_embedding,
                 "flops_per_token": train_flops_per_token,
@@ -345,7 +341,7 @@ def _start_run(run_dir: Path, config: RunConfig, choice, folder, state, exact: b
     starts, warn of a changed schedule, and record the config it runs with."""
     for reason in choice.refused:
         print(f"skipping checkpoint: {reason}", file=sys.stderr)
-    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    (run_dir / CHECKPOINTS).mkdir(parents=True, exist_ok=True)
     moved = checkpoint_files.apply_choice(run_dir, choice)
     if moved:
         print(moved, file=sys.stderr, flush=True)
@@ -378,7 +374,7 @@ def log_validation(logger, engine, valid_data, config, state, dp_rank, dp, final
     with watchdog.phase("eval"):
         loss = evaluate(engine, valid_data, config, dp_rank, dp)
     record = {
-        "kind": "valid",
+        "kind": VALID,
         "step": state.step,
         "tokens": state.tokens,
         "val_loss": loss,

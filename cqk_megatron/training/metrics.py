@@ -9,9 +9,10 @@ val_loss, val_ppl, time[, final]}`` and, when a run finishes, ``{"kind": "summar
 One record per step and kind: a run that starts at step S (a resume, or ``--resume none``
 at 0) first rewrites the file (atomically) without the records past S that an earlier
 attempt logged after its last checkpoint, and without its summary; a ``final`` flag at
-S is dropped unless this attempt is the final one. ``read_metrics`` is the one reader
+S is dropped unless this attempt is the final one. ``run_folder.read_metrics`` is the one reader
 (status, analysis, repro): it applies the same rule to files written before it, or
-interleaved by two writers.
+interleaved by two writers. The record kinds and that reader are the run contract's
+(``cqk_megatron.run_folder``); this module is their one writer.
 """
 
 from __future__ import annotations
@@ -21,85 +22,18 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from cqk_megatron.atomic import write_text_atomically
 from cqk_megatron.config import RunConfig, to_dict
-from cqk_megatron.run_folder import METRICS, no_space_error
-
-STEP_KINDS = ("train", "valid")
-
-
-@dataclass
-class MetricsFile:
-    """What ``read_metrics`` found: records in order, and a problem per unreadable line."""
-
-    records: list[dict] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    superseded: int = 0  # records dropped because a later attempt logged their steps again
-
-
-def _supersede(records: list[dict], start_step: int) -> list[dict]:
-    """Records of an attempt that (re)started at ``start_step``: the earlier ones up to it."""
-    kept = []
-    for record in records:
-        if record.get("kind") == "summary":
-            continue
-        step = record.get("step")
-        if isinstance(step, int) and step > start_step:
-            continue
-        kept.append(record)
-    return kept
-
-
-def read_metrics(path: Path) -> MetricsFile:
-    """The records of ``metrics.jsonl`` with at most one per (kind, step): a train record
-    whose step is not past the previous one starts a new attempt, which supersedes every
-    record from that step on (and any summary before it)."""
-    result = MetricsFile()
-    path = Path(path)
-    if not path.is_file():
-        return result
-    raw = path.read_text(errors="replace").splitlines()
-    records: list[dict] = []
-    last_train = 0
-    for number, text in enumerate(raw, start=1):
-        if not text.strip():
-            continue
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError:
-            where = "last line (truncated: run preempted?)" if number == len(raw) else "line"
-            result.problems.append(f"{path}:{number}: {where} is not valid JSON; skipped")
-            continue
-        if not isinstance(record, dict):
-            result.problems.append(f"{path}:{number}: not a JSON object; skipped")
-            continue
-        step = record.get("step")
-        if record.get("kind") in STEP_KINDS and any(r.get("kind") == "summary" for r in records):
-            # steps logged after a summary: the run was continued, that summary is stale
-            before = len(records)
-            records = [r for r in records if r.get("kind") != "summary"]
-            result.superseded += before - len(records)
-        if record.get("kind") == "train" and isinstance(step, int):
-            if step <= last_train:
-                before = len(records)
-                records = _supersede(records, step - 1)
-                result.superseded += before - len(records)
-            last_train = step
-        elif record.get("kind") in STEP_KINDS and isinstance(step, int):
-            same = [
-                i
-                for i, r in enumerate(records)
-                if r.get("kind") == record["kind"] and r.get("step") == step
-            ]
-            for i in reversed(same):
-                del records[i]
-            result.superseded += len(same)
-        records.append(record)
-    result.records = records
-    return result
+from cqk_megatron.run_folder import (
+    METRICS,
+    TRAIN,
+    VALID,
+    no_space_error,
+    read_metrics,
+    records_up_to,
+)
 
 
 class MetricsLogger:
@@ -159,7 +93,7 @@ class MetricsLogger:
 
     def _rewrite_from(self, step: int, final: bool) -> None:
         found = read_metrics(self.path)
-        kept = [dict(r) for r in _supersede(found.records, step)]
+        kept = [dict(r) for r in records_up_to(found.records, step)]
         for record in kept:
             if record.get("final") and record.get("step") == step and not final:
                 record.pop("final")  # the run goes on past it
@@ -200,7 +134,7 @@ class MetricsLogger:
         self._print(record)
 
     def _print(self, record: dict) -> None:
-        if record["kind"] == "train":
+        if record["kind"] == TRAIN:
             text = (
                 f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e}"
                 f" | grad {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s"
@@ -211,7 +145,7 @@ class MetricsLogger:
                     loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}"
                 )
                 return
-        elif record["kind"] == "valid":
+        elif record["kind"] == VALID:
             text = (
                 f"step {record['step']:>6} | validation loss {record['val_loss']:.4f}"
                 f" | perplexity {record['val_ppl']:.2f}"

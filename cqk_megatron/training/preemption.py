@@ -2,7 +2,8 @@
 
 A signal only sets a flag; at the next step boundary all ranks all-reduce it (so a
 signal that reached one rank stops all of them at the same step), save a checkpoint
-and exit with ``EXIT_REQUEUE``, which tells the launcher to requeue the job.
+and exit with ``cqk_megatron.exit_codes.EXIT_REQUEUE``, which tells the launcher to
+requeue the job.
 """
 
 from __future__ import annotations
@@ -10,10 +11,9 @@ from __future__ import annotations
 import signal
 import time
 
-from cqk_megatron.exit_codes import EXIT_REQUEUE
 from cqk_megatron.training import collectives
 
-__all__ = ["EXIT_REQUEUE", "STOP_SIGNALS", "StopRequest", "protect_checkpoint_writer"]
+__all__ = ["STOP_SIGNALS", "StopRequest", "protect_checkpoint_writer"]
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 

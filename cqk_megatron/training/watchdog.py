@@ -51,9 +51,9 @@ from pathlib import Path
 from typing import Any
 
 from cqk_megatron.exit_codes import EXIT_WATCHDOG
+from cqk_megatron.run_folder import FAULTS
 from cqk_megatron.training import faults
 
-FAULTS_FILE = "faults.jsonl"
 # Phases that are long and rare: a beat at once tells the peers (steps beat on the clock).
 _ANNOUNCED = ("eval", "save", "shutdown")
 _KEY = "cqk/watchdog/"
@@ -610,7 +610,7 @@ class Watchdog:
             return
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            with (self.run_dir / FAULTS_FILE).open("a") as handle:  # one short write
+            with (self.run_dir / FAULTS).open("a") as handle:  # one short write
                 handle.write(json.dumps({**record, "time": time.time()}) + "\n")
         except OSError:
             pass  # the verdict is on stderr anyway
@@ -723,7 +723,7 @@ def record_rendezvous_failure(run_dir: Path | None, message: str, rank: int) -> 
     if run_dir is not None:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            with (run_dir / FAULTS_FILE).open("a") as handle:
+            with (run_dir / FAULTS).open("a") as handle:
                 record = {"event": "rendezvous", "by_rank": rank, "line": line, "time": time.time()}
                 handle.write(json.dumps(record) + "\n")
         except OSError:
