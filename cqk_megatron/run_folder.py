@@ -36,14 +36,14 @@ repro and analysis use:
 - ``failed``: not finished, and nothing will carry the run on by itself. With launcher
   events (``jobs.jsonl``): the last ``failed`` event after the last ``submitted`` or
   ``started`` one has no ``relaunch`` decision (``launch/attempts.py`` decided ``stop``:
-  its restart budget spent or the same failure again; or rank 0 recorded a failure, a
-  checkpoint it could not save, and no relaunch decision came after). Without launcher
-  events (a plain ``cqk-train``, a repro run): ``faults.jsonl`` holds a crash record or a
-  watchdog verdict newer than the last metrics record (the process died after it last
-  logged; a resume that logs again makes the run partial again). A ``refused`` event is
-  *not* a failure of the run: it is one job's refusal (the folder held by another live
-  job, checkpoints that need the user's choice of ``--resume``), and the run as it stands
-  is what it was before.
+  its restart budget spent, the same failure again, or a refusal before training, exit
+  2, which a relaunch cannot change; or rank 0 recorded a failure, a checkpoint it could
+  not save, and no relaunch decision came after). Without launcher events (a plain
+  ``cqk-train``, a repro run): ``faults.jsonl`` holds a crash record or a watchdog
+  verdict. Either way the failure must be newer than the last metrics record: a run that
+  logs after it goes on (a resume of a crashed plain run; the live job that held the
+  folder when another job was refused for it). A bare ``refused`` event decides nothing:
+  it is one job's refusal, and under the launcher its ``failed`` record follows.
 - ``partial``: started (a metrics record, a checkpoint folder or a ``started`` event),
   neither finished nor failed: running, preempted, stopped to requeue, cancelled.
 - ``new``: nothing of the above yet (a folder with at most a config and a submission).
@@ -321,17 +321,19 @@ def _launcher_failure(history: list[dict]) -> dict | None:
     return None
 
 
-def _fault_after(run_dir: Path, records: list[dict]) -> dict | None:
-    """A crash record or watchdog verdict newer than the last metrics record."""
-    logged = max((r["time"] for r in records if isinstance(r.get("time"), int | float)), default=0)
+def _fault(run_dir: Path) -> dict | None:
+    """The last crash record or watchdog verdict in ``faults.jsonl``."""
     faults = [
         r
         for r in read_jsonl(run_dir / FAULTS)
         if r.get("event") in ("crashed", "lost", "rendezvous")
-        and isinstance(r.get("time"), int | float)
-        and r["time"] > logged
     ]
     return faults[-1] if faults else None
+
+
+def _time(record: dict) -> float:
+    value = record.get("time")
+    return float(value) if isinstance(value, int | float) else 0.0
 
 
 def _why(record: dict) -> str:
@@ -354,11 +356,9 @@ def run_status(run_dir: Path, train_steps: int | None = None) -> RunStatus:
     ):
         return RunStatus("finished", summary)
     history = events(run_dir)
-    if history:
-        failure = _launcher_failure(history)
-    else:
-        failure = _fault_after(run_dir, records)
-    if failure is not None:
+    failure = _launcher_failure(history) if history else _fault(run_dir)
+    logged = max(map(_time, records), default=0.0)
+    if failure is not None and _time(failure) >= logged:
         return RunStatus("failed", summary, _why(failure))
     checkpoints = run_dir / CHECKPOINTS
     started = (

@@ -354,6 +354,11 @@ def test_the_same_crash_every_attempt_stops_early_naming_the_step(launched):
         assert record["cause"]["step"] == 15 and record["checkpoint_step"] == 10
     assert "the last 2 attempts failed the same way" in failed[-1]["why"]
     assert "in phase step of step 15" in out.stderr  # the summary names the step
+    # the run contract calls it failed, in the launcher's words (launch status says it)
+    from cqk_megatron.run_folder import run_status
+
+    status = run_status(run)
+    assert (status.state, status.why) == ("failed", failed[-1]["why"])
     assert len(events(run, "started")) == 2
     measured(
         "the same crash at step 15 on every attempt, local launcher",

@@ -212,6 +212,24 @@ def test_finished_is_for_the_steps_asked_and_later_steps_undo_a_summary(tmp_path
     # a refusal is the job's, not the run's (another live job may hold the folder)
     append_event(folder, "refused", job_id="job-8", reason="run folder is in use")
     assert run_status(folder).state == "partial"
+    # ... and under the launcher its failed record says stop (exit 2): failed, until the
+    # job that holds the folder logs again
+    append_event(
+        folder,
+        "failed",
+        job_id="job-8",
+        cause={"exit": 2},
+        decision="stop",
+        why="refused before training",
+    )
+    assert run_status(folder).state == "failed"
+    time.sleep(0.01)
+    logger = MetricsLogger(folder, _config(tmp_path, "relaunched"), enabled=True)
+    logger.log(
+        {"kind": "train", "step": 3, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1.0}
+    )
+    logger.close()
+    assert run_status(folder).state == "partial"
     # a crashed plain run that was resumed and logged again is partial again
     crashed = folders["crashed"]
     assert run_status(crashed).state == "failed"
