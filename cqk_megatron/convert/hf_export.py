@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from cqk_megatron import coupling as coupling_module
-from cqk_megatron.checkpoint_files import LATEST, MANIFEST, latest_name
+from cqk_megatron.checkpoint_files import LATEST, MANIFEST, iterations, latest_name
 from cqk_megatron.config import ConfigError, RunConfig, load_config, save_config, validate
 from cqk_megatron.convert.checkpoint_io import read_full_state_dict
 from cqk_megatron.convert.errors import ConversionError
@@ -200,8 +200,8 @@ def resolve_checkpoint_dir(path: Path) -> Path:
             f"checkpoint '{path}' is half-written: it has no {MANIFEST}, which is written "
             "last; export an earlier, complete iteration"
         )
-    iterations = [n for n in names if n.startswith("iter_") and not n.endswith(".tmp")]
-    hint = f" (pick an iteration folder, e.g. {path / iterations[-1]})" if iterations else ""
+    found = iterations(path)
+    hint = f" (pick an iteration folder, e.g. {found[-1]})" if found else ""
     raise ConversionError(f"'{path}' is not a run checkpoint: no {MANIFEST} or {LATEST}{hint}")
 
 
