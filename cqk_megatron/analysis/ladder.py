@@ -37,6 +37,7 @@ from cqk_megatron.config import (
     load_yaml_dict,
     validate,
 )
+from cqk_megatron.planner.parameters import count_parameters
 
 # schedule key -> config field that the training engine reads
 SCHEDULE_FIELDS = {
@@ -115,12 +116,11 @@ _TOTALS: dict[str, int] = {}
 
 
 def standard_parameters(model_path: Path, overrides: list[str]) -> int:
-    """Total parameters of the size's model with standard attention (meta device)."""
+    """Total parameters of the size's model with standard attention, counted without
+    building it or starting a process group."""
     key = repr((str(model_path), overrides))
     if key not in _TOTALS:
-        from cqk_megatron.params import count_variant_parameters
-
-        _TOTALS[key] = count_variant_parameters(load_config(model_path, overrides), "standard")
+        _TOTALS[key] = count_parameters(load_config(model_path, overrides), "standard")
     return _TOTALS[key]
 
 
