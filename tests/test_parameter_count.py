@@ -44,7 +44,7 @@ COUNT_IN_A_FRESH_PROCESS = """
 import json, sys
 import torch.distributed as dist
 from cqk_megatron.analysis.ingest import count_total_parameters
-from cqk_megatron.analysis.ladder import standard_parameters
+from cqk_megatron.planner.sweep import standard_parameters
 from cqk_megatron.config import load_config
 
 cases, ladder_model = json.loads(sys.argv[1]), sys.argv[2]

@@ -4,4 +4,7 @@ engine, and starts no process).
 
 - ``parameters``: a variant's config, and a model's parameter count without building
   Megatron's model or starting a process group.
+- ``sweep``: a sweep file (sizes x variants x token budgets x seeds) expanded into
+  validated runs with their resources; ``launch`` submits them (``--sweep``) and
+  ``cqk-analyze ladder`` lists them.
 """
