@@ -26,12 +26,12 @@ TINY = [
     "model.num_attention_heads=4",
     "model.seq_length=32",
 ]
-# (name, overrides): the default (Llama-style) model, GQA with tied embeddings, GPT-2-style
-SHAPES = {
-    "llama": [],
-    "gqa-tied": ["model.num_query_groups=2", "model.tie_embeddings=true"],
-    "gpt2": family_overrides("gpt2"),
-}
+# (name, overrides): GQA with tied embeddings on the default (Llama-style) model, for every
+# variant; the GPT-2 family (LayerNorm, biases, learned positions, GELU) for two of them
+SHAPES = {"llama-gqa-tied": ["model.num_query_groups=2", "model.tie_embeddings=true"]}
+SHAPES["gpt2"] = family_overrides("gpt2")
+CASES = [(variant, "llama-gqa-tied") for variant in VARIANTS]
+CASES += [("standard", "gpt2"), ("coupled_differential", "gpt2")]
 LADDER_MODEL = CONFIGS_DIR / "models" / "60m.yaml"
 
 
@@ -61,11 +61,7 @@ print(json.dumps({"process_group": dist.is_initialized(), "megatron_groups": meg
 
 @pytest.fixture(scope="module")
 def fresh_counts() -> dict:
-    cases = [
-        [f"{variant}/{shape}", tiny_overrides(variant, shape)]
-        for variant in VARIANTS
-        for shape in SHAPES
-    ]
+    cases = [[f"{variant}/{shape}", tiny_overrides(variant, shape)] for variant, shape in CASES]
     done = subprocess.run(
         [
             sys.executable,
@@ -97,8 +93,7 @@ def _built(overrides: list[str], path=None) -> int:
         return count_parameters(build_model(config))
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize(("variant", "shape"), CASES)
 def test_the_count_is_the_built_megatron_models(fresh_counts, variant, shape):
     expected = _built(tiny_overrides(variant, shape))
     assert fresh_counts["counts"][f"{variant}/{shape}"] == expected
