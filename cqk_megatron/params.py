@@ -9,26 +9,20 @@ instant; the count is that of the real Megatron ``GPTModel`` at TP=1, PP=1.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import torch
 
 from cqk_megatron.config import VARIANTS, RunConfig, load_config, validate
 from cqk_megatron.distributed import init_single_process
 from cqk_megatron.model import build_model, count_parameters
+from cqk_megatron.planner.parameters import variant_config
 from cqk_megatron.variants import UnknownVariantError, pair
 
 
-def variant_config(config: RunConfig, variant: str) -> RunConfig:
-    """``config`` with ``variant``'s attention (a preset name or ``coupling+scoring``)."""
-    coupling, scoring = pair(variant)
-    attention = dataclasses.replace(config.attention, coupling=coupling, scoring=scoring)
-    parallel = dataclasses.replace(config.parallel, tensor_parallel=1, pipeline_parallel=1)
-    return dataclasses.replace(config, attention=attention, parallel=parallel)
-
-
 def count_variant_parameters(config: RunConfig, variant: str) -> int:
-    """Total parameters of ``config``'s model with ``variant`` attention (TP=PP=1)."""
+    """Total parameters of the built ``GPTModel`` of ``config`` with ``variant`` attention
+    (TP=PP=1). It starts a one-process group (Megatron's layers need one): what counts
+    without one, for plans and analysis, is ``planner.parameters.count_parameters``."""
     config = validate(variant_config(config, variant))
     init_single_process(config)
     with torch.device("meta"):

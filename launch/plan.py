@@ -109,7 +109,7 @@ def plan_sweep(
     cli_resources: dict[str, Any],
     cluster: str,
 ) -> list[RunPlan]:
-    from cqk_megatron.analysis.ladder import expand_sweep
+    from cqk_megatron.planner.sweep import expand_sweep
 
     plans = []
     for run in expand_sweep(sweep_path):

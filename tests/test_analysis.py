@@ -21,7 +21,6 @@ from cqk_megatron.analysis.fits import (
     fit_compute_law,
 )
 from cqk_megatron.analysis.ingest import ingest
-from cqk_megatron.analysis.ladder import expand_sweep
 from cqk_megatron.analysis.report import (
     Options,
     analyze,
@@ -32,6 +31,7 @@ from cqk_megatron.analysis.report import (
 from cqk_megatron.analysis.step_time import format_ratio, run_step_time
 from cqk_megatron.config import CONFIGS_DIR, ConfigError, load_config, save_config
 from cqk_megatron.params import count_variant_parameters
+from cqk_megatron.planner.sweep import expand_sweep
 
 # Chinchilla's published fit (Hoffmann et al., 2022) as the ground truth.
 TRUE = ChinchillaFit(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)

@@ -24,8 +24,8 @@ from _device_rules import OWNER, SAMPLER, scan, scan_source
 
 import cqk_megatron.device as placement
 from cqk_megatron.training import collectives
-from cqk_megatron.training.engine import global_mean_loss
 from cqk_megatron.training.sampler import collate, fetch
+from cqk_megatron.training.step_loss import global_mean_loss
 
 REPO = Path(__file__).resolve().parents[1]
 META = torch.device("meta")

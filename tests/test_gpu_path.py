@@ -235,7 +235,7 @@ def test_the_mfu_peak_of_each_gpu_name(name, peak):
 def test_on_gpu_the_optimizer_is_torchs_fused_adamw(monkeypatch):
     # No GPU here: device() answers cuda (a mock); torch's fused AdamW also runs on CPU
     # tensors, so the optimizer is built for real. No DeepSpeed op is JIT-compiled.
-    from cqk_megatron.training import engine
+    from cqk_megatron.training import deepspeed_engine as engine
 
     monkeypatch.setattr(engine, "device", lambda: torch.device("cuda", 0))
     model = torch.nn.Linear(4, 4)

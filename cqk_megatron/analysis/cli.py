@@ -167,7 +167,7 @@ def cmd_gains(args) -> None:
 
 
 def cmd_ladder(args) -> None:
-    from cqk_megatron.analysis.ladder import expand_sweep
+    from cqk_megatron.planner.sweep import expand_sweep
 
     runs = expand_sweep(args.sweep)
     for run in runs:

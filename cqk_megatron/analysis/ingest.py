@@ -28,7 +28,8 @@ import pandas as pd
 
 from cqk_megatron.analysis import wandb_runs
 from cqk_megatron.analysis.step_time import run_step_time
-from cqk_megatron.config import VARIANTS, ConfigError, RunConfig, from_dict, load_config
+from cqk_megatron.config import ConfigError, RunConfig, from_dict, load_config
+from cqk_megatron.planner.parameters import count_parameters
 from cqk_megatron.run_folder import (
     CONFIG,
     METRICS,
@@ -96,35 +97,16 @@ _PARAM_CACHE: dict[str, int] = {}
 
 
 def count_total_parameters(config: RunConfig) -> int:
-    """Total parameters of the run's model (TP=PP=1), built on the meta device."""
+    """Total parameters of the run's model (TP=PP=1), counted without building it or
+    starting a process group (``planner.parameters.count_parameters``)."""
     key = repr((config.model, config.attention))
     if key not in _PARAM_CACHE:
         # Only the model and attention sections decide the count; the run's layout,
         # engine (GPU-only ones fail validation here) and batch sizes must not get in
         # the way on an analysis machine.
         config = RunConfig(name=config.name, model=config.model, attention=config.attention)
-        variant = config.attention.variant
-        if variant in VARIANTS:
-            from cqk_megatron.params import count_variant_parameters
-
-            _PARAM_CACHE[key] = count_variant_parameters(config, variant)
-        else:
-            _PARAM_CACHE[key] = _count_custom(config)
+        _PARAM_CACHE[key] = count_parameters(config)
     return _PARAM_CACHE[key]
-
-
-def _count_custom(config: RunConfig) -> int:
-    """A (coupling, scoring) pair that is no named preset: count the config as it is."""
-    import torch
-
-    from cqk_megatron.config import validate
-    from cqk_megatron.distributed import init_single_process
-    from cqk_megatron.model import build_model, count_parameters
-
-    config = validate(config)
-    init_single_process(config)
-    with torch.device("meta"):
-        return count_parameters(build_model(config))
 
 
 def embedding_parameters(config: RunConfig) -> int:

@@ -60,6 +60,7 @@ from cqk_megatron.device import device
 from cqk_megatron.model import load_sharded_state, sharded_state_dict
 from cqk_megatron.run_folder import CONFIG, is_no_space, no_space_error
 from cqk_megatron.training.collectives import barrier, gather_objects
+from cqk_megatron.training.engine import Engine
 
 # torch.distributed.checkpoint reports a failed save or load as CheckpointException, which
 # derives from BaseException (not Exception): caught explicitly, with everything else.
@@ -178,7 +179,12 @@ def _agree(error: BaseException | None, staging: Path, what: str) -> None:
 
 
 def save(
-    checkpoints: Path, engine, model, config: RunConfig, state: TrainerState, lease=None
+    checkpoints: Path,
+    engine: Engine,
+    model,
+    config: RunConfig,
+    state: TrainerState,
+    lease=None,
 ) -> Path:
     """Collective: every rank calls it. Returns the completed folder. ``lease`` (rank 0's
     ``run_lease.Lease``) is checked before the folder is committed."""
@@ -278,7 +284,7 @@ def load_trainer_state(folder: Path, rank: int = 0) -> tuple[TrainerState, dict]
     return TrainerState(**payload["state"]), payload["rng"]
 
 
-def load_exact(folder: Path, engine) -> TrainerState:
+def load_exact(folder: Path, engine: Engine) -> TrainerState:
     """Collective, same layout: weights, optimizer, RNG and trainer state, bit for bit."""
     engine.load_state(folder / "engine", folder / "model")
     state, rng = load_trainer_state(folder, dist.get_rank())

@@ -1,265 +1,69 @@
-"""The DeepSpeed ZeRO engine around this rank's Megatron-Core model.
+"""What the training loop asks of a data-parallel engine (``train.engine``).
 
-Tensor and pipeline parallelism are Megatron's (its layers, ``parallel_state`` and
-schedules); data-parallel sharding of optimizer state and gradients is DeepSpeed ZeRO,
-given Megatron's groups through ``MegatronMpu``. Two ways to drive a step:
+Two engines implement it: ``deepspeed_engine.DeepSpeedEngine`` (DeepSpeed ZeRO) and
+``megatron_engine.MegatronEngine`` (Megatron-Core's DDP and distributed optimizer). The
+loop (``loop.py``) and checkpointing (``checkpoint.py``) call an engine only through
+this class, so a third engine is one subclass; ``abc`` refuses to build one that lacks a
+method, and ``tests/test_engine_protocol.py`` checks both engines' signatures against it.
 
-- PP=1: DeepSpeed owns gradient accumulation: ``engine.backward`` then ``engine.step``
-  per micro-batch (ZeRO-2/3 reduce inside each backward, so this is the only way).
-- PP>1: Megatron's 1F1B schedule (interleaved over the model chunks of
-  ``parallel.virtual_pipeline``) runs every micro-batch of the global batch (it calls
-  backward itself), then ``engine.allreduce_gradients()`` and ``engine.step()`` with
-  DeepSpeed's accumulation set to 1. Only ZeRO-1 allows that (``validate`` says so).
-
-DeepSpeed detects a non-finite gradient norm and skips the update; the engine reports
-it so the loop can count skipped steps.
+In the spirit of OLMo-core's ``TrainModule``: the engine owns the model's optimizer and
+the forward/backward/step of one global batch; the loop owns the schedule (learning
+rate, when to evaluate and save), the data order and the trainer state. Unlike
+``TrainModule`` the engine returns the step's loss instead of recording metrics, and its
+state goes to folders (each engine has its own sharded format) rather than a state dict.
 """
 
 from __future__ import annotations
 
-import os
-import sys
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from megatron.core import parallel_state as ps
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from cqk_megatron import cpu_bridge
 from cqk_megatron.config import RunConfig
-from cqk_megatron.device import device
-from cqk_megatron.model import model_chunks
-from cqk_megatron.training import collectives
-from cqk_megatron.training.mpu import MegatronMpu
+
+Batch = dict[str, torch.Tensor]  # one micro-batch from ``sampler.fetch``, on the device
 
 
 @dataclass
 class StepResult:
     loss: float  # mean over the global batch's tokens (every rank gets it)
     grad_norm: float
-    skipped: bool  # DeepSpeed skipped the update (non-finite gradients)
+    skipped: bool  # the update was skipped (non-finite gradients)
 
 
-def _lm_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    mask = loss_mask.to(per_token_loss.dtype)
-    return (per_token_loss * mask).sum() / mask.sum().clamp_min(1)
+class Engine(ABC):
+    """One rank's share of a data-parallel engine around its Megatron model.
 
-
-def _forward(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Per-token loss on the last pipeline stage, hidden states elsewhere. ``batch`` comes
-    from ``sampler.fetch``, already on the model's device."""
-    return model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-
-
-def deepspeed_config(config: RunConfig, gradient_accumulation_steps: int) -> dict:
-    t = config.train
-    ds: dict = {
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": gradient_accumulation_steps,
-        "gradient_clipping": t.clip_grad,
-        "zero_optimization": {"stage": t.zero_stage},
-        "bf16": {"enabled": t.precision == "bf16"},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-    if t.offload_optimizer:
-        on_gpu = device().type == "cuda"
-        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
-    # make_optimizer chooses the optimizer (torch's AdamW steps offloaded master weights
-    # where DeepSpeed's CPU Adam is not built), so DeepSpeed must not insist on its own.
-    ds["zero_force_ds_cpu_optimizer"] = False
-    return ds
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """No weight decay on vectors and scalars (norms, biases, dt, lambda)."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-
-
-def make_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Optimizer:
-    """AdamW for DeepSpeed to wrap, chosen to need no compiler on the node.
-
-    - GPU: torch's fused AdamW (``fused=True``), a CUDA kernel inside the torch wheel.
-      DeepSpeed's ``FusedAdam`` is not prebuilt in DeepSpeed's wheels: it is JIT-compiled
-      with ``nvcc`` at the first start, which a node with only pip wheels lacks (or has
-      for another CUDA than torch's), and a rank killed during that build leaves a lock
-      file that stalls every later start. Both compute the same AdamW update.
-    - GPU with ``train.offload_optimizer``: DeepSpeed's ``DeepSpeedCPUAdam`` (SIMD, several
-      times faster on the host) if this DeepSpeed was installed with it prebuilt
-      (``DS_BUILD_CPU_ADAM=1``); otherwise torch's AdamW steps the offloaded fp32 master
-      weights on the host (the CPU path of the tests), with a warning saying so.
-    - CPU: torch's AdamW.
+    Every method is collective: all ranks call it, in the same order, with their own
+    micro-batches (this rank's data-parallel share of the global batch).
     """
-    t = config.train
-    kwargs = {"lr": t.lr, "betas": (t.adam_beta1, t.adam_beta2), "eps": t.adam_eps}
-    groups = param_groups(model, t.weight_decay)
-    on_gpu = device().type == "cuda"
-    if t.offload_optimizer and on_gpu:
-        if _prebuilt_deepspeed_op("cpu_adam"):
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
-        print(
-            "warning: train.offload_optimizer=true: this DeepSpeed has no prebuilt CPU Adam, "
-            "so torch's AdamW steps the offloaded weights on the host (slower); reinstall "
-            "DeepSpeed with DS_BUILD_CPU_ADAM=1 for its SIMD CPU Adam",
-            file=sys.stderr,
-            flush=True,
-        )
-        return torch.optim.AdamW(groups, **kwargs)
-    if on_gpu:
-        return torch.optim.AdamW(groups, fused=True, **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
-
-
-def _prebuilt_deepspeed_op(name: str) -> bool:
-    """Whether DeepSpeed was installed with op ``name`` compiled (no JIT build needed)."""
-    try:
-        from deepspeed.git_version_info import installed_ops
-    except ImportError:
-        return False
-    return bool(installed_ops.get(name, False))
-
-
-def schedule_loss_sum(
-    chunks: list[torch.nn.Module], micro_batches, config: RunConfig, forward_only: bool
-) -> torch.Tensor:
-    """Megatron's schedule (no pipelining, 1F1B or interleaved 1F1B, as parallel_state
-    says) over the micro-batches; the sum of their losses (0 off the last pipeline stage).
-    Both engines drive their steps through it."""
-
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        output = _forward(model, batch)
-
-        def loss_func(per_token_loss):
-            loss = _lm_loss(per_token_loss, batch["loss_mask"])
-            return loss, {"loss": loss.detach().clone()}  # the schedule divides in place
-
-        return output, loss_func
-
-    # Interleaved 1F1B pulls each micro-batch once per chunk: one iterator per chunk.
-    iterators = [iter(micro_batches) for _ in chunks]
-    outputs = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iterators if len(iterators) > 1 else iterators[0],
-        model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=len(micro_batches),
-        seq_length=config.model.seq_length,
-        micro_batch_size=config.train.micro_batch_size,
-        forward_only=forward_only,
-    )
-    # on the device, where the losses are and the all-reduce needs it (0 off the last stage)
-    zero = torch.zeros((), dtype=torch.float64, device=device())
-    return sum((o["loss"].double() for o in outputs), zero)
-
-
-def global_mean_loss(loss_sum: torch.Tensor, num_micro_batches: int) -> float:
-    """Mean micro-batch loss over the data-parallel ranks (and from the last stage)."""
-    total = loss_sum.reshape(1).clone()
-    # Non-last pipeline stages hold 0; summing over the whole world counts each
-    # data-parallel replica's last stage once per tensor-parallel rank.
-    collectives.all_reduce(total)
-    tp = ps.get_tensor_model_parallel_world_size()
-    dp = ps.get_data_parallel_world_size()
-    return total.item() / (num_micro_batches * dp * tp)
-
-
-class DeepSpeedEngine:
+    @abstractmethod
     def __init__(self, model: torch.nn.Module, config: RunConfig) -> None:
-        os.environ.setdefault("DS_ACCELERATOR", device().type)
-        import deepspeed
+        """Wrap ``model`` (this rank's ``GPTModel`` or model chunks, with its weights
+        already loaded when they come from a checkpoint) and build the optimizer."""
 
-        cpu_bridge.skip_deepspeed_shm_op()
-        self.config = config
-        self.dp_size = ps.get_data_parallel_world_size()
-        self.pipelined = ps.get_pipeline_model_parallel_world_size() > 1
-        t = config.train
-        self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * self.dp_size)
-        accumulation = 1 if self.pipelined else self.num_micro_batches
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model,
-            optimizer=make_optimizer(model, config),
-            config=deepspeed_config(config, accumulation),
-            mpu=MegatronMpu(),
-            dist_init_required=False,
-        )
-        self.model = model
-
-    # -- training ----------------------------------------------------------------------
-
+    @abstractmethod
     def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        """The learning rate for the next ``train_step`` (the loop owns the schedule)."""
 
-    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
-        self.engine.train()
-        skipped_before = self.engine.skipped_steps
-        if self.pipelined:
-            loss_sum = schedule_loss_sum(
-                model_chunks(self.model), micro_batches, self.config, forward_only=False
-            )
-            self.engine.allreduce_gradients()
-            self.engine.step()
-        else:
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device())
-            for batch in micro_batches:
-                loss = _lm_loss(self.engine(**_model_inputs(batch)), batch["loss_mask"])
-                loss_sum += loss.detach().double()
-                self.engine.backward(loss)
-                self.engine.step()
-        grad_norm = self.engine.get_global_grad_norm()
-        return StepResult(
-            loss=global_mean_loss(loss_sum, len(micro_batches)),
-            grad_norm=float("nan") if grad_norm is None else float(grad_norm),
-            skipped=self.engine.skipped_steps > skipped_before,
-        )
+    @abstractmethod
+    def train_step(self, micro_batches: list[Batch]) -> StepResult:
+        """Forward and backward over every micro-batch of the global batch, then one
+        optimizer step (skipped, and said so, when a gradient is not finite)."""
 
-    # -- exact resume ------------------------------------------------------------------
+    @abstractmethod
+    def eval_loss(self, micro_batches: list[Batch]) -> float:
+        """The mean loss over the global batch, without gradients or an update."""
 
+    @abstractmethod
     def save_state(self, folder: Path) -> None:
-        """Collective: DeepSpeed's engine state (weights, ZeRO optimizer) under ``folder``,
-        one DeepSpeed checkpoint per pipeline stage."""
-        stage = ps.get_pipeline_model_parallel_rank()
-        self.engine.save_checkpoint(str(folder / f"pp{stage}"), tag="ds", save_latest=False)
+        """The engine's state for an exact resume under this layout (optimizer, and the
+        weights where the engine keeps its own copy) in ``folder``."""
 
+    @abstractmethod
     def load_state(self, folder: Path, model_folder: Path) -> None:
-        """Collective, same layout. DeepSpeed's checkpoint holds the weights too, so
-        ``model_folder`` (the layout-free weights) is not read."""
-        stage = ps.get_pipeline_model_parallel_rank()
-        self.engine.load_checkpoint(
-            str(folder / f"pp{stage}"), tag="ds", load_lr_scheduler_states=False
-        )
-
-    # -- evaluation --------------------------------------------------------------------
-
-    @torch.no_grad()
-    def eval_loss(self, micro_batches: list[dict[str, torch.Tensor]]) -> float:
-        self.engine.eval()
-        if self.pipelined:
-            loss_sum = schedule_loss_sum(
-                model_chunks(self.model), micro_batches, self.config, forward_only=True
-            )
-        else:
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device())
-            for batch in micro_batches:
-                per_token = self.engine(**_model_inputs(batch))
-                loss_sum += _lm_loss(per_token, batch["loss_mask"]).double()
-        return global_mean_loss(loss_sum, len(micro_batches))
-
-
-def _model_inputs(batch: dict[str, torch.Tensor]) -> dict:
-    return {
-        "input_ids": batch["tokens"],
-        "position_ids": batch["position_ids"],
-        "attention_mask": None,
-        "labels": batch["labels"],
-    }
+        """What ``save_state`` wrote to ``folder``; ``model_folder`` holds the checkpoint's
+        layout-free weights, for an engine whose own state does not."""

@@ -32,7 +32,8 @@ from cqk_megatron.perf.flops import flops_per_token, mfu, peak_flops
 from cqk_megatron.perf.plan import check_fits, gpu_memory_bytes
 from cqk_megatron.run_folder import CHECKPOINTS, SUMMARY, TRAIN, VALID, run_dir_of, write_config
 from cqk_megatron.training import checkpoint, collectives, faults, watchdog
-from cqk_megatron.training.engine import DeepSpeedEngine
+from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine
+from cqk_megatron.training.engine import Engine
 from cqk_megatron.training.lr_schedule import learning_rate
 from cqk_megatron.training.metrics import MetricsLogger
 from cqk_megatron.training.preemption import StopRequest, protect_checkpoint_writer
@@ -52,7 +53,7 @@ def seed_everything(seed: int) -> None:
     seed_cuda_rng_tracker(seed)  # GPU: the states Megatron's layers initialise under
 
 
-def make_engine(model: torch.nn.Module, config: RunConfig):
+def make_engine(model: torch.nn.Module, config: RunConfig) -> Engine:
     """The data-parallel engine that ``train.engine`` names."""
     if config.train.engine == "megatron":
         from cqk_megatron.training.megatron_engine import MegatronEngine
@@ -89,7 +90,7 @@ def default_datasets(config: RunConfig, train_samples: int, valid_samples: int):
     return train, valid
 
 
-def evaluate(engine, valid_dataset, config: RunConfig, dp_rank: int, dp: int) -> float:
+def evaluate(engine: Engine, valid_dataset, config: RunConfig, dp_rank: int, dp: int) -> float:
     t = config.train
     losses = []
     for k in range(t.eval_iters):
@@ -370,7 +371,9 @@ def first_batch_fingerprint(train_data, global_batch_size: int) -> str:
     return digest.hexdigest()
 
 
-def log_validation(logger, engine, valid_data, config, state, dp_rank, dp, final=False) -> None:
+def log_validation(
+    logger, engine: Engine, valid_data, config, state, dp_rank, dp, final=False
+) -> None:
     with watchdog.phase("eval"):
         loss = evaluate(engine, valid_data, config, dp_rank, dp)
     record = {

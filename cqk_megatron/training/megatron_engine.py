@@ -40,7 +40,8 @@ from megatron.core.optimizer_param_scheduler import ParamGroupOverride
 
 from cqk_megatron.config import RunConfig
 from cqk_megatron.model import load_sharded_state, model_chunks, sharded_state_dict
-from cqk_megatron.training.engine import StepResult, global_mean_loss, schedule_loss_sum
+from cqk_megatron.training.engine import Batch, Engine, StepResult
+from cqk_megatron.training.step_loss import global_mean_loss, schedule_loss_sum
 
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 
@@ -73,7 +74,7 @@ def no_weight_decay_overrides() -> dict[ParamKey, ParamGroupOverride]:
     return {ParamKey(predicate=vectors_and_scalars): ParamGroupOverride(wd_mult=0.0)}
 
 
-class MegatronEngine:
+class MegatronEngine(Engine):
     def __init__(self, model: torch.nn.Module, config: RunConfig) -> None:
         self.config = config
         self.model = model
@@ -120,7 +121,7 @@ class MegatronEngine:
             group["lr"] = lr
             group["weight_decay"] = self.config.train.weight_decay * group.get("wd_mult", 1.0)
 
-    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
+    def train_step(self, micro_batches: list[Batch]) -> StepResult:
         for chunk in self.chunks:
             chunk.train()
             chunk.zero_grad_buffer()
@@ -138,7 +139,7 @@ class MegatronEngine:
     # -- evaluation --------------------------------------------------------------------
 
     @torch.no_grad()
-    def eval_loss(self, micro_batches: list[dict[str, torch.Tensor]]) -> float:
+    def eval_loss(self, micro_batches: list[Batch]) -> float:
         for chunk in self.chunks:
             chunk.eval()
         loss_sum = schedule_loss_sum(self.chunks, micro_batches, self.config, forward_only=True)

@@ -1,5 +1,7 @@
 """Expand a sweep file (sizes x variants x token budgets x seeds) into validated runs.
 
+    from cqk_megatron.planner.sweep import expand_sweep
+
     runs = expand_sweep("configs/sweeps/ladder.yaml")
     # [{"name": "ladder-1b-coupled-s0", "config": ".../configs/models/1b.yaml",
     #   "overrides": ["name=ladder-1b-coupled-s0", "seed=0", ...],
@@ -11,7 +13,12 @@ The schema is documented at the top of ``configs/sweeps/ladder.yaml``. Every run
 loaded with ``load_config(config, overrides)`` and checked with ``validate(config,
 world_size=nodes * gpus_per_node)`` here, so an impossible layout fails before anything
 is submitted. Run names are deterministic: ``{name}-{size}-{variant}[-t{tokens per
-param}]-s{seed}`` (the budget part only when a size has several budgets).
+param}]-s{seed}`` (the budget part only when a size has several budgets). A variant is
+a preset of the registry (``variants.VARIANTS``): its coupling and scoring become the
+``attention.coupling`` / ``attention.scoring`` overrides, so a preset registered from
+code needs no file under ``configs/variants/``. A size's token budget in tokens per
+parameter is read against its standard-attention model, counted without building it
+(``planner.parameters``).
 
 Training-schedule values (learning rate, steps, warmup, evaluation interval) go into
 the overrides under ``SCHEDULE_FIELDS``; a field that ``TrainConfig`` lacks (renamed in
@@ -34,9 +41,10 @@ from cqk_megatron.config import (
     ConfigError,
     RunConfig,
     load_config,
-    load_yaml_dict,
     validate,
 )
+from cqk_megatron.planner.parameters import count_parameters
+from cqk_megatron.variants import pair
 
 # schedule key -> config field that the training engine reads
 SCHEDULE_FIELDS = {
@@ -73,18 +81,6 @@ def _as_list(value, default):
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def _flatten(data: dict, prefix: str = "") -> dict[str, object]:
-    """``{"attention": {"coupling": "x"}}`` -> ``{"attention.coupling": "x"}``."""
-    flat: dict[str, object] = {}
-    for key, value in data.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(_flatten(value, dotted + "."))
-        else:
-            flat[dotted] = value
-    return flat
-
-
 def _override(dotted: str, value) -> str:
     """``dotted=value`` with the value in YAML flow style, as ``apply_overrides`` reads it."""
     text = yaml.safe_dump(value, default_flow_style=True).replace("\n...\n", "").strip()
@@ -115,12 +111,11 @@ _TOTALS: dict[str, int] = {}
 
 
 def standard_parameters(model_path: Path, overrides: list[str]) -> int:
-    """Total parameters of the size's model with standard attention (meta device)."""
+    """Total parameters of the size's model with standard attention, counted without
+    building it or starting a process group."""
     key = repr((str(model_path), overrides))
     if key not in _TOTALS:
-        from cqk_megatron.params import count_variant_parameters
-
-        _TOTALS[key] = count_variant_parameters(load_config(model_path, overrides), "standard")
+        _TOTALS[key] = count_parameters(load_config(model_path, overrides), "standard")
     return _TOTALS[key]
 
 
@@ -230,10 +225,12 @@ def _make_run(
     world_size,
     tokens_per_step,
 ) -> dict:
-    variant_file = CONFIGS_DIR / "variants" / f"{variant}.yaml"
-    variant_settings = _flatten(load_yaml_dict(variant_file))
+    coupling, scoring = pair(variant)  # the registry's preset, not configs/variants/*.yaml
     overrides = [f"name={name}", f"seed={seed}"]
-    overrides += [_override(k, v) for k, v in variant_settings.items()]
+    overrides += [
+        _override("attention.coupling", coupling),
+        _override("attention.scoring", scoring),
+    ]
     overrides += [_override(k, v) for k, v in common.items()]
     overrides += size_overrides
     overrides += [

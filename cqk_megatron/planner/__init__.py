@@ -1,0 +1,10 @@
+"""The experiment planner: from variants, sizes, token budgets and seeds to validated run
+configs, below both ``launch/`` and ``analysis/`` (it imports neither, nor the training
+engine, and starts no process).
+
+- ``parameters``: a variant's config, and a model's parameter count without building
+  Megatron's model or starting a process group.
+- ``sweep``: a sweep file (sizes x variants x token budgets x seeds) expanded into
+  validated runs with their resources; ``launch`` submits them (``--sweep``) and
+  ``cqk-analyze ladder`` lists them.
+"""

@@ -1,0 +1,198 @@
+"""The DeepSpeed ZeRO engine around this rank's Megatron-Core model.
+
+Tensor and pipeline parallelism are Megatron's (its layers, ``parallel_state`` and
+schedules); data-parallel sharding of optimizer state and gradients is DeepSpeed ZeRO,
+given Megatron's groups through ``MegatronMpu``. Two ways to drive a step:
+
+- PP=1: DeepSpeed owns gradient accumulation: ``engine.backward`` then ``engine.step``
+  per micro-batch (ZeRO-2/3 reduce inside each backward, so this is the only way).
+- PP>1: Megatron's 1F1B schedule (interleaved over the model chunks of
+  ``parallel.virtual_pipeline``) runs every micro-batch of the global batch (it calls
+  backward itself), then ``engine.allreduce_gradients()`` and ``engine.step()`` with
+  DeepSpeed's accumulation set to 1. Only ZeRO-1 allows that (``validate`` says so).
+
+DeepSpeed detects a non-finite gradient norm and skips the update; the engine reports
+it so the loop can count skipped steps.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+from megatron.core import parallel_state as ps
+
+from cqk_megatron import cpu_bridge
+from cqk_megatron.config import RunConfig
+from cqk_megatron.device import device
+from cqk_megatron.model import model_chunks
+from cqk_megatron.training.engine import Batch, Engine, StepResult
+from cqk_megatron.training.mpu import MegatronMpu
+from cqk_megatron.training.step_loss import (
+    forward,
+    global_mean_loss,
+    lm_loss,
+    schedule_loss_sum,
+)
+
+
+def deepspeed_config(config: RunConfig, gradient_accumulation_steps: int) -> dict:
+    t = config.train
+    ds: dict = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
+        "gradient_clipping": t.clip_grad,
+        "zero_optimization": {"stage": t.zero_stage},
+        "bf16": {"enabled": t.precision == "bf16"},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if t.offload_optimizer:
+        on_gpu = device().type == "cuda"
+        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
+    # make_optimizer chooses the optimizer (torch's AdamW steps offloaded master weights
+    # where DeepSpeed's CPU Adam is not built), so DeepSpeed must not insist on its own.
+    ds["zero_force_ds_cpu_optimizer"] = False
+    return ds
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on vectors and scalars (norms, biases, dt, lambda)."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def make_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Optimizer:
+    """AdamW for DeepSpeed to wrap, chosen to need no compiler on the node.
+
+    - GPU: torch's fused AdamW (``fused=True``), a CUDA kernel inside the torch wheel.
+      DeepSpeed's ``FusedAdam`` is not prebuilt in DeepSpeed's wheels: it is JIT-compiled
+      with ``nvcc`` at the first start, which a node with only pip wheels lacks (or has
+      for another CUDA than torch's), and a rank killed during that build leaves a lock
+      file that stalls every later start. Both compute the same AdamW update.
+    - GPU with ``train.offload_optimizer``: DeepSpeed's ``DeepSpeedCPUAdam`` (SIMD, several
+      times faster on the host) if this DeepSpeed was installed with it prebuilt
+      (``DS_BUILD_CPU_ADAM=1``); otherwise torch's AdamW steps the offloaded fp32 master
+      weights on the host (the CPU path of the tests), with a warning saying so.
+    - CPU: torch's AdamW.
+    """
+    t = config.train
+    kwargs = {"lr": t.lr, "betas": (t.adam_beta1, t.adam_beta2), "eps": t.adam_eps}
+    groups = param_groups(model, t.weight_decay)
+    on_gpu = device().type == "cuda"
+    if t.offload_optimizer and on_gpu:
+        if _prebuilt_deepspeed_op("cpu_adam"):
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+        print(
+            "warning: train.offload_optimizer=true: this DeepSpeed has no prebuilt CPU Adam, "
+            "so torch's AdamW steps the offloaded weights on the host (slower); reinstall "
+            "DeepSpeed with DS_BUILD_CPU_ADAM=1 for its SIMD CPU Adam",
+            file=sys.stderr,
+            flush=True,
+        )
+        return torch.optim.AdamW(groups, **kwargs)
+    if on_gpu:
+        return torch.optim.AdamW(groups, fused=True, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def _prebuilt_deepspeed_op(name: str) -> bool:
+    """Whether DeepSpeed was installed with op ``name`` compiled (no JIT build needed)."""
+    try:
+        from deepspeed.git_version_info import installed_ops
+    except ImportError:
+        return False
+    return bool(installed_ops.get(name, False))
+
+
+class DeepSpeedEngine(Engine):
+    def __init__(self, model: torch.nn.Module, config: RunConfig) -> None:
+        os.environ.setdefault("DS_ACCELERATOR", device().type)
+        import deepspeed
+
+        cpu_bridge.skip_deepspeed_shm_op()
+        self.config = config
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.pipelined = ps.get_pipeline_model_parallel_world_size() > 1
+        t = config.train
+        self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * self.dp_size)
+        accumulation = 1 if self.pipelined else self.num_micro_batches
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=make_optimizer(model, config),
+            config=deepspeed_config(config, accumulation),
+            mpu=MegatronMpu(),
+            dist_init_required=False,
+        )
+        self.model = model
+
+    # -- training ----------------------------------------------------------------------
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def train_step(self, micro_batches: list[Batch]) -> StepResult:
+        self.engine.train()
+        skipped_before = self.engine.skipped_steps
+        if self.pipelined:
+            loss_sum = schedule_loss_sum(
+                model_chunks(self.model), micro_batches, self.config, forward_only=False
+            )
+            self.engine.allreduce_gradients()
+            self.engine.step()
+        else:
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device())
+            for batch in micro_batches:
+                loss = lm_loss(forward(self.engine, batch), batch["loss_mask"])
+                loss_sum += loss.detach().double()
+                self.engine.backward(loss)
+                self.engine.step()
+        grad_norm = self.engine.get_global_grad_norm()
+        return StepResult(
+            loss=global_mean_loss(loss_sum, len(micro_batches)),
+            grad_norm=float("nan") if grad_norm is None else float(grad_norm),
+            skipped=self.engine.skipped_steps > skipped_before,
+        )
+
+    # -- exact resume ------------------------------------------------------------------
+
+    def save_state(self, folder: Path) -> None:
+        """Collective: DeepSpeed's engine state (weights, ZeRO optimizer) under ``folder``,
+        one DeepSpeed checkpoint per pipeline stage."""
+        stage = ps.get_pipeline_model_parallel_rank()
+        self.engine.save_checkpoint(str(folder / f"pp{stage}"), tag="ds", save_latest=False)
+
+    def load_state(self, folder: Path, model_folder: Path) -> None:
+        """Collective, same layout. DeepSpeed's checkpoint holds the weights too, so
+        ``model_folder`` (the layout-free weights) is not read."""
+        stage = ps.get_pipeline_model_parallel_rank()
+        self.engine.load_checkpoint(
+            str(folder / f"pp{stage}"), tag="ds", load_lr_scheduler_states=False
+        )
+
+    # -- evaluation --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: list[Batch]) -> float:
+        self.engine.eval()
+        if self.pipelined:
+            loss_sum = schedule_loss_sum(
+                model_chunks(self.model), micro_batches, self.config, forward_only=True
+            )
+        else:
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device())
+            for batch in micro_batches:
+                per_token = forward(self.engine, batch)
+                loss_sum += lm_loss(per_token, batch["loss_mask"]).double()
+        return global_mean_loss(loss_sum, len(micro_batches))

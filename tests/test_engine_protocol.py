@@ -1,0 +1,108 @@
+"""The engine protocol (``training/engine.py``): both engines implement every method of
+``Engine`` with its signature, a class that misses one cannot be built, and the loop and
+checkpointing call nothing on an engine that the protocol does not declare.
+
+Static checks only (no model, no process group): the engines' behaviour is
+``test_training.py``'s and ``test_megatron_engine.py``'s."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine
+from cqk_megatron.training.engine import Engine
+from cqk_megatron.training.megatron_engine import MegatronEngine
+
+TRAINING = Path(__file__).resolve().parents[1] / "cqk_megatron" / "training"
+ENGINES = [DeepSpeedEngine, MegatronEngine]
+# what the protocol declares: every abstract method (``__init__`` included)
+DECLARED = sorted(Engine.__abstractmethods__)
+
+
+def _shape(function) -> list[tuple[str, object]]:
+    """Parameter names and kinds, in order: what a caller relies on."""
+    return [(p.name, p.kind) for p in inspect.signature(function).parameters.values()]
+
+
+def protocol_problems(cls: type) -> list[str]:
+    """Why ``cls`` does not implement ``Engine``; empty when it does."""
+    if not issubclass(cls, Engine):
+        return [f"{cls.__name__} does not derive from Engine"]
+    problems = [f"{cls.__name__}.{name} is missing" for name in sorted(cls.__abstractmethods__)]
+    for name in DECLARED:
+        method = getattr(cls, name)
+        if name in cls.__abstractmethods__:
+            continue
+        if _shape(method) != _shape(getattr(Engine, name)):
+            problems.append(
+                f"{cls.__name__}.{name}{inspect.signature(method)} differs from "
+                f"Engine.{name}{inspect.signature(getattr(Engine, name))}"
+            )
+    return problems
+
+
+def test_the_protocol_declares_what_an_engine_does():
+    assert DECLARED == [
+        "__init__",
+        "eval_loss",
+        "load_state",
+        "save_state",
+        "set_lr",
+        "train_step",
+    ]
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=lambda cls: cls.__name__)
+def test_each_engine_implements_the_protocol(engine):
+    assert protocol_problems(engine) == []
+    assert not inspect.isabstract(engine)
+
+
+def test_an_engine_that_misses_a_method_is_refused():
+    class NoEval(Engine):
+        def __init__(self, model, config) -> None:
+            pass
+
+        def set_lr(self, lr: float) -> None:
+            pass
+
+        def train_step(self, micro_batches):
+            pass
+
+        def save_state(self, folder) -> None:
+            pass
+
+        def load_state(self, folder) -> None:  # model_folder forgotten
+            pass
+
+    missing, differs = protocol_problems(NoEval)
+    assert missing == "NoEval.eval_loss is missing"
+    assert differs.startswith("NoEval.load_state(self, folder) ") and "model_folder" in differs
+    with pytest.raises(TypeError, match="eval_loss"):
+        NoEval(None, None)
+    assert protocol_problems(type("Loose", (), {})) == ["Loose does not derive from Engine"]
+
+
+def _engine_attributes(path: Path) -> dict[str, int]:
+    """Each ``engine.<attribute>`` used in ``path``, with its first line."""
+    used: dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "engine"
+        ):
+            used.setdefault(node.attr, node.lineno)
+    return used
+
+
+@pytest.mark.parametrize("module", ["loop.py", "checkpoint.py"])
+def test_the_loop_and_checkpointing_use_only_the_protocol(module):
+    used = _engine_attributes(TRAINING / module)
+    assert used, f"{module} no longer calls an engine: update this test"
+    undeclared = {name: line for name, line in used.items() if name not in DECLARED}
+    assert undeclared == {}, f"{module} calls engine methods Engine does not declare"
