@@ -207,30 +207,33 @@ def test_demo_ladder_end_to_end(tmp_path):
 
 def test_ci_takes_its_python_from_venv(tmp_path):
     """.ci/run with VENV=elsewhere (relative to where it is started): the install and the
-    test run both go to that environment's python. Its python here only records its
-    arguments, and Slurm's tools are stand-ins on PATH so the Slurm install is a no-op:
-    this checks which environment the scripts use, not the install itself."""
+    test run both go to that environment's python. It runs from a copy of the repository's
+    scripts whose python only records its arguments and whose Slurm scripts are stand-ins
+    (the real ones start daemons, whether or not a cluster is up already): this checks
+    which environment the scripts use, not the install itself."""
+    repo = tmp_path / "repo"
+    for script in (".ci/run", "scripts/venv.sh", "scripts/install.sh"):
+        (repo / script).parent.mkdir(parents=True, exist_ok=True)
+        (repo / script).write_text((REPO / script).read_text())
+    for script in ("install.sh", "start.sh", "stop.sh"):
+        (repo / "scripts" / "slurm").mkdir(exist_ok=True)
+        (repo / "scripts" / "slurm" / script).write_text(f"echo stand-in slurm {script}\n")
     log = tmp_path / "calls.log"
     python = tmp_path / "elsewhere" / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.write_text(f'#!/bin/sh\necho "$*" >> "{log}"\n')
     python.chmod(0o755)
-    tools = tmp_path / "tools"
-    tools.mkdir()
-    for tool in ("munged", "slurmctld", "slurmd", "sbatch"):
-        (tools / tool).write_text("#!/bin/sh\necho stand-in\n")
-        (tools / tool).chmod(0o755)
-    env = {**os.environ, "VENV": "elsewhere", "PATH": f"{tools}:{os.environ['PATH']}"}
     result = subprocess.run(
-        ["bash", str(REPO / ".ci" / "run")],
-        env=env,
+        ["bash", str(repo / ".ci" / "run")],
+        env={**os.environ, "VENV": "elsewhere"},
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    assert "stand-in slurm install.sh" in result.stdout  # the copy's scripts ran
     calls = log.read_text().splitlines()
     assert any(c.startswith("-m pip") and "install" in c for c in calls), calls
     assert "-m pytest -q --durations=15 tests" in calls, calls
-    assert not (tmp_path / ".venv").exists()
+    assert not (tmp_path / ".venv").exists() and not (repo / ".venv").exists()
