@@ -294,3 +294,24 @@ def test_mqar_model_starts_at_a_width_appropriate_scale(hidden, family):
         checked += 1
     positions = 1 if family == "gpt2" else 0  # learned position embeddings
     assert checked == 2 + positions + 4 * options.num_layers  # embeddings, output, 4 a layer
+
+
+def test_mqar_probe_freezes_exactly_the_coupling_and_restores_the_builder():
+    """``mqar_probe --freeze-coupling`` (README: invertible_differential learns 64x4 with
+    its coupling frozen): only the coupling's parameters stop training, a variant without
+    one is refused, and the trainer's builder is its own again afterwards."""
+    from cqk_megatron.eval import mqar_probe, mqar_train
+
+    options = TrainOptions(hidden_size=32, num_heads=2, vocab_size=128, num_layers=1)
+    model = mqar_train.build("invertible", MQARSetting(64, 4), options)
+    # (q, k) nets x 2 invertible layers x (fc1, fc2) x (weight, bias), in 1 model layer
+    assert mqar_probe.freeze_coupling(model) == 16
+    for name, param in model.named_parameters():
+        assert param.requires_grad == (".coupling." not in name), name
+    standard = mqar_train.build("standard", MQARSetting(64, 4), options)
+    with pytest.raises(ValueError, match="no coupling parameters"):
+        mqar_probe.freeze_coupling(standard)
+    build = mqar_train.build
+    with pytest.raises(ValueError, match="no coupling parameters"):
+        mqar_probe.probe("standard", MQARSetting(64, 4), {"steps": 1}, freeze=True)
+    assert mqar_train.build is build

@@ -28,26 +28,33 @@ from cqk_megatron.eval.mqar import BENCHMARK
 from cqk_megatron.eval.mqar_data import MQARSetting
 
 
+def freeze_coupling(model: torch.nn.Module) -> int:
+    """Stop the coupling's parameters from training (no gradient: AdamW and clipping skip
+    them); how many there are. A model without a coupling is refused."""
+    coupling = [p for name, p in model.named_parameters() if ".coupling." in name]
+    if not coupling:
+        raise ValueError("--freeze-coupling: this variant has no coupling parameters")
+    for param in coupling:
+        param.requires_grad_(False)
+    return len(coupling)
+
+
 def probe(
     variant: str,
     setting: MQARSetting,
     changes: dict,
-    freeze_coupling: bool = False,
+    freeze: bool = False,
 ) -> dict:
     """``train_run`` with the benchmark's options and ``changes``; the coupling's
-    parameters frozen if asked."""
+    parameters frozen if ``freeze``."""
     options = mqar_train.TrainOptions(**{**BENCHMARK["options"], **changes})
-    if not freeze_coupling:
+    if not freeze:
         return mqar_train.train_run(variant, setting, options)
     build = mqar_train.build
 
     def frozen(*args, **kwargs):
         model = build(*args, **kwargs)
-        coupling = [p for name, p in model.named_parameters() if ".coupling." in name]
-        if not coupling:
-            raise ValueError(f"--freeze-coupling: {variant!r} has no coupling parameters")
-        for param in coupling:  # no gradient: AdamW and clipping skip them
-            param.requires_grad_(False)
+        freeze_coupling(model)
         return model
 
     mqar_train.build = frozen  # train_run builds through the module's name
@@ -86,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
         },
     }
     torch.set_num_threads(1)
-    result = probe(args.variant, MQARSetting.parse(args.setting), changes, args.freeze_coupling)
+    setting = MQARSetting.parse(args.setting)
+    result = probe(args.variant, setting, changes, freeze=args.freeze_coupling)
     curve = " ".join(f"{p['accuracy']:.2f}" for p in result["curve"])
     print(
         f"{args.variant} {args.family} seed {args.seed} {' '.join(args.megatron)}"
