@@ -16,12 +16,13 @@ import argparse
 import os
 import sys
 
-from cqk_megatron.checkpoint_files import RESUME_HELP, CheckpointError, CheckpointSaveError
+from cqk_megatron.checkpoint_files import RESUME_HELP, CheckpointSaveError
 from cqk_megatron.config import ConfigError, load_config, validate
 from cqk_megatron.data.errors import DataError
 from cqk_megatron.exit_codes import EXIT_REFUSED
+from cqk_megatron.refusals import is_refusal
 from cqk_megatron.run_folder import NoSpaceError
-from cqk_megatron.run_lease import LeaseHeld, LeaseLost
+from cqk_megatron.run_lease import LeaseLost
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,15 +78,14 @@ def _train(config, resume: str) -> int:
 
     try:
         return train(config, resume=resume)
-    except CheckpointSaveError as error:
+    except (CheckpointSaveError, NoSpaceError, LeaseLost) as error:
         _say(str(error))
         return 1
-    except (LeaseHeld, CheckpointError, DataError, ConfigError) as error:
+    except Exception as error:
+        if not is_refusal(error):
+            raise
         _say(str(error))
         return EXIT_REFUSED
-    except (NoSpaceError, LeaseLost) as error:
-        _say(str(error))
-        return 1
 
 
 if __name__ == "__main__":

@@ -162,10 +162,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
         """The training loop's exit code; a run it refuses to start (its folder held by
         another job, checkpoints that do not verify, bad data) ends this job with exit 2
         and a ``refused`` record, without a requeue."""
-        from cqk_megatron.checkpoint_files import CheckpointError, CheckpointSaveError
-        from cqk_megatron.config import ConfigError
-        from cqk_megatron.data.errors import DataError
-        from cqk_megatron.run_lease import LeaseHeld
+        from cqk_megatron.checkpoint_files import CheckpointSaveError
+        from cqk_megatron.refusals import is_refusal
         from cqk_megatron.training.loop import train  # heavy: Megatron, DeepSpeed
 
         resume = self._resume_now(env, run_dir)
@@ -180,7 +178,9 @@ class TrainingJob(submitit.helpers.Checkpointable):
             if rank0:
                 runs.append_event(run_dir, "failed", job_id=env.job_id, reason=str(error))
             raise
-        except (LeaseHeld, CheckpointError, DataError, ConfigError) as error:
+        except Exception as error:
+            if not is_refusal(error):
+                raise
             if rank0:
                 print(f"error: {error}", file=sys.stderr, flush=True)
                 runs.append_event(run_dir, "refused", job_id=env.job_id, reason=str(error))

@@ -504,6 +504,20 @@ def test_a_run_refused_before_training_is_not_relaunched():
     )
 
 
+def test_refusals_are_one_list_that_a_failed_save_is_not_on():
+    from cqk_megatron.checkpoint_files import CheckpointError, CheckpointSaveError
+    from cqk_megatron.config import ConfigError
+    from cqk_megatron.data.errors import DataError
+    from cqk_megatron.refusals import is_refusal
+    from cqk_megatron.run_folder import NoSpaceError
+    from cqk_megatron.run_lease import LeaseHeld, LeaseLost
+
+    for error in (LeaseHeld("x"), CheckpointError("x"), DataError("x"), ConfigError("x")):
+        assert is_refusal(error), error
+    for error in (CheckpointSaveError("x"), LeaseLost("x"), NoSpaceError("x"), RuntimeError()):
+        assert not is_refusal(error), error
+
+
 def test_fault_drills_and_watchdog_bounds_are_checked():
     from cqk_megatron.config import ConfigError, load_config, validate
     from cqk_megatron.training import faults

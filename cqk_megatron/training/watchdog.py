@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from cqk_megatron.exit_codes import EXIT_WATCHDOG
+from cqk_megatron.refusals import is_refusal
 from cqk_megatron.training import faults
 
 FAULTS_FILE = "faults.jsonl"
@@ -691,7 +692,7 @@ def watching(config, dist_env, run_dir: Path | None = None):
     try:
         yield watchdog
     except BaseException as error:
-        if _is_refusal(error):
+        if is_refusal(error):
             # Refused on every rank together (collectives.from_rank0): nobody is lost, and a
             # refused run leaves its folder as it was (no crash record).
             watchdog.enter("shutdown", watchdog._phase.step)
@@ -701,19 +702,6 @@ def watching(config, dist_env, run_dir: Path | None = None):
     finally:
         _CURRENT = None
         watchdog.close()
-
-
-def _is_refusal(error: BaseException) -> bool:
-    """The errors that refuse a run before it trains (cqk_megatron.train exits 2 on them):
-    a held run folder, checkpoints that do not verify, bad data or config. A failed save
-    is a failure, not a refusal."""
-    from cqk_megatron.checkpoint_files import CheckpointError, CheckpointSaveError
-    from cqk_megatron.config import ConfigError
-    from cqk_megatron.data.errors import DataError
-    from cqk_megatron.run_lease import LeaseHeld
-
-    refusal = isinstance(error, (LeaseHeld, CheckpointError, DataError, ConfigError))
-    return refusal and not isinstance(error, CheckpointSaveError)
 
 
 def record_rendezvous_failure(run_dir: Path | None, message: str, rank: int) -> None:
