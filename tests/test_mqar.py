@@ -263,22 +263,28 @@ def test_plain_inits_have_the_laws_of_the_megatron_inits(variant):
     assert stds("project")["tok_emb.weight"] < 0.03 < 0.9 < stds("p+torch_init")["tok_emb.weight"]
 
 
-@pytest.mark.parametrize("hidden", [64, 256])
-def test_mqar_model_starts_at_a_width_appropriate_scale(hidden):
+@pytest.mark.parametrize(("hidden", "family"), [(64, "llama"), (256, "llama"), (64, "gpt2")])
+def test_mqar_model_starts_at_a_width_appropriate_scale(hidden, family):
     """The defect of issue 20's gap: the MQAR model took the project's N(0, 0.02), GPT-2's
     choice at width 768, at width 64, where q.k starts 13x smaller than under PyTorch's
     default and recall was learned several times slower by every variant. Every weight
     must start at std = 1/sqrt(3 x width) (PyTorch's nn.Linear at fan-in = width), the two
-    projections into the residual stream at that / sqrt(2 layers) as Megatron scales them."""
+    projections into the residual stream at that / sqrt(2 layers) as Megatron scales them.
+    In the GPT-2 family the learned position embeddings too; its biases start at zero and
+    its LayerNorms at (1, 0)."""
     import math
 
     from cqk_megatron.eval.mqar_train import build
 
-    options = TrainOptions(hidden_size=hidden, num_heads=2, vocab_size=512)
+    options = TrainOptions(hidden_size=hidden, num_heads=2, vocab_size=512, family=family)
     model = build("coupled", MQARSetting(64, 4), options)
     checked = 0
     for name, param in model.named_parameters():
-        if param.dim() != 2 or ".coupling." in name:  # f keeps PyTorch's own init
+        if ".coupling." in name:  # f keeps PyTorch's own init
+            continue
+        if param.dim() != 2:  # norms' weights 1, biases 0
+            one = name.endswith("layernorm.weight")
+            assert torch.equal(param, torch.full_like(param, float(one))), name
             continue
         scale = param.std().item() * math.sqrt(hidden)
         expected = 1 / math.sqrt(3)
@@ -286,4 +292,26 @@ def test_mqar_model_starts_at_a_width_appropriate_scale(hidden):
             expected /= math.sqrt(2 * options.num_layers)
         assert abs(scale / expected - 1) < 0.1, (name, scale, expected)
         checked += 1
-    assert checked == 2 + 4 * options.num_layers  # embedding, output, QKV/proj/fc1/fc2
+    positions = 1 if family == "gpt2" else 0  # learned position embeddings
+    assert checked == 2 + positions + 4 * options.num_layers  # embeddings, output, 4 a layer
+
+
+def test_mqar_probe_freezes_exactly_the_coupling_and_restores_the_builder():
+    """``mqar_probe --freeze-coupling`` (README: invertible_differential learns 64x4 with
+    its coupling frozen): only the coupling's parameters stop training, a variant without
+    one is refused, and the trainer's builder is its own again afterwards."""
+    from cqk_megatron.eval import mqar_probe, mqar_train
+
+    options = TrainOptions(hidden_size=32, num_heads=2, vocab_size=128, num_layers=1)
+    model = mqar_train.build("invertible", MQARSetting(64, 4), options)
+    # (q, k) nets x 2 invertible layers x (fc1, fc2) x (weight, bias), in 1 model layer
+    assert mqar_probe.freeze_coupling(model) == 16
+    for name, param in model.named_parameters():
+        assert param.requires_grad == (".coupling." not in name), name
+    standard = mqar_train.build("standard", MQARSetting(64, 4), options)
+    with pytest.raises(ValueError, match="no coupling parameters"):
+        mqar_probe.freeze_coupling(standard)
+    build = mqar_train.build
+    with pytest.raises(ValueError, match="no coupling parameters"):
+        mqar_probe.probe("standard", MQARSetting(64, 4), {"steps": 1}, freeze=True)
+    assert mqar_train.build is build
