@@ -96,16 +96,29 @@ def relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / scale).item()
 
 
-def compare_variant(variant: str, tp: int, pp: int, overrides: list[str]) -> dict:
+def reference_run(variant: str, overrides: list[str]) -> tuple[dict, dict, list]:
+    """The TP=1, PP=1 run: its initial weights, its results and its batches."""
     reference_config = make_config(variant, 1, 1, overrides)
     init_model_parallel(reference_config)
     torch.manual_seed(SEED)
     reference_model = build_model(reference_config)
     full_state = {n: p.detach().clone() for n, p in reference_model.named_parameters()}
     batches = make_batches(reference_config)
-    reference = train(reference_model, reference_config, batches)
+    return full_state, train(reference_model, reference_config, batches), batches
 
-    config = make_config(variant, tp, pp, overrides)
+
+def compare_variant(
+    variant: str,
+    tp: int,
+    pp: int,
+    overrides: list[str],
+    reference: tuple[dict, dict, list] | None = None,
+    layout_overrides: tuple[str, ...] = (),
+) -> dict:
+    """The layout's run against the reference (run here unless given); the layout alone
+    also takes ``layout_overrides`` (sequence parallelism, which TP=1 cannot have)."""
+    full_state, reference, batches = reference or reference_run(variant, overrides)
+    config = make_config(variant, tp, pp, [*overrides, *layout_overrides])
     init_model_parallel(config)
     model = build_model(config)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -140,12 +153,25 @@ def compare_variant(variant: str, tp: int, pp: int, overrides: list[str]) -> dic
     }
 
 
-def worker(rank, world_size, port, tp, pp, variants, overrides, out_dir, control=None) -> None:
-    """Compare ``variants``; then, if ``control`` names a variant, compare it once more
-    with the TP gradient sum of replicated parameters switched off (a negative control:
-    the harness must see that difference)."""
+SEQUENCE_PARALLEL = ("parallel.sequence_parallel=true",)
+
+
+def worker(
+    rank, world_size, port, tp, pp, variants, overrides, out_dir, control=None, also_sp=False
+) -> None:
+    """Compare ``variants``; with ``also_sp``, each once more with sequence parallelism on
+    (``<variant>[sp]``, against the same reference); then, if ``control`` names a variant,
+    compare it once more with the TP gradient sum of replicated parameters switched off (a
+    negative control: the harness must see that difference)."""
     init_process_group(DistEnv(rank, rank, world_size, "127.0.0.1", port))
-    results = {variant: compare_variant(variant, tp, pp, overrides) for variant in variants}
+    results = {}
+    for variant in variants:
+        reference = reference_run(variant, overrides)
+        results[variant] = compare_variant(variant, tp, pp, overrides, reference)
+        if also_sp:
+            results[f"{variant}[sp]"] = compare_variant(
+                variant, tp, pp, overrides, reference, SEQUENCE_PARALLEL
+            )
     if control is not None:
         from cqk_megatron.attention import coupled, differential
 

@@ -76,18 +76,3 @@ def _save_initial_weights(root, name, overrides) -> None:
     init_model_parallel(config)
     torch.manual_seed(config.seed)
     checkpoint.save_weights(Path(root, name), build_model(config), config)
-
-
-def sequence_parallel_equivalence(rank, world_size, port, tp, variants, overrides, out_dir):
-    """``tests/_equivalence.py``'s TP=``tp`` comparison against TP=1 (fp64, 3 SGD steps),
-    with sequence parallelism on in the TP layout (the TP=1 reference cannot have it)."""
-    import _equivalence
-
-    make_config = _equivalence.make_config
-
-    def with_sequence_parallel(variant, tp_, pp_, overrides_):
-        extra = ["parallel.sequence_parallel=true"] if tp_ > 1 else []
-        return make_config(variant, tp_, pp_, [*overrides_, *extra])
-
-    _equivalence.make_config = with_sequence_parallel
-    _equivalence.worker(rank, world_size, port, tp, 1, variants, overrides, out_dir)

@@ -31,8 +31,15 @@ def free_port() -> int:
     raise RuntimeError(f"no free port among 200 tried in {TEST_PORTS}")
 
 
+# Ranks fork from one server process that has imported torch, Megatron and the training
+# loop once (importing them costs each spawned rank about 6 CPU-s here). The server only
+# imports: no torch op has run in it, so no thread pool is forked half-initialised.
+PRELOAD = ["torch", "megatron.core", "cqk_megatron.model", "cqk_megatron.training.loop"]
+mp.set_forkserver_preload(PRELOAD)
+
+
 def run_ranks(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """``fn(rank, world_size, port, *args)`` in ``world_size`` spawned processes.
+    """``fn(rank, world_size, port, *args)`` in ``world_size`` new processes.
 
     A failure in any rank raises here with that rank's traceback; ranks still running after
     ``timeout_s`` are killed and a ``TimeoutError`` is raised, so a hang fails the test.
@@ -41,7 +48,7 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S) 
         fn,
         args=(world_size, free_port(), *args),
         nprocs=world_size,
-        start_method="spawn",
+        start_method="forkserver",
         join=False,
     )
     deadline = time.monotonic() + timeout_s

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _gpu_path_workers import audited_train_runs, sequence_parallel_equivalence
+from _gpu_path_workers import audited_train_runs
 from _multiproc import run_ranks
 from _training import exits, records
 
 import cqk_megatron.config as config_module
-from cqk_megatron.config import CONFIGS_DIR, VARIANTS, ConfigError, load_config, validate
+from cqk_megatron.config import CONFIGS_DIR, ConfigError, load_config, validate
 from cqk_megatron.perf.flops import peak_flops
 
 STEPS = 8
@@ -157,31 +157,8 @@ def test_the_audit_saw_the_loops_collectives(runs):
     assert seen.get(("tp_grads.py", "all_reduce"), 0) > 0, seen
 
 
-# -- sequence parallelism, every variant, at the model level -----------------------------
-
-EQUIVALENCE = [
-    "model.vocab_size=256",
-    "model.num_layers=4",
-    "model.hidden_size=64",
-    "model.seq_length=16",
-    "model.num_attention_heads=8",
-    "model.num_query_groups=4",
-    "train.precision=fp64",
-]
-
-
-def test_every_variant_under_tp2_with_sequence_parallelism_matches_tp1(tmp_path):
-    # tests/_equivalence.py's harness (3 SGD steps in fp64 through Megatron's schedule):
-    # losses, every first-step gradient (the norms' included) and every parameter after.
-    variants = list(VARIANTS)
-    run_ranks(sequence_parallel_equivalence, 2, 2, variants, EQUIVALENCE, str(tmp_path))
-    for rank in range(2):
-        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        for variant in variants:
-            result = results[variant]
-            assert result["loss"] <= 1e-6, (variant, result)
-            assert result["grad"] <= 1e-5 and result["param"] <= 1e-5, (variant, result)
-            assert len(result["losses"]) == 3
+# -- sequence parallelism, every variant, at the model level: with TP=2 in
+# tests/test_parallel_equivalence.py::test_every_variant_matches_single_process
 
 
 # -- what a GPU node gets --------------------------------------------------------------

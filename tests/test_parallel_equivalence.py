@@ -29,8 +29,8 @@ MHA = [*TINY, "model.num_attention_heads=8"]
 TOLERANCE = {"loss": 1e-6, "grad": 1e-5, "param": 1e-5}
 
 
-def run_layout(tmp_path, tp, pp, variants, overrides, control=None) -> dict:
-    run_ranks(worker, tp * pp, tp, pp, variants, overrides, str(tmp_path), control)
+def run_layout(tmp_path, tp, pp, variants, overrides, control=None, also_sp=False) -> dict:
+    run_ranks(worker, tp * pp, tp, pp, variants, overrides, str(tmp_path), control, also_sp)
     return {
         rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(tp * pp)
     }
@@ -50,10 +50,14 @@ def failures(results: dict, variants) -> list[str]:
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_every_variant_matches_single_process(tmp_path, tp, pp):
+    # Under TP=2 every variant also runs with sequence parallelism (norms, dropout and the
+    # coupling on sequence shards; the TP=1 reference cannot have it), from the same
+    # reference. Differential attention runs in its paired form here (auto on CPU).
     variants = list(VARIANTS)
     control = "coupled_differential" if tp > 1 else None
-    results = run_layout(tmp_path, tp, pp, variants, GQA, control)
-    assert failures(results, variants) == []
+    results = run_layout(tmp_path, tp, pp, variants, GQA, control, also_sp=tp > 1)
+    compared = [*variants, *(f"{v}[sp]" for v in variants)] if tp > 1 else variants
+    assert failures(results, compared) == []
     last_stage = [r for r in results.values() if r[variants[0]]["has_loss"]]
     assert len(last_stage) == tp, "the last pipeline stage reports the losses"
     for variant in variants:
@@ -72,12 +76,12 @@ def test_tp2_pp2_matches_single_process(tmp_path):
     assert sum(r["coupled"]["has_loss"] for r in results.values()) == 2
 
 
-@pytest.mark.parametrize("kernel", ["paired", "split"])
-def test_differential_forms_match_single_process_under_tp2(tmp_path, kernel):
-    """Both forms of differential attention (attention.differential_kernel) under TP=2,
-    GQA, with the negative control of the replicated lambda/RMSNorm gradient sum."""
+def test_split_differential_form_matches_single_process_under_tp2(tmp_path):
+    """The four-call form of differential attention (attention.differential_kernel=split)
+    under TP=2, GQA, with the negative control of the replicated lambda/RMSNorm gradient
+    sum. (The paired form, auto on CPU, is in test_every_variant_matches_single_process.)"""
     variants = ["differential", "coupled_differential"]
-    overrides = [*GQA, f"attention.differential_kernel={kernel}"]
+    overrides = [*GQA, "attention.differential_kernel=split"]
     results = run_layout(tmp_path, 2, 1, variants, overrides, control="differential")
     assert failures(results, variants) == []
     assert results[0]["differential[no-tp-grad-sum]"]["grad"] > 1e-3
