@@ -48,6 +48,7 @@ import torch
 from cqk_megatron.atomic import write_text_atomically
 from cqk_megatron.eval.mqar_data import MQARSetting
 from cqk_megatron.eval.mqar_train import TrainOptions, train_run
+from cqk_megatron.eval.plain_model import PROJECT_FIELDS
 
 SETTING = MQARSetting(128, 8)
 BASE = dict(
@@ -66,15 +67,6 @@ BASE = dict(
 # mqar_train.width_init_std).
 PROJECT = dict(model="megatron", family="llama", init_std=0.02)
 # The project's architecture in the plain model (same function, same initial law).
-PROJECT_PLAIN_MODEL = dict(
-    norm="rmsnorm",
-    mlp="swiglu",
-    bias=False,
-    positions="rope",
-    f_output_bias=False,
-    dt_param="softplus",
-    init="gpt2",
-)
 INDEPENDENT_MODEL = dict(
     norm="layernorm",
     mlp="gelu",
@@ -91,7 +83,7 @@ INDEPENDENT_OPTIMIZER = dict(
 
 
 def _plain(**model) -> dict:
-    return {"model": "plain", "plain": {**PROJECT_PLAIN_MODEL, **model}}
+    return {"model": "plain", "plain": {**PROJECT_FIELDS, **model}}
 
 
 # name -> (what differs from the project, TrainOptions fields over BASE)

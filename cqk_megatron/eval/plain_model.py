@@ -39,6 +39,19 @@ DT_PARAMS = ("exp", "softplus")
 INITS = ("torch", "gpt2")
 
 
+# The project's Llama-style architecture and law of initial weights, as PlainConfig fields
+# (PlainConfig.project(); the MQAR gap study starts its rungs from them).
+PROJECT_FIELDS = dict(
+    norm="rmsnorm",
+    mlp="swiglu",
+    bias=False,
+    positions="rope",
+    f_output_bias=False,
+    dt_param="softplus",
+    init="gpt2",
+)
+
+
 @dataclass(frozen=True)
 class PlainConfig:
     """Every choice of the model; the defaults are the independent MQAR model of issue 20."""
@@ -107,16 +120,7 @@ class PlainConfig:
     def project(cls, **fields) -> PlainConfig:
         """The project's Llama-style model (RMSNorm, SwiGLU, RoPE, no biases, ``f`` without
         an output bias, ``dt = softplus(raw)``); ``fields`` override."""
-        base = cls(
-            norm="rmsnorm",
-            mlp="swiglu",
-            bias=False,
-            positions="rope",
-            f_output_bias=False,
-            dt_param="softplus",
-            init="gpt2",
-        )
-        return replace(base, **fields)
+        return replace(cls(**PROJECT_FIELDS), **fields)
 
 
 class PlainRMSNorm(nn.Module):
