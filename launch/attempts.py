@@ -12,7 +12,8 @@ cause and appends a ``failed`` event to ``jobs.jsonl``::
 The cause comes from, in order: a rank's own crash record or a watchdog verdict in
 ``RUN/faults.jsonl`` (which names a stopped or silent rank that never exited), else the
 first task that exited badly (an exit code, or the signal that killed it), unless that
-task is one that gave a verdict: it was ending because of it. The job is
+task is one that gave a verdict: it was ending because of it. Of two verdicts, one by a
+rank that still reached the job's store wins over one that lost the store. The job is
 started again (it resumes from the newest complete checkpoint: a half-written one is never
 taken) unless ``max_restarts`` failed attempts were relaunched already, or the last
 ``max_identical_failures`` attempts failed the same way (same rank, same exit, same step):
@@ -98,6 +99,11 @@ def find_cause(
     hosts = hosts or {}
     records = _faults_since(run_dir, since)
     lost = [r for r in records if r.get("event") == "lost" and r.get("ranks")]
+    # In a partition both sides give verdicts, each naming the other. The store is the
+    # arbiter: a rank that still reaches it and hears a peer's silence ("silent", "stuck",
+    # ...) outranks one that lost the store itself ("store"), which cannot tell the
+    # store's host dying from its own node being cut off.
+    lost.sort(key=lambda r: r.get("kind") == "store")  # stable: by time within each
     # A rank that gave a verdict is ending because of it: whatever it does after (exit 76,
     # or killed by Slurm ending the step of a DOWN node while it closes) is not the cause.
     verdict_at = {r.get("by_rank"): r.get("time", 0) for r in reversed(lost)}

@@ -509,6 +509,24 @@ def test_a_run_refused_before_training_is_not_relaunched():
     )
 
 
+def test_in_a_partition_the_side_that_reaches_the_store_names_the_lost_rank(tmp_path):
+    # node2 cut off (CI, stop 22's second run): rank 1 there lost the store (rank 0's) and
+    # named rank 0 first; rank 0, beside the store, heard rank 1's silence. Slurm requeued
+    # the job itself (no exits).
+    from launch.attempts import find_cause
+
+    store = {"event": "lost", "by_rank": 1, "kind": "store", "ranks": [0], "host": "node1"}
+    silent = {"event": "lost", "by_rank": 0, "kind": "silent", "ranks": [1], "host": "node2"}
+    records = [{**store, "time": 100.0}, {**silent, "time": 100.0001}]
+    (tmp_path / "faults.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    for exits, first_bad in (({}, None), ({0: -9}, 0), ({1: 76, 0: 76}, 1)):
+        cause = find_cause(tmp_path, exits, first_bad, since=50.0)
+        assert (cause["rank"], cause["host"], cause["detected_by"]) == (1, "node2", 0), exits
+    # The store's host really gone (no rank beside it to say otherwise): the store verdict.
+    (tmp_path / "faults.jsonl").write_text(json.dumps({**store, "time": 100.0}) + "\n")
+    assert find_cause(tmp_path, {}, None, since=50.0)["rank"] == 0
+
+
 def test_refusals_are_one_list_that_a_failed_save_is_not_on():
     from cqk_megatron.checkpoint_files import CheckpointError, CheckpointSaveError
     from cqk_megatron.config import ConfigError
