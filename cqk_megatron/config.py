@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import math
 import types
 import typing
@@ -448,6 +449,42 @@ def save_config(config: RunConfig, path: str | Path) -> None:
 # ---------------------------------------------------------------------------------------
 # validation
 # ---------------------------------------------------------------------------------------
+#
+# ``validate`` runs small checks, one concern each, and reports every error together. The
+# checks of single fields come first: the later ones divide by those fields and assume
+# them valid. The checks that depend on the machine take its facts (``Hardware``) as an
+# argument; ``validate`` passes those of this machine, read only when a check needs them.
+
+
+class Hardware(typing.Protocol):
+    """The facts about a machine that decide whether a config can run on it."""
+
+    @property
+    def cuda(self) -> bool: ...  # a CUDA device is usable
+
+    @property
+    def transformer_engine(self) -> bool: ...  # Transformer Engine is importable
+
+
+@dataclass(frozen=True)
+class StatedHardware:
+    """Hardware facts stated, not read (tests; planning for another machine)."""
+
+    cuda: bool = False
+    transformer_engine: bool = False
+
+
+class ThisMachine:
+    """This machine's facts, each read on first use: a config that needs none of them is
+    validated without importing torch."""
+
+    @functools.cached_property
+    def cuda(self) -> bool:
+        return _cuda_available()
+
+    @functools.cached_property
+    def transformer_engine(self) -> bool:
+        return _transformer_engine_importable()
 
 
 def _cuda_available() -> bool:
@@ -456,6 +493,87 @@ def _cuda_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+def _transformer_engine_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+class _Checks:
+    """Collects the message of every check that fails."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def __call__(self, ok: bool, message: str) -> None:
+        if not ok:
+            self.errors.append(message)
+
+    def choice(self, value: str, options: tuple[str, ...], dotted: str) -> None:
+        self(value in options, f"{dotted}={value!r} is unknown; choose one of {list(options)}")
+
+
+def _check_names(config: RunConfig, check: _Checks) -> None:
+    """Every named choice is one of its options."""
+    m, a, t = config.model, config.attention, config.train
+    check.errors.extend(unknown_names(config))  # the registry's one message for each
+    check.choice(a.position, COUPLING_POSITIONS, "attention.position")
+    check.choice(a.coupling_impl, COUPLING_IMPLS, "attention.coupling_impl")
+    check.choice(
+        a.differential_kernel, DIFFERENTIAL_KERNEL_SETTINGS, "attention.differential_kernel"
+    )
+    check.choice(m.normalization, ("RMSNorm", "LayerNorm"), "model.normalization")
+    check.choice(m.position_embedding_type, POSITION_EMBEDDINGS, "model.position_embedding_type")
+    if m.family is not None:
+        check.choice(m.family, tuple(MODEL_FAMILIES), "model.family")
+    check.choice(t.precision, ("fp32", "bf16", "fp64"), "train.precision")
+    check.choice(config.backend, ("local", "transformer_engine"), "backend")
+    check.choice(t.lr_schedule, ("cosine", "wsd", "constant"), "train.lr_schedule")
+    check.choice(t.engine, ("deepspeed", "megatron"), "train.engine")
+    check.choice(t.recompute, RECOMPUTE, "train.recompute")
+    check.choice(t.recompute_method, RECOMPUTE_METHODS, "train.recompute_method")
+    check.choice(config.log.wandb_mode, ("offline", "online", "disabled"), "log.wandb_mode")
+    check.choice(config.log.progress_bar, ("auto", "on", "off"), "log.progress_bar")
+
+
+def _check_architecture(m: ModelConfig, a: AttentionConfig, check: _Checks) -> None:
+    """The architecture fields agree with the model family and the coupling's position."""
+    for key, value in MODEL_FAMILIES.get(m.family, {}).items():  # none for family=null
+        check(
+            getattr(m, key) == value,
+            f"model.{key}={getattr(m, key)!r} contradicts model.family={m.family!r}, which "
+            f"has model.{key}={value!r}; drop the model.{key} override, or set "
+            "model.family=null to describe a custom architecture by its fields",
+        )
+    check(
+        not (a.position == "post_rope" and m.position_embedding_type != "rope"),
+        f"attention.position=post_rope needs RoPE, but model.position_embedding_type="
+        f"{m.position_embedding_type!r} has none (the coupling would run where pre_rope does); "
+        "use attention.position=pre_rope",
+    )
+
+
+def _check_training(t: TrainConfig, check: _Checks) -> None:
+    """The optimizer, schedule, intervals and fault bounds, field by field."""
+    check(t.zero_stage in (1, 2, 3), f"train.zero_stage={t.zero_stage} must be 1, 2 or 3")
+    check(
+        t.lr > 0 and 0 <= t.min_lr <= t.lr, "train.lr must be positive and train.min_lr in [0, lr]"
+    )
+    check(t.warmup_steps >= 0, "train.warmup_steps must be >= 0")
+    check(0 < t.wsd_decay_fraction <= 1, "train.wsd_decay_fraction must be in (0, 1]")
+    check(t.clip_grad >= 0, "train.clip_grad must be >= 0 (0 disables clipping)")
+    check(t.train_steps >= 1, "train.train_steps must be at least 1")
+    check(t.keep_last >= 1, "train.keep_last must be at least 1")
+    check_fault_bounds(t, check)
+    for dotted, value in [
+        ("train.eval_interval", t.eval_interval),
+        ("train.save_interval", t.save_interval),
+        ("train.log_interval", t.log_interval),
+        ("train.max_nan_steps", t.max_nan_steps),
+    ]:
+        check(value >= 1, f"{dotted}={value} must be at least 1")
 
 
 def check_fault_bounds(t: TrainConfig, check) -> None:
@@ -496,10 +614,150 @@ def check_fault_bounds(t: TrainConfig, check) -> None:
     )
 
 
-def _transformer_engine_importable() -> bool:
-    import importlib.util
+def _check_data(d: DataConfig, check: _Checks) -> None:
+    """The blend's weights and the split string."""
+    if d.weights is not None:
+        check(
+            len(d.weights) == len(d.prefixes),
+            f"data.weights has {len(d.weights)} entries but data.prefixes has "
+            f"{len(d.prefixes)}; give one weight per prefix (or none)",
+        )
+        check(all(w > 0 for w in d.weights), "data.weights must all be positive")
+    split = d.split.split(",")
+    check(
+        len(split) == 3 and all(x.strip().replace(".", "", 1).isdigit() for x in split),
+        f"data.split={d.split!r} must be three numbers 'train,valid,test', e.g. '969,30,1'",
+    )
 
-    return importlib.util.find_spec("transformer_engine") is not None
+
+def _check_sizes(config: RunConfig, world_size: int | None, check: _Checks) -> None:
+    """Every count the later checks divide by is at least 1."""
+    m, p, t = config.model, config.parallel, config.train
+    for dotted, value in [
+        ("model.num_layers", m.num_layers),
+        ("model.hidden_size", m.hidden_size),
+        ("model.num_attention_heads", m.num_attention_heads),
+        ("model.seq_length", m.seq_length),
+        ("model.vocab_size", m.vocab_size),
+        ("parallel.tensor_parallel", p.tensor_parallel),
+        ("parallel.pipeline_parallel", p.pipeline_parallel),
+        ("train.micro_batch_size", t.micro_batch_size),
+        ("train.global_batch_size", t.global_batch_size),
+        ("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),
+        ("model.num_query_groups", 1 if m.num_query_groups is None else m.num_query_groups),
+        ("model.ffn_hidden_size", m.ffn_size),
+        ("parallel.world_size", p.world_size if p.world_size is not None else 1),
+        ("world size", world_size if world_size is not None else 1),
+    ]:
+        check(value >= 1, f"{dotted}={value} must be at least 1")
+
+
+def _check_model_shape(m: ModelConfig, tp: int, check: _Checks) -> None:
+    """Heads divide the width, query groups the heads, and tensor parallelism both."""
+    heads, kv_heads = m.num_attention_heads, m.kv_heads
+    check(
+        m.hidden_size % heads == 0,
+        f"model.hidden_size={m.hidden_size} is not divisible by "
+        f"model.num_attention_heads={heads}; pick a head count that divides it",
+    )
+    check(
+        heads % kv_heads == 0,
+        f"model.num_attention_heads={heads} is not a multiple of "
+        f"model.num_query_groups={kv_heads}; use a divisor of the head count",
+    )
+    check(
+        heads % tp == 0,
+        f"model.num_attention_heads={heads} is not divisible by parallel.tensor_parallel={tp}; "
+        "use a tensor-parallel size that divides the head count",
+    )
+    check(
+        kv_heads % tp == 0,
+        f"model.num_query_groups={kv_heads} is not divisible by parallel.tensor_parallel={tp}; "
+        "each tensor-parallel rank needs whole key/value heads",
+    )
+    check(
+        m.padded_vocab_size % tp == 0,
+        f"padded vocabulary {m.padded_vocab_size} is not divisible by "
+        f"parallel.tensor_parallel={tp}; raise model.make_vocab_size_divisible_by",
+    )
+    check(
+        0 <= m.hidden_dropout < 1 and 0 <= m.attention_dropout < 1,
+        "model.hidden_dropout and model.attention_dropout must be in [0, 1)",
+    )
+
+
+def _check_engine(t: TrainConfig, pp: int, check: _Checks) -> None:
+    """What each data-parallel engine takes."""
+    if pp > 1 and t.engine == "deepspeed":
+        check(
+            t.zero_stage == 1,
+            f"train.zero_stage={t.zero_stage} with parallel.pipeline_parallel={pp}: ZeRO-2/3 "
+            "reduce gradients inside each backward, which Megatron's pipeline schedule drives "
+            "itself; use train.zero_stage=1 with pipeline parallelism",
+        )
+    if t.engine == "megatron":
+        check(
+            t.precision in ("fp32", "bf16"),
+            f"train.precision={t.precision!r} with train.engine=megatron: Megatron's distributed "
+            "optimizer takes fp32 or bf16 parameters; use train.precision=fp32 or bf16 (or "
+            "train.engine=deepspeed for fp64 checks)",
+        )
+        check(
+            not t.offload_optimizer,
+            "train.offload_optimizer=true is DeepSpeed's optimizer offload; with "
+            "train.engine=megatron set it to false, or use train.engine=deepspeed",
+        )
+    check(
+        not t.overlap_grad_reduce or t.engine == "megatron",
+        "train.overlap_grad_reduce=true applies to train.engine=megatron only; set it to false",
+    )
+
+
+def _layers_per_chunk(config: RunConfig) -> int:
+    """The layers of each model chunk (per pipeline stage and virtual stage), 0 where the
+    layout is refused."""
+    p = config.parallel
+    chunks = p.pipeline_parallel * (p.virtual_pipeline or 1)
+    return config.model.num_layers // chunks if chunks else 0
+
+
+def _check_parallel_layout(config: RunConfig, check: _Checks) -> None:
+    """Pipeline, virtual pipeline and sequence parallelism against the model and backend."""
+    m, p, t = config.model, config.parallel, config.train
+    tp, pp = p.tensor_parallel, p.pipeline_parallel
+    if p.sequence_parallel:
+        check(
+            m.seq_length % tp == 0,
+            f"model.seq_length={m.seq_length} is not divisible by parallel.tensor_parallel={tp}, "
+            "which sequence parallelism needs; change one of them",
+        )
+    chunks = pp * (p.virtual_pipeline or 1)
+    check(
+        m.num_layers % chunks == 0,
+        f"model.num_layers={m.num_layers} is not divisible by parallel.pipeline_parallel={pp}"
+        + (f" x parallel.virtual_pipeline={p.virtual_pipeline}" if p.virtual_pipeline else "")
+        + "; change the layer count or the pipeline size",
+    )
+    if p.virtual_pipeline is not None:
+        check(
+            pp > 1 and p.virtual_pipeline >= 1,
+            "parallel.virtual_pipeline needs parallel.pipeline_parallel > 1 and a value >= 1",
+        )
+    check(
+        not p.sequence_parallel or tp > 1,
+        "parallel.sequence_parallel=true needs parallel.tensor_parallel > 1",
+    )
+    check(
+        not (
+            config.backend == "transformer_engine"
+            and p.sequence_parallel
+            and t.engine == "deepspeed"
+        ),
+        "backend=transformer_engine with parallel.sequence_parallel=true and "
+        "train.engine=deepspeed: Transformer Engine's norms leave the sum of their "
+        "sequence-parallel gradients to Megatron's finalize_model_grads, which only "
+        "train.engine=megatron runs; use train.engine=megatron, or backend=local",
+    )
 
 
 def _check_recompute(t: TrainConfig, layers_per_chunk: int, check) -> None:
@@ -531,202 +789,10 @@ def _check_recompute(t: TrainConfig, layers_per_chunk: int, check) -> None:
         )
 
 
-def validate(config: RunConfig, world_size: int | None = None) -> RunConfig:
-    """Refuse configs that cannot work; every message names the field and the fix.
-
-    ``world_size`` (or ``parallel.world_size``) enables the data-parallel checks.
-    """
-    errors: list[str] = []
-    m, a, p, t = config.model, config.attention, config.parallel, config.train
-
-    def check(ok: bool, message: str) -> None:
-        if not ok:
-            errors.append(message)
-
-    def choice(value: str, options: tuple[str, ...], dotted: str) -> None:
-        check(value in options, f"{dotted}={value!r} is unknown; choose one of {list(options)}")
-
-    errors.extend(unknown_names(config))  # the registry's one message for each
-    choice(a.position, COUPLING_POSITIONS, "attention.position")
-    choice(a.coupling_impl, COUPLING_IMPLS, "attention.coupling_impl")
-    choice(a.differential_kernel, DIFFERENTIAL_KERNEL_SETTINGS, "attention.differential_kernel")
-    choice(m.normalization, ("RMSNorm", "LayerNorm"), "model.normalization")
-    choice(m.position_embedding_type, POSITION_EMBEDDINGS, "model.position_embedding_type")
-    if m.family is not None:
-        choice(m.family, tuple(MODEL_FAMILIES), "model.family")
-        for key, value in MODEL_FAMILIES.get(m.family, {}).items():
-            check(
-                getattr(m, key) == value,
-                f"model.{key}={getattr(m, key)!r} contradicts model.family={m.family!r}, which "
-                f"has model.{key}={value!r}; drop the model.{key} override, or set "
-                "model.family=null to describe a custom architecture by its fields",
-            )
-    check(
-        not (a.position == "post_rope" and m.position_embedding_type != "rope"),
-        f"attention.position=post_rope needs RoPE, but model.position_embedding_type="
-        f"{m.position_embedding_type!r} has none (the coupling would run where pre_rope does); "
-        "use attention.position=pre_rope",
-    )
-    choice(t.precision, ("fp32", "bf16", "fp64"), "train.precision")
-    choice(config.backend, ("local", "transformer_engine"), "backend")
-    choice(t.lr_schedule, ("cosine", "wsd", "constant"), "train.lr_schedule")
-    choice(t.engine, ("deepspeed", "megatron"), "train.engine")
-    choice(t.recompute, RECOMPUTE, "train.recompute")
-    choice(t.recompute_method, RECOMPUTE_METHODS, "train.recompute_method")
-    choice(config.log.wandb_mode, ("offline", "online", "disabled"), "log.wandb_mode")
-    choice(config.log.progress_bar, ("auto", "on", "off"), "log.progress_bar")
-    check(t.zero_stage in (1, 2, 3), f"train.zero_stage={t.zero_stage} must be 1, 2 or 3")
-    check(
-        t.lr > 0 and 0 <= t.min_lr <= t.lr, "train.lr must be positive and train.min_lr in [0, lr]"
-    )
-    check(t.warmup_steps >= 0, "train.warmup_steps must be >= 0")
-    check(0 < t.wsd_decay_fraction <= 1, "train.wsd_decay_fraction must be in (0, 1]")
-    check(t.clip_grad >= 0, "train.clip_grad must be >= 0 (0 disables clipping)")
-    check(t.train_steps >= 1, "train.train_steps must be at least 1")
-    check(t.keep_last >= 1, "train.keep_last must be at least 1")
-    check_fault_bounds(t, check)
-    for dotted, value in [
-        ("train.eval_interval", t.eval_interval),
-        ("train.save_interval", t.save_interval),
-        ("train.log_interval", t.log_interval),
-        ("train.max_nan_steps", t.max_nan_steps),
-    ]:
-        check(value >= 1, f"{dotted}={value} must be at least 1")
-    d = config.data
-    if d.weights is not None:
-        check(
-            len(d.weights) == len(d.prefixes),
-            f"data.weights has {len(d.weights)} entries but data.prefixes has "
-            f"{len(d.prefixes)}; give one weight per prefix (or none)",
-        )
-        check(all(w > 0 for w in d.weights), "data.weights must all be positive")
-    split = d.split.split(",")
-    check(
-        len(split) == 3 and all(x.strip().replace(".", "", 1).isdigit() for x in split),
-        f"data.split={d.split!r} must be three numbers 'train,valid,test', e.g. '969,30,1'",
-    )
-
-    for dotted, value in [
-        ("model.num_layers", m.num_layers),
-        ("model.hidden_size", m.hidden_size),
-        ("model.num_attention_heads", m.num_attention_heads),
-        ("model.seq_length", m.seq_length),
-        ("model.vocab_size", m.vocab_size),
-        ("parallel.tensor_parallel", p.tensor_parallel),
-        ("parallel.pipeline_parallel", p.pipeline_parallel),
-        ("train.micro_batch_size", t.micro_batch_size),
-        ("train.global_batch_size", t.global_batch_size),
-        ("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),
-        ("model.num_query_groups", 1 if m.num_query_groups is None else m.num_query_groups),
-        ("model.ffn_hidden_size", m.ffn_size),
-        ("parallel.world_size", p.world_size if p.world_size is not None else 1),
-        ("world size", world_size if world_size is not None else 1),
-    ]:
-        check(value >= 1, f"{dotted}={value} must be at least 1")
-    if errors:
-        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
-
-    heads, kv_heads, tp, pp = (
-        m.num_attention_heads,
-        m.kv_heads,
-        p.tensor_parallel,
-        p.pipeline_parallel,
-    )
-    check(
-        m.hidden_size % heads == 0,
-        f"model.hidden_size={m.hidden_size} is not divisible by "
-        f"model.num_attention_heads={heads}; pick a head count that divides it",
-    )
-    check(
-        heads % kv_heads == 0,
-        f"model.num_attention_heads={heads} is not a multiple of "
-        f"model.num_query_groups={kv_heads}; use a divisor of the head count",
-    )
-    check(
-        heads % tp == 0,
-        f"model.num_attention_heads={heads} is not divisible by parallel.tensor_parallel={tp}; "
-        "use a tensor-parallel size that divides the head count",
-    )
-    check(
-        kv_heads % tp == 0,
-        f"model.num_query_groups={kv_heads} is not divisible by parallel.tensor_parallel={tp}; "
-        "each tensor-parallel rank needs whole key/value heads",
-    )
-    check(
-        m.padded_vocab_size % tp == 0,
-        f"padded vocabulary {m.padded_vocab_size} is not divisible by "
-        f"parallel.tensor_parallel={tp}; raise model.make_vocab_size_divisible_by",
-    )
-    check(
-        0 <= m.hidden_dropout < 1 and 0 <= m.attention_dropout < 1,
-        "model.hidden_dropout and model.attention_dropout must be in [0, 1)",
-    )
-    if pp > 1 and t.engine == "deepspeed":
-        check(
-            t.zero_stage == 1,
-            f"train.zero_stage={t.zero_stage} with parallel.pipeline_parallel={pp}: ZeRO-2/3 "
-            "reduce gradients inside each backward, which Megatron's pipeline schedule drives "
-            "itself; use train.zero_stage=1 with pipeline parallelism",
-        )
-    if t.engine == "megatron":
-        check(
-            t.precision in ("fp32", "bf16"),
-            f"train.precision={t.precision!r} with train.engine=megatron: Megatron's distributed "
-            "optimizer takes fp32 or bf16 parameters; use train.precision=fp32 or bf16 (or "
-            "train.engine=deepspeed for fp64 checks)",
-        )
-        check(
-            not t.offload_optimizer,
-            "train.offload_optimizer=true is DeepSpeed's optimizer offload; with "
-            "train.engine=megatron set it to false, or use train.engine=deepspeed",
-        )
-    check(
-        not t.overlap_grad_reduce or t.engine == "megatron",
-        "train.overlap_grad_reduce=true applies to train.engine=megatron only; set it to false",
-    )
-    check(
-        not (t.overlap_grad_reduce and pp > 1 and not _cuda_available()),
-        f"train.overlap_grad_reduce=true with parallel.pipeline_parallel={pp} hangs on CPU "
-        "(gloo); set train.overlap_grad_reduce=false on CPU",
-    )
-    if p.sequence_parallel:
-        check(
-            m.seq_length % tp == 0,
-            f"model.seq_length={m.seq_length} is not divisible by parallel.tensor_parallel={tp}, "
-            "which sequence parallelism needs; change one of them",
-        )
-    errors.extend(check_config(config))  # the chosen coupling's and scoring's own rules
-    layers_per_chunk = pp * (p.virtual_pipeline or 1)
-    check(
-        m.num_layers % layers_per_chunk == 0,
-        f"model.num_layers={m.num_layers} is not divisible by parallel.pipeline_parallel={pp}"
-        + (f" x parallel.virtual_pipeline={p.virtual_pipeline}" if p.virtual_pipeline else "")
-        + "; change the layer count or the pipeline size",
-    )
-    if p.virtual_pipeline is not None:
-        check(
-            pp > 1 and p.virtual_pipeline >= 1,
-            "parallel.virtual_pipeline needs parallel.pipeline_parallel > 1 and a value >= 1",
-        )
-    check(
-        not p.sequence_parallel or tp > 1,
-        "parallel.sequence_parallel=true needs parallel.tensor_parallel > 1",
-    )
-    _check_recompute(t, m.num_layers // layers_per_chunk if layers_per_chunk else 0, check)
-    if config.backend == "transformer_engine":
-        check(
-            _transformer_engine_importable(),
-            "backend=transformer_engine but Transformer Engine is not importable here; set "
-            "backend=local (every layout runs with it, sequence parallelism included) or "
-            "install transformer-engine[pytorch] built for this torch and CUDA",
-        )
-        check(
-            not (p.sequence_parallel and t.engine == "deepspeed"),
-            "backend=transformer_engine with parallel.sequence_parallel=true and "
-            "train.engine=deepspeed: Transformer Engine's norms leave the sum of their "
-            "sequence-parallel gradients to Megatron's finalize_model_grads, which only "
-            "train.engine=megatron runs; use train.engine=megatron, or backend=local",
-        )
+def _check_attention_options(config: RunConfig, check: _Checks) -> None:
+    """The chosen coupling's and scoring's own rules, then the integrator's options."""
+    m, a = config.model, config.attention
+    check.errors.extend(check_config(config))  # the registry's rules for the chosen pair
     low, high = INTEGRATOR_STEPS
     check(
         low <= a.steps <= high,
@@ -738,21 +804,79 @@ def validate(config: RunConfig, world_size: int | None = None) -> RunConfig:
     check(a.invertible_layers >= 1, "attention.invertible_layers must be at least 1")
     check(a.invertible_scale_bound > 0, "attention.invertible_scale_bound must be positive")
 
+
+def _check_world(config: RunConfig, world_size: int | None, check: _Checks) -> None:
+    """With a world size (given, or ``parallel.world_size``): the data-parallel split."""
+    p, t = config.parallel, config.train
+    tp, pp = p.tensor_parallel, p.pipeline_parallel
     world = world_size if world_size is not None else p.world_size
-    if world is not None:
+    if world is None:
+        return
+    check(
+        world % (tp * pp) == 0,
+        f"world size {world} is not divisible by parallel.tensor_parallel={tp} x "
+        f"parallel.pipeline_parallel={pp}; ask for a multiple of {tp * pp} processes",
+    )
+    if world % (tp * pp) == 0:
+        dp = world // (tp * pp)
         check(
-            world % (tp * pp) == 0,
-            f"world size {world} is not divisible by parallel.tensor_parallel={tp} x "
-            f"parallel.pipeline_parallel={pp}; ask for a multiple of {tp * pp} processes",
+            t.global_batch_size % (t.micro_batch_size * dp) == 0,
+            f"train.global_batch_size={t.global_batch_size} is not divisible by "
+            f"train.micro_batch_size={t.micro_batch_size} x data parallel {dp}; "
+            f"use a multiple of {t.micro_batch_size * dp}",
         )
-        if world % (tp * pp) == 0:
-            dp = world // (tp * pp)
-            check(
-                t.global_batch_size % (t.micro_batch_size * dp) == 0,
-                f"train.global_batch_size={t.global_batch_size} is not divisible by "
-                f"train.micro_batch_size={t.micro_batch_size} x data parallel {dp}; "
-                f"use a multiple of {t.micro_batch_size * dp}",
-            )
+
+
+def hardware_errors(config: RunConfig, hardware: Hardware) -> list[str]:
+    """What refuses ``config`` on a machine with these facts (a valid config otherwise)."""
+    check = _Checks()
+    p, t = config.parallel, config.train
+    pp = p.pipeline_parallel
+    check(
+        not (t.overlap_grad_reduce and pp > 1 and not hardware.cuda),
+        f"train.overlap_grad_reduce=true with parallel.pipeline_parallel={pp} hangs on CPU "
+        "(gloo); set train.overlap_grad_reduce=false on CPU",
+    )
+    if config.backend == "transformer_engine":
+        check(
+            hardware.transformer_engine,
+            "backend=transformer_engine but Transformer Engine is not importable here; set "
+            "backend=local (every layout runs with it, sequence parallelism included) or "
+            "install transformer-engine[pytorch] built for this torch and CUDA",
+        )
+    return check.errors
+
+
+def config_errors(
+    config: RunConfig, world_size: int | None = None, hardware: Hardware | None = None
+) -> list[str]:
+    """Every reason ``config`` cannot run on ``world_size`` ranks of a machine with
+    ``hardware``'s facts (default: this one's); empty if it can. Where a single field is
+    wrong, only those errors: the checks of combinations assume valid fields."""
+    check = _Checks()
+    _check_names(config, check)
+    _check_architecture(config.model, config.attention, check)
+    _check_training(config.train, check)
+    _check_data(config.data, check)
+    _check_sizes(config, world_size, check)
+    if check.errors:
+        return check.errors
+    _check_model_shape(config.model, config.parallel.tensor_parallel, check)
+    _check_engine(config.train, config.parallel.pipeline_parallel, check)
+    _check_parallel_layout(config, check)
+    _check_recompute(config.train, _layers_per_chunk(config), check)
+    _check_attention_options(config, check)
+    check.errors.extend(hardware_errors(config, hardware or ThisMachine()))
+    _check_world(config, world_size, check)
+    return check.errors
+
+
+def validate(config: RunConfig, world_size: int | None = None) -> RunConfig:
+    """Refuse configs that cannot work; every message names the field and the fix.
+
+    ``world_size`` (or ``parallel.world_size``) enables the data-parallel checks.
+    """
+    errors = config_errors(config, world_size)
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
     return config

@@ -16,7 +16,10 @@ from cqk_megatron.config import (
     ConfigError,
     ModelConfig,
     RunConfig,
+    StatedHardware,
     apply_overrides,
+    config_errors,
+    hardware_errors,
     load_config,
     load_yaml_dict,
     save_config,
@@ -689,6 +692,84 @@ def test_all_errors_are_reported_together():
         "parallel.sequence_parallel",
     )
     assert message.count("\n  - ") == 3
+
+
+def test_errors_of_every_section_are_listed_together():
+    # one wrong field in each section of the field checks: all named, none hidden
+    message = assert_invalid(
+        cfg(
+            "log.wandb_mode=loud",  # names
+            "model.family=llama",  # architecture: a field contradicts the family
+            "model.normalization=LayerNorm",
+            "train.lr=-1",  # training
+            "data.split=90,10",  # data
+            "model.num_layers=0",  # sizes
+        ),
+        "log.wandb_mode='loud'",
+        "model.normalization='LayerNorm' contradicts model.family='llama'",
+        "train.lr must be positive",
+        "data.split='90,10'",
+        "model.num_layers=0",
+    )
+    assert message.count("\n  - ") == 5
+    # and in each section of the combination checks, with stated hardware facts
+    errors = config_errors(
+        cfg(
+            "model.num_attention_heads=3",  # model shape
+            "train.engine=megatron",
+            "train.precision=fp64",  # engine
+            "train.overlap_grad_reduce=true",  # hardware (with PP on a machine without CUDA)
+            "parallel.pipeline_parallel=2",
+            "model.num_layers=3",  # layout
+            "attention.steps=9",  # attention options
+            "train.recompute_num_layers=2",  # recompute
+        ),
+        world_size=3,  # world: not a multiple of TP x PP = 2
+        hardware=StatedHardware(cuda=False),
+    )
+    for text in [
+        "model.hidden_size=128 is not divisible by model.num_attention_heads=3",
+        "train.precision='fp64' with train.engine=megatron",
+        "hangs on CPU",
+        "model.num_layers=3 is not divisible by parallel.pipeline_parallel=2",
+        "attention.steps=9",
+        "train.recompute_num_layers=2 applies to train.recompute=full only",
+        "world size 3 is not divisible",
+    ]:
+        assert sum(text in error for error in errors) == 1, (text, errors)
+    assert len(errors) == 7, errors
+
+
+def test_hardware_checks_take_the_machine_as_stated_facts():
+    # overlapping gradient reduction with pipeline parallelism needs CUDA (gloo hangs)
+    overlap = cfg(
+        "train.engine=megatron", "train.overlap_grad_reduce=true", "parallel.pipeline_parallel=2"
+    )
+    no_gpu, gpu = StatedHardware(cuda=False), StatedHardware(cuda=True)
+    (refusal,) = hardware_errors(overlap, no_gpu)
+    assert "train.overlap_grad_reduce=true with parallel.pipeline_parallel=2" in refusal
+    assert hardware_errors(overlap, gpu) == []
+    assert config_errors(overlap, 2, gpu) == []
+    assert config_errors(overlap, 2, no_gpu) == [refusal]
+    # the Transformer Engine backend needs it importable, whatever the GPU
+    te = cfg("backend=transformer_engine")
+    (refusal,) = hardware_errors(te, gpu)
+    assert "Transformer Engine is not importable" in refusal
+    assert hardware_errors(te, StatedHardware(cuda=True, transformer_engine=True)) == []
+    assert hardware_errors(cfg(), no_gpu) == []  # the default config needs neither
+
+
+def test_validate_reads_the_machine_only_where_a_check_needs_it(monkeypatch):
+    import cqk_megatron.config as config_module
+
+    def unread():
+        raise AssertionError("the machine was read for a config that does not depend on it")
+
+    monkeypatch.setattr(config_module, "_cuda_available", unread)
+    monkeypatch.setattr(config_module, "_transformer_engine_importable", unread)
+    validate(cfg("parallel.pipeline_parallel=2", "train.engine=megatron"), 2)
+    with pytest.raises(AssertionError, match="was read"):
+        validate(cfg("backend=transformer_engine"))
 
 
 def test_variant_property_names_non_preset_pairs():
