@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass, field
 
 from cqk_megatron.config import VARIANTS, ConfigError, RunConfig, load_config, validate
+from cqk_megatron.parallel_plan import ENGINE_SETTINGS, Layout, engine_name
 from cqk_megatron.perf.memory import (
     BYTES,
     ENGINES,
@@ -73,33 +74,6 @@ def normalize_engine(engine: str | int) -> str:
     if name not in ENGINES:
         raise ValueError(f"engine {engine!r} is unknown; choose one of {list(ENGINES)} or 0-3")
     return name
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    dp: int
-    engine: str = "distopt"
-    recompute: str = "none"
-    vp: int | None = None
-    sequence_parallel: bool = False
-    recompute_method: str = "uniform"  # train.recompute_method (full only)
-    recompute_num_layers: int | None = None  # train.recompute_num_layers (full only)
-
-    def describe(self) -> str:
-        vp = f" VP={self.vp}" if self.vp else ""
-        sp = " SP" if self.sequence_parallel else ""
-        return (
-            f"TP={self.tp} PP={self.pp}{vp} DP={self.dp}{sp} {self.engine} "
-            f"recompute={self.recompute_label()}"
-        )
-
-    def recompute_label(self) -> str:
-        if self.recompute != "full":
-            return self.recompute
-        unit = self.recompute_num_layers
-        return f"full/{self.recompute_method}" + (f"/{unit}" if unit else "")
 
 
 @dataclass
@@ -229,14 +203,6 @@ def plan_layout(
     return result
 
 
-ENGINE_SETTINGS = {
-    "zero1": {"engine": "deepspeed", "zero_stage": 1},
-    "zero2": {"engine": "deepspeed", "zero_stage": 2},
-    "zero3": {"engine": "deepspeed", "zero_stage": 3},
-    "distopt": {"engine": "megatron", "zero_stage": 1},
-}
-
-
 def default_global_batch(config: RunConfig, micro_batch: int, dp: int) -> int:
     """The config's global batch where ``micro_batch x dp`` divides it, else one
     micro-batch per data-parallel rank (the smallest that runs)."""
@@ -326,9 +292,9 @@ def runnable(
 def engine_of(config: RunConfig) -> str:
     """The planner's engine name for ``train.engine`` / ``train.zero_stage``."""
     t = config.train
-    if getattr(t, "engine", "deepspeed") == "megatron":
-        return "distopt"
-    return normalize_engine(getattr(t, "zero_stage", 1))
+    return normalize_engine(
+        engine_name(getattr(t, "engine", "deepspeed"), getattr(t, "zero_stage", 1))
+    )
 
 
 def enumerate_layouts(

@@ -58,6 +58,7 @@ from cqk_megatron.config import RunConfig, save_config
 from cqk_megatron.config_changes import changes, listed
 from cqk_megatron.device import device
 from cqk_megatron.model import load_sharded_state, sharded_state_dict
+from cqk_megatron.parallel_plan import Layout, engine_name
 from cqk_megatron.run_folder import CONFIG, is_no_space, no_space_error
 from cqk_megatron.training.collectives import barrier, gather_objects
 from cqk_megatron.training.engine import Engine
@@ -92,23 +93,14 @@ class TrainerState:
     tokens: int = 0
 
 
-@dataclass(frozen=True)
-class Layout:
-    tensor_parallel: int
-    pipeline_parallel: int
-    data_parallel: int
-    engine: str
-    zero_stage: int
-
-    @classmethod
-    def current(cls, config: RunConfig) -> Layout:
-        return cls(
-            ps.get_tensor_model_parallel_world_size(),
-            ps.get_pipeline_model_parallel_world_size(),
-            ps.get_data_parallel_world_size(),
-            config.train.engine,
-            config.train.zero_stage,
-        )
+def current_layout(config: RunConfig) -> Layout:
+    """The layout this process runs in, as a checkpoint records it."""
+    return Layout(
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_data_parallel_world_size(),
+        engine_name(config.train.engine, config.train.zero_stage),
+    )
 
 
 def _rng_state() -> dict:
@@ -214,7 +206,7 @@ def save(
     if rank == 0:
         try:
             save_config(config, staging / CONFIG)
-            layout = json.dumps(asdict(Layout.current(config)))
+            layout = json.dumps(current_layout(config).checkpoint_record())
             write_text_atomically(staging / "layout.json", layout)
             write_manifest(staging, state.step, config.train.checkpoint_hashes)
             if lease is not None:
@@ -273,8 +265,8 @@ def load_model_weights(folder: Path, model, config: RunConfig | None = None, fix
 
 
 def same_layout(folder: Path, config: RunConfig) -> bool:
-    saved = Layout(**json.loads((folder / "layout.json").read_text()))
-    return saved == Layout.current(config)
+    saved = Layout.from_checkpoint_record(json.loads((folder / "layout.json").read_text()))
+    return saved == current_layout(config)
 
 
 def load_trainer_state(folder: Path, rank: int = 0) -> tuple[TrainerState, dict]:
@@ -310,7 +302,7 @@ def save_weights(folder: Path, model, config: RunConfig) -> Path:
     if rank == 0:
         try:
             save_config(config, staging / CONFIG)
-            layout = json.dumps(asdict(Layout.current(config)))
+            layout = json.dumps(current_layout(config).checkpoint_record())
             write_text_atomically(staging / "layout.json", layout)
             write_manifest(staging, 0, config.train.checkpoint_hashes)
             if folder.exists():

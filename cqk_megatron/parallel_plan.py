@@ -1,0 +1,84 @@
+"""A run's parallel layout, torch-free: how its ranks split the model and who shards the
+optimizer. The planner (``perf/plan.py``) proposes layouts; a checkpoint records the one
+it was saved under (``layout.json``), so that a resume in the same layout loads it exactly.
+
+``engine`` names the data-parallel engine as the planner does: ``zero1``/``zero2``/``zero3``
+(DeepSpeed ZeRO, ``train.engine=deepspeed``), ``distopt`` (Megatron's distributed
+optimizer, ``train.engine=megatron``), ``ddp`` (plain data parallel: an estimate for the
+benchmark's own optimizer only; training has no such engine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The training engines as ``train.engine`` / ``train.zero_stage`` settings. Megatron's
+# distributed optimizer ignores train.zero_stage; it is written as 1 there.
+ENGINE_SETTINGS = {
+    "zero1": {"engine": "deepspeed", "zero_stage": 1},
+    "zero2": {"engine": "deepspeed", "zero_stage": 2},
+    "zero3": {"engine": "deepspeed", "zero_stage": 3},
+    "distopt": {"engine": "megatron", "zero_stage": 1},
+}
+
+
+def engine_name(train_engine: str, zero_stage: int) -> str:
+    """The layout's engine name for ``train.engine`` and ``train.zero_stage``."""
+    return "distopt" if train_engine == "megatron" else f"zero{zero_stage}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    engine: str = "distopt"
+    recompute: str = "none"
+    vp: int | None = None
+    sequence_parallel: bool = False
+    recompute_method: str = "uniform"  # train.recompute_method (full only)
+    recompute_num_layers: int | None = None  # train.recompute_num_layers (full only)
+
+    def describe(self) -> str:
+        vp = f" VP={self.vp}" if self.vp else ""
+        sp = " SP" if self.sequence_parallel else ""
+        return (
+            f"TP={self.tp} PP={self.pp}{vp} DP={self.dp}{sp} {self.engine} "
+            f"recompute={self.recompute_label()}"
+        )
+
+    def recompute_label(self) -> str:
+        if self.recompute != "full":
+            return self.recompute
+        unit = self.recompute_num_layers
+        return f"full/{self.recompute_method}" + (f"/{unit}" if unit else "")
+
+    # -- what a checkpoint records -------------------------------------------------------
+    # The sizes and the engine decide how the optimizer state is sharded, so whether a
+    # checkpoint loads exactly; the rest of the layout (recompute, VP, SP) does not. The
+    # keys are those of every layout.json written so far.
+
+    def sharding(self) -> Layout:
+        """This layout as a checkpoint records it: sizes and engine only."""
+        return Layout(self.tp, self.pp, self.dp, self.engine)
+
+    def checkpoint_record(self) -> dict:
+        """The ``layout.json`` of a checkpoint saved under this layout."""
+        settings = ENGINE_SETTINGS[self.engine]
+        return {
+            "tensor_parallel": self.tp,
+            "pipeline_parallel": self.pp,
+            "data_parallel": self.dp,
+            "engine": settings["engine"],
+            "zero_stage": settings["zero_stage"],
+        }
+
+    @classmethod
+    def from_checkpoint_record(cls, record: dict) -> Layout:
+        """The layout a ``layout.json`` names (``sharding()`` of the one it was saved in)."""
+        return cls(
+            record["tensor_parallel"],
+            record["pipeline_parallel"],
+            record["data_parallel"],
+            engine_name(record["engine"], record["zero_stage"]),
+        )
