@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import torch
+from _tiny import variant_overrides
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -19,7 +20,6 @@ from cqk_megatron.config import RunConfig, load_config
 from cqk_megatron.distributed import DistEnv, init_model_parallel, init_process_group
 from cqk_megatron.model import build_model
 from cqk_megatron.parallel_layout import global_name, load_full_state, local_shard
-from cqk_megatron.variants import pair
 
 SEED = 1234
 STEPS = 3
@@ -28,12 +28,10 @@ MICRO_BATCH_SIZE = 2
 
 
 def make_config(variant: str, tp: int, pp: int, overrides: list[str]) -> RunConfig:
-    coupling, scoring = pair(variant)  # a preset name or coupling+scoring
     return load_config(
         None,
         [
-            f"attention.coupling={coupling}",
-            f"attention.scoring={scoring}",
+            *variant_overrides(variant),  # a preset name or coupling+scoring
             f"parallel.tensor_parallel={tp}",
             f"parallel.pipeline_parallel={pp}",
             *overrides,

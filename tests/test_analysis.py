@@ -8,6 +8,7 @@ import math
 import struct
 import sys
 
+import _tiny
 import numpy as np
 import pandas as pd
 import pytest
@@ -202,21 +203,17 @@ COUPLINGS = {
 
 def tiny_config(name, variant, shape, seed, extra=()):
     layers, hidden, heads = SHAPES[shape]
-    coupling, scoring = COUPLINGS[variant]
-    return load_config(
-        None,
-        [
-            f"name={name}",
-            f"seed={seed}",
-            f"attention.coupling={coupling}",
-            f"attention.scoring={scoring}",
-            f"model.num_layers={layers}",
-            f"model.hidden_size={hidden}",
-            f"model.num_attention_heads={heads}",
-            "model.vocab_size=256",
-            "model.seq_length=64",
-            *extra,
-        ],
+    return _tiny.tiny_config(
+        "+".join(COUPLINGS[variant]),
+        f"name={name}",
+        f"seed={seed}",
+        *extra,
+        vocab=256,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=None,
+        seq=64,
     )
 
 

@@ -18,10 +18,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import _tiny
 import pytest
 import torch
 
-from cqk_megatron.config import VARIANTS, load_config, to_dict
+from cqk_megatron.config import VARIANTS, to_dict
 from cqk_megatron.convert import (
     ConversionError,
     export_checkpoint,
@@ -58,22 +59,15 @@ def single_process():
 
 
 def tiny_config(variant: str, kv_heads: int = HEADS, *overrides: str, vocab: int = VOCAB):
-    coupling, scoring = VARIANTS[variant]
-    return load_config(
-        None,
-        [
-            f"attention.coupling={coupling}",
-            f"attention.scoring={scoring}",
-            "attention.dt_init=0.5",
-            f"model.vocab_size={vocab}",
-            "model.num_layers=2",
-            "model.hidden_size=64",
-            f"model.num_attention_heads={HEADS}",
-            f"model.num_query_groups={kv_heads}",
-            "model.seq_length=32",
-            "train.precision=fp32",
-            *overrides,
-        ],
+    return _tiny.tiny_config(
+        variant,
+        "attention.dt_init=0.5",
+        *overrides,
+        vocab=vocab,
+        heads=HEADS,
+        kv_heads=kv_heads,
+        seq=32,
+        precision="fp32",
     )
 
 

@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _tiny import tiny_config
 from megatron.core.transformer.enums import AttnMaskType
 
 from cqk_megatron.attention import differential
@@ -26,7 +27,7 @@ from cqk_megatron.attention.differential import (
     paired_maps,
 )
 from cqk_megatron.attention.sdpa import sdpa_backend
-from cqk_megatron.config import COUPLINGS, ConfigError, load_config, validate
+from cqk_megatron.config import COUPLINGS, ConfigError, validate
 from cqk_megatron.coupling import DifferentialScoring
 from cqk_megatron.distributed import init_single_process
 from cqk_megatron.model import build_model
@@ -42,22 +43,16 @@ def single_process():
 
 
 def tiny(coupling: str, kv_heads: int, kernel: str, *overrides: str):
-    return load_config(
-        None,
-        [
-            f"attention.coupling={coupling}",
-            "attention.scoring=differential",
-            f"attention.differential_kernel={kernel}",
-            "attention.dt_init=0.5",
-            "model.vocab_size=128",
-            "model.num_layers=2",
-            f"model.hidden_size={HIDDEN}",
-            f"model.num_attention_heads={HEADS}",
-            f"model.num_query_groups={kv_heads}",
-            f"model.seq_length={SEQ}",
-            "train.precision=fp64",
-            *overrides,
-        ],
+    return tiny_config(
+        f"{coupling}+differential",
+        f"attention.differential_kernel={kernel}",
+        "attention.dt_init=0.5",
+        *overrides,
+        hidden=HIDDEN,
+        heads=HEADS,
+        kv_heads=kv_heads,
+        seq=SEQ,
+        precision="fp64",
     )
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tiny import tiny_config
 
 from cqk_megatron.attention import fast_coupling
 from cqk_megatron.attention.fast_coupling import fused_coupling, run_coupling
-from cqk_megatron.config import load_config
 from cqk_megatron.distributed import init_single_process
 from cqk_megatron.model import build_model
 from cqk_megatron.perf import bench
@@ -144,20 +144,13 @@ def test_unknown_impl_is_refused():
 
 
 def tiny(*overrides: str):
-    return load_config(
-        None,
-        [
-            "attention.coupling=hamiltonian",
-            "attention.steps=2",
-            "attention.dt_init=0.3",
-            "model.vocab_size=128",
-            "model.num_layers=2",
-            "model.hidden_size=64",
-            f"model.num_attention_heads={HEADS}",
-            "model.num_query_groups=4",
-            f"model.seq_length={SEQ}",
-            *overrides,
-        ],
+    return tiny_config(
+        "hamiltonian+standard",
+        "attention.steps=2",
+        "attention.dt_init=0.3",
+        *overrides,
+        heads=HEADS,
+        seq=SEQ,
     )
 
 

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from _tiny import tiny_config
 
 from cqk_megatron import cpu_bridge
 from cqk_megatron.attention import DifferentialCoreAttention, QKSelfAttention, SDPACoreAttention
@@ -41,21 +42,7 @@ def single_process():
 
 
 def tiny(coupling="none", scoring="standard", *overrides):
-    return load_config(
-        None,
-        [
-            f"attention.coupling={coupling}",
-            f"attention.scoring={scoring}",
-            "model.vocab_size=128",
-            "model.num_layers=2",
-            "model.hidden_size=64",
-            "model.num_attention_heads=8",
-            "model.num_query_groups=4",
-            f"model.seq_length={SEQ}",
-            "train.precision=fp64",
-            *overrides,
-        ],
-    )
+    return tiny_config(f"{coupling}+{scoring}", *overrides, seq=SEQ, precision="fp64")
 
 
 def build(config, seed=0):

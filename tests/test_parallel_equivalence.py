@@ -14,16 +14,11 @@ import json
 import pytest
 from _equivalence import worker
 from _multiproc import run_ranks
+from _tiny import tiny_shape
 
 from cqk_megatron.config import VARIANTS
 
-TINY = [
-    "model.vocab_size=256",
-    "model.num_layers=4",
-    "model.hidden_size=64",
-    "model.seq_length=16",
-    "train.precision=fp64",
-]
+TINY = tiny_shape(vocab=256, layers=4, heads=None, kv_heads=None, seq=16, precision="fp64")
 GQA = [*TINY, "model.num_attention_heads=8", "model.num_query_groups=4"]
 MHA = [*TINY, "model.num_attention_heads=8"]
 TOLERANCE = {"loss": 1e-6, "grad": 1e-5, "param": 1e-5}

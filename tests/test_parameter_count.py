@@ -11,21 +11,15 @@ import subprocess
 import sys
 import textwrap
 
+import _tiny
 import pytest
 import torch
 
 from cqk_megatron.config import CONFIGS_DIR, VARIANTS, family_overrides, load_config
 from cqk_megatron.distributed import init_single_process
 from cqk_megatron.model import build_model, count_parameters
-from cqk_megatron.variants import pair
 
-TINY = [
-    "model.vocab_size=100",
-    "model.num_layers=2",
-    "model.hidden_size=64",
-    "model.num_attention_heads=4",
-    "model.seq_length=32",
-]
+TINY = {"vocab": 100, "heads": 4, "kv_heads": None, "seq": 32}
 # (name, overrides): GQA with tied embeddings on the default (Llama-style) model, for every
 # variant; the GPT-2 family (LayerNorm, biases, learned positions, GELU) for two of them
 SHAPES = {"llama-gqa-tied": ["model.num_query_groups=2", "model.tie_embeddings=true"]}
@@ -36,8 +30,7 @@ LADDER_MODEL = CONFIGS_DIR / "models" / "60m.yaml"
 
 
 def tiny_overrides(variant: str, shape: str) -> list[str]:
-    coupling, scoring = pair(variant)
-    return [*TINY, *SHAPES[shape], f"attention.coupling={coupling}", f"attention.scoring={scoring}"]
+    return [*_tiny.tiny_overrides(variant, **TINY), *SHAPES[shape]]
 
 
 COUNT_IN_A_FRESH_PROCESS = """

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from _multiproc import run_ranks
+from _tiny import tiny_config
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from cqk_megatron.attention.fast_coupling import run_coupling
@@ -52,21 +53,7 @@ def single_process():
 
 
 def tiny(variant: str, *overrides: str, kv_groups: int = 4):
-    coupling, scoring = VARIANTS[variant]
-    return load_config(
-        None,
-        [
-            f"attention.coupling={coupling}",
-            f"attention.scoring={scoring}",
-            f"model.vocab_size={VOCAB}",
-            "model.num_layers=2",
-            "model.hidden_size=64",
-            "model.num_attention_heads=8",
-            f"model.num_query_groups={kv_groups}",
-            f"model.seq_length={SEQ}",
-            *overrides,
-        ],
-    )
+    return tiny_config(variant, *overrides, vocab=VOCAB, kv_heads=kv_groups, seq=SEQ)
 
 
 def batch(seq: int = SEQ):

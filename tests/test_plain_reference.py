@@ -18,8 +18,9 @@ import itertools
 
 import pytest
 import torch
+from _tiny import tiny_config
 
-from cqk_megatron.config import load_config, validate
+from cqk_megatron.config import validate
 from cqk_megatron.eval.mqar_models import (
     build_megatron,
     plain_config_for,
@@ -35,22 +36,18 @@ VOCAB, SEQ, BATCH = 64, 12, 3
 
 def make_config(coupling: str, position: str, family: str, kv_heads: int, steps: int = 1):
     return validate(
-        load_config(
-            None,
-            [
-                f"attention.coupling={coupling}",
-                f"attention.position={position}",
-                f"attention.steps={steps}",
-                f"model.family={family}",
-                f"model.vocab_size={VOCAB}",
-                "model.make_vocab_size_divisible_by=8",
-                "model.num_layers=2",
-                "model.hidden_size=32",
-                "model.num_attention_heads=4",
-                f"model.num_query_groups={kv_heads}",
-                f"model.seq_length={SEQ}",
-                "train.precision=fp64",
-            ],
+        tiny_config(
+            f"{coupling}+standard",
+            f"attention.position={position}",
+            f"attention.steps={steps}",
+            f"model.family={family}",
+            "model.make_vocab_size_divisible_by=8",
+            vocab=VOCAB,
+            hidden=32,
+            heads=4,
+            kv_heads=kv_heads,
+            seq=SEQ,
+            precision="fp64",
         )
     )
 
