@@ -4,6 +4,10 @@ checkpoint's, and the ``layout.json`` that every checkpoint written so far carri
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +67,17 @@ def test_same_layout_reads_an_old_checkpoints_layout_json(tmp_path):
         old.replace('"data_parallel": 1', '"data_parallel": 2') + '"deepspeed", "zero_stage": 1}'
     )
     assert not checkpoint.same_layout(tmp_path, load_config(None, []))
+
+
+def test_the_layout_and_the_config_checks_import_no_torch():
+    code = (
+        "import sys\n"
+        "import cqk_megatron.parallel_plan, cqk_megatron.config as c\n"
+        "c.validate(c.load_config(None, ['parallel.pipeline_parallel=2']), 2)\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
