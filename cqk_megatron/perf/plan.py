@@ -580,19 +580,16 @@ def load_plan_config(path: str, variant: str | None, overrides: list[str]) -> Ru
 
 
 def _check_against_built_model(config: RunConfig) -> None:
-    """Build the model on the meta device (seconds, no memory) and compare the totals."""
-    from cqk_megatron.params import count_variant_parameters
+    """Build the model on the meta device (seconds, no memory) and compare the totals
+    (``cqk-params``' check)."""
+    from cqk_megatron.params import built_differences
 
     variant = config.attention.variant
     if variant not in VARIANTS:
         return
-    built = count_variant_parameters(config, variant)
-    formula = total_parameters(config)
-    if built != formula:
-        print(
-            f"warning: the planner counts {formula:,} parameters but the built model has "
-            f"{built:,}; per-rank memory below is off by that difference (please report)"
-        )
+    row = {"variant": variant, "parameters": total_parameters(config)}
+    for line in built_differences(config, [row]):
+        print(f"{line}; per-rank memory below is off by that difference")
 
 
 def main(argv: list[str] | None = None) -> int:

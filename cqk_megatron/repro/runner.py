@@ -2,9 +2,11 @@
 (``launch.api.submit_local``: the path of ``launch/submit.py --cluster local``).
 
 A run that is finished (the run contract's ``run_status``: its ``metrics.jsonl`` holds a
-summary line) is done and skipped; one with
-checkpoints resumes from the newest complete one (the training command does that by
-itself). A run folder made with other settings (another budget, preset or override) is
+summary line) is done and skipped; one with checkpoints resumes from the newest complete
+one (the launcher's job does that by itself). The job is not requeued and a failed attempt
+not relaunched (``max_requeues=0``, ``max_restarts=0``, as when repro ran the training
+command itself): a stop with a checkpoint (exit 75) or a failure ends the command, and
+running it again resumes. A run folder made with other settings (another budget, preset or override) is
 refused rather than resumed into a different schedule.
 """
 
@@ -89,6 +91,8 @@ def train_run(run: PlannedRun, plan: Plan, echo: bool, time_limit: str = TIME_LI
     from launch.api import default_cpus_per_task, submit_local, wait_local
 
     env = {"PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore")}
+    if "OMP_NUM_THREADS" in os.environ:  # as the training process had it here before
+        env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
     run.run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run.run_dir / TRAIN_LOG
     with open(log_path, "a", encoding="utf-8") as log:
