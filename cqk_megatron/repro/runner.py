@@ -6,8 +6,8 @@ summary line) is done and skipped; one with checkpoints resumes from the newest 
 one (the launcher's job does that by itself). The job is not requeued and a failed attempt
 not relaunched (``max_requeues=0``, ``max_restarts=0``, as when repro ran the training
 command itself): a stop with a checkpoint (exit 75) or a failure ends the command, and
-running it again resumes. A run folder made with other settings (another budget, preset or override) is
-refused rather than resumed into a different schedule.
+running it again resumes. A run folder made with other settings (another budget, preset or
+override) is refused rather than resumed into a different schedule.
 """
 
 from __future__ import annotations
