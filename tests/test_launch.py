@@ -750,3 +750,22 @@ def test_the_launcher_wait_ends_when_a_local_job_exits_and_lasts_poll_s_on_slurm
         progress.pending = {"a": (None, Job(exits_at=1.0)), "b": (None, Job(exits_at=60.0))}
         progress.pause()
         assert low - 1e-6 <= clock[0] <= high + 1e-6, (cluster, clock[0])
+
+
+def test_a_sigterm_during_start_up_reaches_the_training_loop_once_it_listens():
+    """submitit drops a SIGTERM ("Bypassing signal SIGTERM"): one that comes before the
+    training loop has its handler (a cancel during start-up) is kept and sent again."""
+    from launch.job import keep_early_sigterm
+
+    previous = signal.getsignal(signal.SIGTERM)
+    got: list[int] = []
+    try:
+        keep_early_sigterm(check_s=0.01)
+        os.kill(os.getpid(), signal.SIGTERM)  # start-up: kept (this process goes on)
+        signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))  # the loop's
+        deadline = time.monotonic() + 30
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert got == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
