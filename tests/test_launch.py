@@ -256,14 +256,19 @@ def finish_submit(root: Path, name: str, process: subprocess.Popen) -> tuple[int
     except subprocess.TimeoutExpired:
         pass
     finally:
-        if process.poll() is None:
-            _kill_session(process.pid)
-            process.wait()
-            for started in events(root / name, "submitted"):  # the job's own session
-                _kill_session(int(started["job_id"]))
+        end_launcher(root, name, process)
     output = (root / f"{name}.log").read_text()
     assert process.returncode is not None and process.returncode >= 0, output[-3000:]
     return process.returncode, output
+
+
+def end_launcher(root: Path, name: str, process: subprocess.Popen) -> None:
+    """Kill a launcher still running, and its local jobs (each in a session of its own)."""
+    if process.poll() is None:
+        _kill_session(process.pid)
+        process.wait()
+        for started in events(root / name, "submitted"):
+            _kill_session(int(started["job_id"]))
 
 
 def _kill_session(pid: int) -> None:
@@ -280,8 +285,7 @@ def local_requeued(root):
     other. Yields the launcher's process; killed with its job if it outlives the module."""
     process = start_submit(root, "local-requeued", *LOCAL_REQUEUED)
     yield process
-    if process.poll() is None:
-        finish_submit(root, "local-requeued", process)
+    end_launcher(root, "local-requeued", process)  # its test did not run (or failed first)
 
 
 @pytest.fixture(scope="module")
