@@ -53,10 +53,11 @@ import torch
 
 from cqk_megatron.atomic import write_text_atomically
 from cqk_megatron.attention.fast_coupling import RUN_IMPLS
-from cqk_megatron.config import VARIANTS, ConfigError, RunConfig, load_config, validate
+from cqk_megatron.config import VARIANTS, ConfigError, RunConfig, load_config
 from cqk_megatron.perf.flops import flops_breakdown, flops_per_token, mfu, peak_flops
 from cqk_megatron.perf.measure import saved_activation_bytes
 from cqk_megatron.perf.memory import activation_estimate
+from cqk_megatron.planner.runs import plan_config
 from cqk_megatron.variants import DIFFERENTIAL_KERNELS, pair
 
 # Small enough for a 2-core CPU, with the real models' head_dim of 64.
@@ -105,10 +106,10 @@ def split_variant(variant: str) -> tuple[str, list[str]]:
 
 
 def variant_of(config: RunConfig, variant: str) -> RunConfig:
-    """``config`` with ``variant``'s (coupling, scoring) and tags, on one process."""
+    """``config`` with ``variant``'s (coupling, scoring) and tags, on one process, planned
+    and validated by the planner (``planner.runs.plan_config``)."""
     name, tags = split_variant(variant)
-    coupling, scoring = pair(name)
-    attention = dataclasses.replace(config.attention, coupling=coupling, scoring=scoring)
+    attention = config.attention
     for impl in ("eager", "compiled"):
         if impl in tags:
             attention = dataclasses.replace(attention, coupling_impl=impl)
@@ -117,11 +118,8 @@ def variant_of(config: RunConfig, variant: str) -> RunConfig:
     for kernel in KERNEL_TAGS:
         if kernel in tags:
             attention = dataclasses.replace(attention, differential_kernel=kernel)
-    parallel = dataclasses.replace(
-        config.parallel, tensor_parallel=1, pipeline_parallel=1, virtual_pipeline=None
-    )
-    parallel = dataclasses.replace(parallel, sequence_parallel=False, world_size=1)
-    config = validate(dataclasses.replace(config, attention=attention, parallel=parallel))
+    config = dataclasses.replace(config, attention=attention)
+    config = plan_config(config, name, single_process=True)
     if "reference" in tags:  # not a config choice, hence set past validation
         attention = dataclasses.replace(config.attention, coupling_impl="reference")
         config = dataclasses.replace(config, attention=attention)

@@ -39,6 +39,7 @@ from cqk_megatron.perf.memory import (
     stage_parameters,
     total_parameters,
 )
+from cqk_megatron.planner.runs import variant_overrides
 
 GIB = 2**30
 # CUDA context, NCCL buffers and allocator fragmentation: memory no estimate here covers.
@@ -569,20 +570,26 @@ def format_overrides(
     return "\n".join(lines)
 
 
+def load_plan_config(path: str, variant: str | None, overrides: list[str]) -> RunConfig:
+    """The model file with ``overrides`` and, if given, ``variant``'s attention, set by the
+    experiment planner (``planner.runs.variant_overrides``, last). Not validated here:
+    each layout is validated as the training config it stands for."""
+    if variant is not None:
+        overrides = [*overrides, *variant_overrides(variant)]
+    return load_config(path, overrides)
+
+
 def _check_against_built_model(config: RunConfig) -> None:
-    """Build the model on the meta device (seconds, no memory) and compare the totals."""
-    from cqk_megatron.params import count_variant_parameters
+    """Build the model on the meta device (seconds, no memory) and compare the totals
+    (``cqk-params``' check)."""
+    from cqk_megatron.params import built_differences
 
     variant = config.attention.variant
     if variant not in VARIANTS:
         return
-    built = count_variant_parameters(config, variant)
-    formula = total_parameters(config)
-    if built != formula:
-        print(
-            f"warning: the planner counts {formula:,} parameters but the built model has "
-            f"{built:,}; per-rank memory below is off by that difference (please report)"
-        )
+    row = {"variant": variant, "parameters": total_parameters(config)}
+    for line in built_differences(config, [row]):
+        print(f"{line}; per-rank memory below is off by that difference")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -646,10 +653,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.variant is not None:
         if args.variant not in VARIANTS:
             parser.error(f"--variant {args.variant!r} is unknown; choose from {list(VARIANTS)}")
-        coupling, scoring = VARIANTS[args.variant]
-        overrides += [f"attention.coupling={coupling}", f"attention.scoring={scoring}"]
     try:
-        config = load_config(args.config, overrides)
+        config = load_plan_config(args.config, args.variant, overrides)
         gpu_mem, reserve = parse_bytes(args.gpu_mem), parse_bytes(args.reserve)
         engines = TRAINING_ENGINES if args.zero == "all" else (normalize_engine(args.zero),)
     except (ConfigError, ValueError) as error:

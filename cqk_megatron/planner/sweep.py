@@ -10,15 +10,15 @@
     #   "pending": []}, ...]
 
 The schema is documented at the top of ``configs/sweeps/ladder.yaml``. Every run is
-loaded with ``load_config(config, overrides)`` and checked with ``validate(config,
-world_size=nodes * gpus_per_node)`` here, so an impossible layout fails before anything
-is submitted. Run names are deterministic: ``{name}-{size}-{variant}[-t{tokens per
-param}]-s{seed}`` (the budget part only when a size has several budgets). A variant is
-a preset of the registry (``variants.VARIANTS``): its coupling and scoring become the
-``attention.coupling`` / ``attention.scoring`` overrides, so a preset registered from
-code needs no file under ``configs/variants/``. A size's token budget in tokens per
-parameter is read against its standard-attention model, counted without building it
-(``planner.parameters``).
+planned by ``planner.runs.plan_config`` (the config file with the run's overrides, checked
+by ``validate`` on ``world_size=nodes * gpus_per_node``) here, so an impossible layout
+fails before anything is submitted. Run names are deterministic: ``{name}-{size}-{variant}
+[-t{tokens per param}]-s{seed}`` (the budget part only when a size has several budgets).
+A variant is a preset of the registry (``variants.VARIANTS``): its coupling and scoring
+become the ``attention.coupling`` / ``attention.scoring`` overrides
+(``planner.runs.variant_overrides``), so a preset registered from code needs no file under
+``configs/variants/``. A size's token budget in tokens per parameter is read against its
+standard-attention model, counted without building it (``planner.parameters``).
 
 Training-schedule values (learning rate, steps, warmup, evaluation interval) go into
 the overrides under ``SCHEDULE_FIELDS``; a field that ``TrainConfig`` lacks (renamed in
@@ -41,10 +41,9 @@ from cqk_megatron.config import (
     ConfigError,
     RunConfig,
     load_config,
-    validate,
 )
 from cqk_megatron.planner.parameters import count_parameters
-from cqk_megatron.variants import pair
+from cqk_megatron.planner.runs import plan_config, run_overrides
 
 # schedule key -> config field that the training engine reads
 SCHEDULE_FIELDS = {
@@ -225,15 +224,10 @@ def _make_run(
     world_size,
     tokens_per_step,
 ) -> dict:
-    coupling, scoring = pair(variant)  # the registry's preset, not configs/variants/*.yaml
-    overrides = [f"name={name}", f"seed={seed}"]
-    overrides += [
-        _override("attention.coupling", coupling),
-        _override("attention.scoring", scoring),
-    ]
-    overrides += [_override(k, v) for k, v in common.items()]
-    overrides += size_overrides
-    overrides += [
+    # the registry's preset (not configs/variants/*.yaml), through the planner
+    rest = [_override(k, v) for k, v in common.items()]
+    rest += size_overrides
+    rest += [
         f"parallel.tensor_parallel={layout['tensor_parallel']}",
         f"parallel.pipeline_parallel={layout['pipeline_parallel']}",
         f"train.global_batch_size={spec['global_batch_size']}",
@@ -242,13 +236,16 @@ def _make_run(
     pending = []
     for key, dotted in SCHEDULE_FIELDS.items():
         if _has_field(dotted):
-            overrides.append(_override(dotted, schedule[key]))
+            rest.append(_override(dotted, schedule[key]))
         else:
             pending.append(dotted)
     try:
-        validate(load_config(model_path, overrides), world_size=world_size)
+        plan_config(
+            model_path, variant, name=name, seed=seed, overrides=rest, world_size=world_size
+        )
     except ConfigError as error:
         raise _fail(path, f"run '{name}' (world size {world_size}): {error}") from error
+    overrides = run_overrides(variant, name, seed, rest)
     tp, pp = layout["tensor_parallel"], layout["pipeline_parallel"]
     resources = {
         **(spec.get("resources") or {}),

@@ -5,7 +5,8 @@
         --tokens 80M --variants standard,hamiltonian [--seeds 0,1] [train.lr=8e-4 ...]
     python -m cqk_megatron.repro --preset cpu-tiny --family gpt2   # the GPT-2 model family
 
-Trains every variant x seed one after the other with the same data order, schedule and
+Trains every variant x seed one after the other, each as a local job of the launcher
+(the path of ``launch/submit.py --cluster local``), with the same data order, schedule and
 token budget, then writes ``OUT/comparison.md`` (+ ``.csv``, ``.json``) and
 ``OUT/loss_vs_tokens.png``. Run it again after an interruption: finished runs are
 skipped, a half-finished one resumes from its last checkpoint.
@@ -71,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", help="output folder (default: runs/repro/PRESET)")
     parser.add_argument("--nproc", type=int, default=1, help="processes per run (default 1)")
     parser.add_argument("--quiet", action="store_true", help="training output to logs only")
+    parser.add_argument(
+        "--time",
+        default=None,
+        help="time limit of each run's job, Slurm syntax (default 3-00:00:00): the run then "
+        "stops with a checkpoint, and the same command resumes it",
+    )
     parser.add_argument("overrides", nargs="*", help="section.key=value for every run")
     return parser
 
@@ -84,7 +91,7 @@ def _cuda() -> bool:
 def run(argv: list[str] | None = None) -> int:
     from cqk_megatron.repro.data import CorpusOptions, resolve_data
     from cqk_megatron.repro.plan import build_plan, check_overrides
-    from cqk_megatron.repro.runner import check_same_settings, status, train_run
+    from cqk_megatron.repro.runner import TIME_LIMIT, check_same_settings, status, train_run
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -93,6 +100,8 @@ def run(argv: list[str] | None = None) -> int:
     seeds = parse_seeds(args.seeds, preset)
     tokens = parse_tokens(args.tokens, preset)
     check_overrides(args.overrides)  # before any data is built
+    if args.time is not None:
+        _check_time(args.time)
     suffix = f"-{args.family}" if args.family else ""
     out = Path(args.out or f"runs/repro/{preset.name}{suffix}").expanduser().resolve()
     cuda = _cuda()
@@ -124,7 +133,7 @@ def run(argv: list[str] | None = None) -> int:
             continue
         verb = "resuming from its last checkpoint" if state == "resume" else "training"
         print(f"{where}: {verb} -> {planned.run_dir}", flush=True)
-        train_run(planned, plan, echo=not args.quiet)
+        train_run(planned, plan, echo=not args.quiet, time_limit=args.time or TIME_LIMIT)
 
     from cqk_megatron.repro.table import variants_markdown, write_comparison
 
@@ -144,6 +153,16 @@ def run(argv: list[str] | None = None) -> int:
         f"  data             {data.prefix} (tokenizer {data.tokenizer})"
     )
     return 0
+
+
+def _check_time(value: str) -> None:
+    from cqk_megatron.config import ConfigError
+    from launch.resources import time_minutes
+
+    try:
+        time_minutes(value, "--time")
+    except ConfigError as error:
+        raise ReproError(str(error)) from error
 
 
 def _check_data(runs) -> None:

@@ -16,13 +16,12 @@ from pathlib import Path
 
 from cqk_megatron.config import (
     MODEL_FAMILIES,
-    VARIANTS,
     ConfigError,
     RunConfig,
     family_overrides,
     load_config,
-    validate,
 )
+from cqk_megatron.planner.runs import plan_config
 from cqk_megatron.repro.data import DataChoice
 from cqk_megatron.repro.presets import Preset, ReproError
 
@@ -150,22 +149,23 @@ def build_plan(
     runs = []
     for seed in seeds:
         for variant in variants:
-            coupling, scoring = VARIANTS[variant]
             name = f"{preset.name}-{family + '-' if family else ''}{variant}-s{seed}"
             fixed = [
-                f"name={name}",
-                f"seed={seed}",
-                f"attention.coupling={coupling}",
-                f"attention.scoring={scoring}",
                 f"data.prefixes={json.dumps([str(data.prefix)])}",
                 f"data.tokenizer={json.dumps(str(data.tokenizer))}",
                 f"train.train_steps={steps}",
                 f"log.root={json.dumps(str(out / 'runs'))}",
             ]
             chosen = [f"{k}={v}" for k, v in derived.items() if k not in user_keys]
-            config = _load(preset, [*fixed, *chosen, *overrides])
             try:
-                validate(config, world_size=nproc)
+                config = plan_config(
+                    preset.config,
+                    variant,
+                    name=name,
+                    seed=seed,
+                    overrides=[*fixed, *chosen, *overrides],
+                    world_size=nproc,
+                )
             except ConfigError as error:
                 raise ReproError(f"run {name}: {error}") from error
             runs.append(PlannedRun(name, variant, seed, config))

@@ -1,28 +1,27 @@
-"""Train the planned runs one after the other, each in its own process(es).
+"""Train the planned runs one after the other, each as a local job of the launcher
+(``launch.api.submit_local``: the path of ``launch/submit.py --cluster local``).
 
 A run that is finished (the run contract's ``run_status``: its ``metrics.jsonl`` holds a
-summary line) is done and skipped; one with
-checkpoints resumes from the newest complete one (the training command does that by
-itself). A run folder made with other settings (another budget, preset or override) is
-refused rather than resumed into a different schedule.
+summary line) is done and skipped; one with checkpoints resumes from the newest complete
+one (the launcher's job does that by itself). The job is not requeued and a failed attempt
+not relaunched (``max_requeues=0``, ``max_restarts=0``, as when repro ran the training
+command itself): a stop with a checkpoint (exit 75) or a failure ends the command, and
+running it again resumes. A run folder made with other settings (another budget, preset or
+override) is refused rather than resumed into a different schedule.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
-import yaml
-
-from cqk_megatron.atomic import write_text_atomically
-from cqk_megatron.config import load_config, to_dict
+from cqk_megatron.config import ConfigError, load_config, to_dict
 from cqk_megatron.exit_codes import EXIT_REQUEUE
-from cqk_megatron.ports import free_port
 from cqk_megatron.repro.plan import Plan, PlannedRun
 from cqk_megatron.repro.presets import ReproError
 from cqk_megatron.run_folder import CHECKPOINTS, CONFIG, run_status
+
+TRAIN_LOG = "train.log"  # rank 0's output, copied from the job's submitit logs
+TIME_LIMIT = "3-00:00:00"  # a run's job time limit: it then stops with a checkpoint
 
 # Keys that may change between the first attempt and a resume without changing the run.
 RESUME_NEUTRAL = {
@@ -84,65 +83,54 @@ def check_same_settings(run: PlannedRun) -> None:
         )
 
 
-def write_config(run: PlannedRun, folder: Path) -> Path:
-    """The resolved config the training process reads (written atomically)."""
-    path = folder / f"{run.name}.yaml"
-    write_text_atomically(path, yaml.safe_dump(to_dict(run.config), sort_keys=False))
-    return path
+def train_run(run: PlannedRun, plan: Plan, echo: bool, time_limit: str = TIME_LIMIT) -> None:
+    """Train (or resume) one run as a local job of the launcher (``launch.api``, the path
+    of ``launch/submit.py --cluster local``); rank 0's output goes to ``RUN/train.log``
+    and, if ``echo``, here. A stop with a checkpoint (exit 75, ``EXIT_REQUEUE``) raises
+    ``RunStopped``; a failure ``ReproError`` naming the log."""
+    from launch.api import default_cpus_per_task, submit_local, wait_local
 
-
-def train_command(config_path: Path, nproc: int) -> list[str]:
-    if nproc == 1:  # a world of one: no launcher, no rendezvous port
-        return [sys.executable, "-m", "cqk_megatron.train", "--config", str(config_path)]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "cqk_megatron.train",
-        "--config",
-        str(config_path),
-    ]
-
-
-def train_run(run: PlannedRun, plan: Plan, echo: bool) -> None:
-    """Train (or resume) one run; its output goes to ``RUN/train.log`` and, if ``echo``, here."""
-    config_path = write_config(run, plan.out / "configs")
-    command = train_command(config_path, plan.nproc)
-    env = dict(os.environ)
-    if not plan.cuda:
-        env.setdefault("DS_ACCELERATOR", "cpu")
-    env.setdefault("PYTHONWARNINGS", "ignore")
+    env = {"PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore")}
+    if "OMP_NUM_THREADS" in os.environ:  # as the training process had it here before
+        env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
     run.run_dir.mkdir(parents=True, exist_ok=True)
-    log_path = run.run_dir / "train.log"
+    log_path = run.run_dir / TRAIN_LOG
     with open(log_path, "a", encoding="utf-8") as log:
-        log.write(f"$ {' '.join(command)}\n")
-        log.flush()
-        process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
-        assert process.stdout is not None
-        for line in process.stdout:
-            log.write(line)
+
+        def line(text: str) -> None:
+            log.write(text)
             log.flush()
             if echo:
-                print(f"  [{run.name}] {line}", end="", flush=True)
-        code = process.wait()
-    if code == EXIT_REQUEUE:
+                print(f"  [{run.name}] {text}", end="", flush=True)
+
+        try:
+            submission = submit_local(
+                run.config,
+                plan.nproc,
+                gpus=plan.cuda,
+                time_limit=time_limit,
+                cpus_per_task=None if plan.cuda else default_cpus_per_task(plan.nproc),
+                env=env,
+                argv=["python", "-m", "cqk_megatron.repro", f"(run {run.name})"],
+            )
+        except ConfigError as error:
+            raise ReproError(f"run {run.name}: {error}") from error
+        out, err = submission.task_logs(0)
+        log.write(f"$ local job {submission.job.job_id}: rank 0's output ({out}, {err})\n")
+        log.flush()
+        try:
+            state, code = wait_local(submission, on_line=line)
+        except TimeoutError as error:
+            raise RunStopped(f"{error}; run the same command again to resume it") from error
+    if state == "finished":
+        return
+    if state == "stopped" and code == EXIT_REQUEUE:
         raise RunStopped(
             f"run {run.name} stopped early with a checkpoint (exit {code}); run the same "
             "command again to resume it"
         )
-    if code != 0:
-        raise ReproError(
-            f"run {run.name} failed (exit {code}); its output is in {log_path}. Fix the cause "
-            "and run the same command again: finished runs are kept, this one resumes"
-        )
-    if not run_status(run.run_dir).finished:
-        raise ReproError(f"run {run.name} exited 0 but wrote no summary to {run.run_dir}")
+    raise ReproError(
+        f"run {run.name} {state} (exit {code}); its output is in {log_path} (every rank's in "
+        f"{submission.job.paths.folder}). Fix the cause and run the same command again: "
+        "finished runs are kept, this one resumes"
+    )
