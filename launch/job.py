@@ -17,9 +17,12 @@ job that will run again; the requeued job resumes from the newest complete check
 Under submitit's local executor rank 0 exits with its requeue code instead (144), and the
 local controller starts the tasks again. A run that has finished is never trained again.
 
-A signal that arrives before the training loop has installed its handler (during
+A USR1 that arrives before the training loop has installed its handler (during
 start-up) reaches submitit's handler instead, which calls ``checkpoint()`` below and
 requeues: nothing was trained yet, so resubmitting the same callable loses nothing.
+submitit ignores SIGTERM ("Bypassing signal SIGTERM"), so one that comes during start-up
+(a cancel, ``scontrol requeue``) is kept and sent again once the loop's handler is in
+place (``keep_early_sigterm``): the run stops at its first step, with a checkpoint.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import submitit
@@ -78,6 +83,27 @@ def rendezvous(env: submitit.JobEnvironment, master_port: int | None = None) -> 
     return variables
 
 
+def keep_early_sigterm(check_s: float = 0.05) -> None:
+    """From now until the training loop installs its own SIGTERM handler, a SIGTERM is
+    kept and then sent again to this process, so that the loop stops on it. Without
+    this, submitit's handler drops it: a local job cancelled during start-up trained
+    on until its controller killed it ``CANCEL_GRACE_S`` later."""
+    waiting: list[threading.Thread] = []
+
+    def redeliver() -> None:  # bounded by the process: a daemon thread
+        while signal.getsignal(signal.SIGTERM) is keep:
+            time.sleep(check_s)  # start-up: until the loop's handler replaces ours
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def keep(signum, frame) -> None:
+        if not waiting:
+            print("SIGTERM during start-up: stopping once training starts", flush=True)
+            waiting.append(threading.Thread(target=redeliver, daemon=True))
+            waiting[0].start()
+
+    signal.signal(signal.SIGTERM, keep)
+
+
 class TrainingJob(submitit.helpers.Checkpointable):
     """Train one run (a resolved config) in every task of a job, resuming if it can."""
 
@@ -103,6 +129,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
 
     def __call__(self) -> int:
         env = submitit.JobEnvironment()
+        keep_early_sigterm()
         variables = rendezvous(env, self.master_port)
         config = self.run_config()
         run_dir = Path(config.log.root) / config.name

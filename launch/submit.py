@@ -326,7 +326,7 @@ def submit_group(
         for plan, job_callable in zip(group, callables, strict=True):
             while sum(not job.done() for job in jobs) >= resources.array_parallelism:
                 progress.poll()
-                time.sleep(progress.poll_s)
+                progress.pause()
             executor = local_executor(
                 plan.run_dir / SUBMITIT, profile, plan.resources, plan.run_dir
             )
@@ -347,15 +347,26 @@ def submit_group(
     return jobs
 
 
+# Seconds between two looks at the submitted jobs while the launcher waits. On Slurm each
+# look runs scontrol (or sacct) once per pending job: 5 s keeps that load on a busy
+# controller small and is soon enough for jobs that run minutes to days. Local jobs are
+# this process's children: the wait also ends as soon as one of them exits (a free
+# Popen.poll), so a sweep's next run starts at once. CQK_PROGRESS_POLL_S overrides it
+# (the tests' Slurm jobs, which last seconds).
+POLL_S = float(os.environ.get("CQK_PROGRESS_POLL_S", "5"))
+LOCAL_CHECK_S = 0.1  # how often a local job's exit is looked for during that wait
+
+
 class Progress:
     """Where the submitted jobs stand, read from each run's metrics (the jobs write to
     their own log files): a bar per run on a terminal (``mode="bar"``), else a line per
     run every 30 s (``"lines"``), and a line when a job ends, with the sweep's count."""
 
     def __init__(
-        self, cluster: str, mode: str = "auto", total: int = 0, poll_s: float = 5.0
+        self, cluster: str, mode: str = "auto", total: int = 0, poll_s: float | None = None
     ) -> None:
-        self.cluster, self.poll_s, self.total = cluster, poll_s, total  # total: runs to submit
+        self.cluster, self.total = cluster, total  # total: runs to submit
+        self.poll_s = POLL_S if poll_s is None else poll_s
         self.mode = ("bar" if sys.stdout.isatty() else "lines") if mode == "auto" else mode
         self.pending: dict[str, tuple[RunPlan, object]] = {}
         self.bars: dict = {}
@@ -410,7 +421,15 @@ class Progress:
         while self.pending:
             self.poll()
             if self.pending:
-                time.sleep(self.poll_s)
+                self.pause()
+
+    def pause(self) -> None:
+        """Until the next look: ``poll_s``, or less once a local job has exited."""
+        deadline = time.monotonic() + self.poll_s
+        while (left := deadline - time.monotonic()) > 0:
+            if self.cluster == "local" and any(job.done() for _, job in self.pending.values()):
+                return
+            time.sleep(min(LOCAL_CHECK_S, left))
 
     def _update_bar(self, plan: RunPlan) -> None:
         bar = self.bars.get(plan.name)

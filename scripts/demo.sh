@@ -79,8 +79,17 @@ for prompt in ["def ", "The ", "    return "]:
 PYEOF
 
 echo "== 5/5 scaling analysis over the runs -> $OUT/report"
-"$PY" -m cqk_megatron.analysis report "$OUT/runs" --out "$OUT/report" \
-  --multiplier-at measured --bootstrap "$BOOTSTRAP"
+# What the report was made from: the resamples and every run's metrics file as it is now.
+# The same again (a second run of the demo after all runs finished): a finished stage,
+# skipped.
+inputs="bootstrap=$BOOTSTRAP $(cd "$OUT/runs" && stat -c '%n %s %Y' -- */metrics.jsonl | tr '\n' ' ')"
+if [ -f "$OUT/report/report.md" ] && [ "$(cat "$OUT/report/inputs.txt" 2>/dev/null)" = "$inputs" ]; then
+  echo "   skipped: the report of these runs is there already"
+else
+  "$PY" -m cqk_megatron.analysis report "$OUT/runs" --out "$OUT/report" \
+    --multiplier-at measured --bootstrap "$BOOTSTRAP"
+  printf '%s\n' "$inputs" >"$OUT/report/inputs.txt"
+fi
 # the two tables a reader looks for first, from the report itself
 sed -n '/^## Scaling-law fits/,/^!\[/p; /^## Data-efficiency multiplier/,/^!\[/p' \
   "$OUT/report/report.md" | grep -v '^!\['

@@ -55,6 +55,13 @@ def run_demo(out: Path, venv: Path) -> subprocess.CompletedProcess:
     )
 
 
+def _sigint_as_on_a_terminal() -> None:  # in the demo's shell, before it starts
+    # A job started in the background of a non-interactive shell (a CI script's `... &`)
+    # inherits SIGINT ignored, and a shell that starts with it ignored cannot undo that:
+    # Ctrl-C below would then do nothing. A terminal's foreground job has the default.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt_demo(out: Path, venv: Path) -> tuple[int, str]:
     """Start the demo as a terminal does (its own process group) and press Ctrl-C (SIGINT
     to the whole group) once a run has written its first complete checkpoint."""
@@ -67,6 +74,7 @@ def interrupt_demo(out: Path, venv: Path) -> tuple[int, str]:
             stderr=subprocess.STDOUT,
             cwd=REPO,
             start_new_session=True,
+            preexec_fn=_sigint_as_on_a_terminal,
         )
         try:
             deadline = time.monotonic() + 900
@@ -198,11 +206,16 @@ def test_demo_ladder_end_to_end(tmp_path):
     assert check.returncode == 0, check.stderr[-2000:]
     assert check.stdout.split()[0] == "CQKForCausalLM"
 
+    written = (out / "report" / "report.md").stat().st_mtime_ns
     again = run_demo(out, venv)  # finished runs are skipped, nothing is retrained
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     for name in names:
         assert f"skipped {name}: finished" in again.stdout
     assert "nothing submitted" in again.stdout
+    # and the report of those same runs is not made again
+    assert "skipped: the report of these runs is there already" in again.stdout
+    assert (out / "report" / "report.md").stat().st_mtime_ns == written
+    assert "## Scaling-law fits" in again.stdout  # its tables are still shown
 
 
 def test_ci_takes_its_python_from_venv(tmp_path):

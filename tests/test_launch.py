@@ -22,6 +22,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -51,6 +52,9 @@ RUN = [
 ]
 SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol")
 JOB_TIMEOUT_S = 420  # generous: CI machines are shared; nothing here asserts on time
+# The launcher looks at a waited-for Slurm job every 5 s by default; these jobs last
+# seconds, so it looks every second (its local jobs end its wait as soon as they exit).
+POLL = {"CQK_PROGRESS_POLL_S": "1"}
 OUR_JOBS: list[str] = []  # cancelled at the end, so a failed test leaves the cluster free
 
 
@@ -60,7 +64,12 @@ OUR_JOBS: list[str] = []  # cancelled at the end, so a failed test leaves the cl
 def submit(*args: str, timeout: float = JOB_TIMEOUT_S) -> subprocess.CompletedProcess:
     try:
         return subprocess.run(
-            [*SUBMIT, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+            [*SUBMIT, *args],
+            cwd=REPO,
+            env={**os.environ, **POLL},  # os.environ now: SLURM_CONF is set by the fixture
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
     except subprocess.TimeoutExpired as error:
         raise AssertionError(f"{error}\n{log_tails(args)}") from None
@@ -215,11 +224,79 @@ def root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("runs")
 
 
+LOCAL_REQUEUED = [
+    *RUN,
+    "--cluster",
+    "local",
+    "name=local-requeued",
+    # stops the run as a signal would (checkpoint, exit 75); rank 0 then exits with
+    # submitit's local requeue code and the local controller restarts it
+    "train.exit_after_steps=30",
+]
+
+
+def start_submit(root: Path, name: str, *args: str) -> subprocess.Popen:
+    """``submit.py *args`` in the background (its own session), its output in a file."""
+    with (root / f"{name}.log").open("w") as log:
+        return subprocess.Popen(
+            [*SUBMIT, *args, f"log.root={root}"],
+            cwd=REPO,
+            env={**os.environ, **POLL},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def finish_submit(root: Path, name: str, process: subprocess.Popen) -> tuple[int, str]:
+    """The launcher's exit code and output, once it has ended (killed, with its local
+    jobs, past ``JOB_TIMEOUT_S``)."""
+    try:
+        process.wait(timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        end_launcher(root, name, process)
+    output = (root / f"{name}.log").read_text()
+    assert process.returncode is not None and process.returncode >= 0, output[-3000:]
+    return process.returncode, output
+
+
+def end_launcher(root: Path, name: str, process: subprocess.Popen) -> None:
+    """Kill a launcher still running, and its local jobs (each in a session of its own)."""
+    if process.poll() is None:
+        _kill_session(process.pid)
+        process.wait()
+        for started in events(root / name, "submitted"):
+            _kill_session(int(started["job_id"]))
+
+
+def _kill_session(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 @pytest.fixture(scope="module")
-def reference(root) -> Path:
+def local_requeued(root):
+    """The local executor's requeue (its test is at the end), started with the
+    reference: the two local jobs share the machine instead of running one after the
+    other. Yields the launcher's process; killed with its job if it outlives the module."""
+    process = start_submit(root, "local-requeued", *LOCAL_REQUEUED)
+    yield process
+    end_launcher(root, "local-requeued", process)  # its test did not run (or failed first)
+
+
+@pytest.fixture(scope="module")
+def reference(root, local_requeued) -> Path:
     """The uninterrupted run, through submitit's local executor (no Slurm needed)."""
-    out = submit(*RUN, "--cluster", "local", f"log.root={root}", "name=reference")
-    assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
+    code, output = finish_submit(
+        root,
+        "reference",
+        start_submit(root, "reference", *RUN, "--cluster", "local", "name=reference"),
+    )
+    assert code == 0, output[-3000:]
     return root / "reference"
 
 
@@ -639,20 +716,60 @@ def test_a_local_job_gets_a_port_that_is_free_and_not_handed_out_twice():
         probe.bind(("127.0.0.1", second))  # and it is free
 
 
-def test_the_local_executor_requeues_a_stopped_run_and_it_ends_like_the_reference(root, reference):
-    # train.exit_after_steps stops the run as a signal would (checkpoint, exit 75); rank 0
-    # then exits with submitit's local requeue code and the local controller restarts it.
-    out = submit(
-        *RUN,
-        "--cluster",
-        "local",
-        f"log.root={root}",
-        "name=local-requeued",
-        "train.exit_after_steps=30",
-    )
-    assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
+def test_the_local_executor_requeues_a_stopped_run_and_it_ends_like_the_reference(
+    root, reference, local_requeued
+):
+    # LOCAL_REQUEUED: train.exit_after_steps=30 stops the run (checkpoint, exit 75) and the
+    # local controller restarts it. Started with the reference (the fixture).
+    code, output = finish_submit(root, "local-requeued", local_requeued)
+    assert code == 0, output[-3000:]
     run_dir = root / "local-requeued"
     (stopped,) = events(run_dir, "stopped")
     assert stopped["exit"] == 75 and stopped["requeue"] == "requeued"
     assert [e["attempt"] for e in events(run_dir, "started")] == [1, 2]
     assert_same_run(run_dir, reference)
+
+
+def test_the_launcher_wait_ends_when_a_local_job_exits_and_lasts_poll_s_on_slurm(monkeypatch):
+    """Between two looks at its jobs the launcher waits ``poll_s`` (Slurm: each look asks
+    the controller), but a local job's exit ends that wait at once (the next run of a
+    sweep starts then, not up to 5 s later). On a fake clock: nothing here is timed."""
+    from launch import submit as launcher
+
+    clock = [0.0]
+    monkeypatch.setattr(launcher.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(launcher.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+
+    class Job:
+        def __init__(self, exits_at: float) -> None:
+            self.exits_at = exits_at
+
+        def done(self) -> bool:
+            return clock[0] >= self.exits_at
+
+    assert launcher.POLL_S == 5.0 or "CQK_PROGRESS_POLL_S" in os.environ  # the default
+    for cluster, low, high in (("local", 1.0, 1.0 + launcher.LOCAL_CHECK_S), ("slurm", 5, 5)):
+        clock[0] = 0.0
+        progress = launcher.Progress(cluster, "lines", poll_s=5.0)
+        progress.pending = {"a": (None, Job(exits_at=1.0)), "b": (None, Job(exits_at=60.0))}
+        progress.pause()
+        assert low - 1e-6 <= clock[0] <= high + 1e-6, (cluster, clock[0])
+
+
+def test_a_sigterm_during_start_up_reaches_the_training_loop_once_it_listens():
+    """submitit drops a SIGTERM ("Bypassing signal SIGTERM"): one that comes before the
+    training loop has its handler (a cancel during start-up) is kept and sent again."""
+    from launch.job import keep_early_sigterm
+
+    previous = signal.getsignal(signal.SIGTERM)
+    got: list[int] = []
+    try:
+        keep_early_sigterm(check_s=0.01)
+        os.kill(os.getpid(), signal.SIGTERM)  # start-up: kept (this process goes on)
+        signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))  # the loop's
+        deadline = time.monotonic() + 30
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert got == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
