@@ -58,15 +58,18 @@ THRESHOLDS = (0.5, 0.9)
 # width-scaled initialisation the 2-layer width-64 model solved 128x8 (vocabulary 512) in
 # 500 steps of 128 sequences, and 64x4 (vocabulary 128, lr 2e-3) in 400 steps of 64. Here
 # vocabulary 256, lr 2e-3, 600 steps of 64 x 64 tokens (38k examples of 64x4; 32 x 128,
-# 19k examples of 128x8): enough for standard attention on 64x4, too few for 128x8, and
-# about 30 CPU-minutes for the whole grid (runs stop once solved). Width 64 in two heads
+# 19k examples of 128x8 and 128x16): enough for standard attention on 64x4, the edge of
+# the budget on 128x8, out of reach on 128x16 (twice the pairs in the same length), and
+# about 60 CPU-minutes for the whole grid (runs stop once solved). Width 64 in two heads
 # of 32, so that a variant that learns faster or slower shows. Every variant on 64x4;
-# standard on 128x8; standard and coupled on 64x4 in both families and coupling positions.
+# standard, coupled, invertible and differential on 128x8; standard and coupled on 128x16;
+# standard and coupled on 64x4 in both families and coupling positions.
 BENCHMARK = {
     "seeds": [0, 1, 2],
     "grids": [  # (variants, settings, families, positions)
         (list(VARIANTS), ["64x4"], ["llama"], ["pre_rope"]),
-        (["standard"], ["128x8"], ["llama"], ["pre_rope"]),
+        (["standard", "coupled", "invertible", "differential"], ["128x8"], ["llama"], ["pre_rope"]),
+        (["standard", "coupled"], ["128x16"], ["llama"], ["pre_rope"]),
         (["standard", "coupled"], ["64x4"], ["llama", "gpt2"], ["pre_rope", "post_rope"]),
     ],
     "options": {
@@ -299,8 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--benchmark",
         action="store_true",
-        help="the README's benchmark (BENCHMARK): every variant on 64x4, standard on 128x8, "
-        "standard and coupled in both families and coupling positions, 3 seeds",
+        help="the README's benchmark (BENCHMARK): every variant on 64x4, four on 128x8, "
+        "standard and coupled on 128x16 and in both families and coupling positions, 3 seeds",
     )
     defaults = TrainOptions()
     for f in fields(TrainOptions):

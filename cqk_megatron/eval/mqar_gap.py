@@ -131,6 +131,22 @@ RUNGS: dict[str, tuple[str, dict]] = {
             "megatron": ["model.family=null", "model.position_embedding_type=learned_absolute"],
         },
     ),
+    # the independent architecture's parts one at a time, under the project's N(0, 0.02)
+    "p+layernorm": ("project (plain) + LayerNorm", _plain(norm="layernorm")),
+    "p+gelu": ("project (plain) + a GELU MLP", _plain(mlp="gelu")),
+    "p+biases": ("project (plain) + biases in every projection", _plain(bias=True)),
+    "p+ln_gelu_bias_plain": (
+        "project (plain) + LayerNorm, GELU MLP, biases",
+        _plain(norm="layernorm", mlp="gelu", bias=True),
+    ),
+    "p+init_std_0.072+learned": (
+        "p+init_std_0.072 with learned absolute positions",
+        {
+            **PROJECT,
+            "init_std": 0.072,
+            "megatron": ["model.family=null", "model.position_embedding_type=learned_absolute"],
+        },
+    ),
     "p+gpt2_family": ("project in the GPT-2 family", {**PROJECT, "family": "gpt2"}),
     "p+f_bias": ("project (plain) + an output bias in f", _plain(f_output_bias=True)),
     "p+exp_dt": ("project (plain) + dt = exp(log_dt)", _plain(dt_param="exp")),
@@ -229,7 +245,7 @@ def _fmt_examples(values: list[int | None], total: int) -> str:
     return f"{median:,.0f} ({min(reached):,}-{max(reached):,})"
 
 
-COMPARE_AT = 1000  # the step every run of the table is compared at (probes stop at 1,200)
+COMPARE_AT = 1000  # the step every run of the table is compared at (probes stop there)
 
 
 def accuracy_at(run: dict, step: int) -> float:
