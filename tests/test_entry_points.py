@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from cqk_megatron.config import CONFIGS_DIR, RunConfig, load_config, to_dict
+from cqk_megatron.config_changes import flatten
 from cqk_megatron.planner import runs as planner_runs
 from cqk_megatron.planner.parameters import count_parameters
 from cqk_megatron.planner.runs import plan_config
@@ -68,18 +69,8 @@ OWNED["launch"] = OWNED["repro"]  # launch resolves (validates) repro's run; cha
 OWNED["plan"] = {}
 
 
-def _flat(data: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def _differences(config: RunConfig, reference: RunConfig) -> set[str]:
-    a, b = _flat(to_dict(config)), _flat(to_dict(reference))
+    a, b = flatten(to_dict(config)), flatten(to_dict(reference))
     return {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
 
 

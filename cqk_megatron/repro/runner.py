@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 from cqk_megatron.config import ConfigError, load_config, to_dict
+from cqk_megatron.config_changes import flatten
 from cqk_megatron.exit_codes import EXIT_REQUEUE
 from cqk_megatron.repro.plan import Plan, PlannedRun
 from cqk_megatron.repro.presets import ReproError
@@ -42,16 +43,6 @@ class RunStopped(ReproError):
     """A run stopped early with a checkpoint (signal, time budget, exit_after_steps)."""
 
 
-def _flatten(data: dict, prefix: str = "") -> dict[str, object]:
-    flat: dict[str, object] = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def status(run: PlannedRun) -> str:
     """``done`` (the contract's ``finished``), ``resume`` (checkpoints exist) or ``new``."""
     if run_status(run.run_dir).finished:
@@ -67,8 +58,8 @@ def check_same_settings(run: PlannedRun) -> None:
     saved_path = run.run_dir / CONFIG
     if not saved_path.is_file():
         return
-    saved = _flatten(to_dict(load_config(saved_path)))
-    planned = _flatten(to_dict(run.config))
+    saved = flatten(to_dict(load_config(saved_path)))
+    planned = flatten(to_dict(run.config))
     changed = [
         f"{key}: {saved.get(key)!r} -> {planned.get(key)!r}"
         for key in sorted(set(saved) | set(planned))
