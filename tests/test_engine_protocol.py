@@ -19,8 +19,14 @@ from cqk_megatron.training.megatron_engine import MegatronEngine
 
 TRAINING = Path(__file__).resolve().parents[1] / "cqk_megatron" / "training"
 ENGINES = [DeepSpeedEngine, MegatronEngine]
-# what the protocol declares: every abstract method (``__init__`` included)
-DECLARED = sorted(Engine.__abstractmethods__)
+# what the protocol declares: every abstract method (``__init__`` included), and every
+# public method with a default that an engine may override (``whole_weights``)
+DECLARED = sorted(
+    {
+        *Engine.__abstractmethods__,
+        *(name for name, value in vars(Engine).items() if callable(value) and name[0] != "_"),
+    }
+)
 
 
 def _shape(function) -> list[tuple[str, object]]:
@@ -53,6 +59,7 @@ def test_the_protocol_declares_what_an_engine_does():
         "save_state",
         "set_lr",
         "train_step",
+        "whole_weights",
     ]
 
 

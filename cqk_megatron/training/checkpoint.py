@@ -195,7 +195,8 @@ def save(
     _agree(error, staging, what)
 
     try:
-        dist_checkpointing.save(sharded_state_dict(model), str(staging / "model"))
+        with engine.whole_weights():  # ZeRO-3 partitions the parameters themselves
+            dist_checkpointing.save(sharded_state_dict(model), str(staging / "model"))
         engine.save_state(staging / "engine")
         trainer_file = staging / "trainer" / f"rank{rank}.pt"
         torch.save({"state": asdict(state), "rng": _rng_state()}, trainer_file)

@@ -13,12 +13,17 @@ given Megatron's groups through ``MegatronMpu``. Two ways to drive a step:
 
 DeepSpeed detects a non-finite gradient norm and skips the update; the engine reports
 it so the loop can count skipped steps.
+
+In bf16 the gradients are summed in fp32, over micro-batches and across data-parallel
+ranks, as the Megatron engine does (``grad_reduce_in_fp32``): see ``bf16_settings``.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from argparse import Namespace
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -49,6 +54,8 @@ def deepspeed_config(config: RunConfig, gradient_accumulation_steps: int) -> dic
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if t.precision == "bf16":
+        ds.update(bf16_settings())
     if t.offload_optimizer:
         on_gpu = device().type == "cuda"
         ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
@@ -56,6 +63,40 @@ def deepspeed_config(config: RunConfig, gradient_accumulation_steps: int) -> dic
     # where DeepSpeed's CPU Adam is not built), so DeepSpeed must not insist on its own.
     ds["zero_force_ds_cpu_optimizer"] = False
     return ds
+
+
+def bf16_settings() -> dict:
+    """bf16 parameters with fp32 gradient sums, as the Megatron engine has them.
+
+    Left to its defaults DeepSpeed accumulates the micro-batches' gradients in bf16 (in
+    ``param.grad``) and all-reduces them in bf16: 8 micro-batches x 16 data-parallel ranks
+    summed with 8 mantissa bits. With ``grad_accum_dtype`` fp32 DeepSpeed 0.19.8 picks
+    ``BF16_Optimizer`` for ZeRO-1 (an fp32 gradient buffer beside the fp32 master weights)
+    and its ZeRO-2/3 optimizers accumulate into fp32 gradient partitions;
+    ``communication_data_type`` fp32 makes every stage reduce in fp32.
+
+    ``immediate_grad_update``: ``BF16_Optimizer`` adds each bf16 gradient into its fp32
+    buffer from a hook as soon as autograd has it, instead of in ``engine.backward``'s
+    epilogue. Megatron's pipeline schedule (PP>1) calls plain backward, so without the
+    hook the fp32 buffer stays empty ("stack expects a non-empty TensorList" at the step);
+    with it every micro-batch's gradient is summed in fp32 under both ways of driving a
+    step (PP=1 gives the same numbers either way).
+    """
+    return {
+        "bf16": {"enabled": True, "immediate_grad_update": True},
+        "data_types": {"grad_accum_dtype": "fp32"},
+        "communication_data_type": "fp32",
+    }
+
+
+def device_args() -> Namespace:
+    """What ``deepspeed.initialize`` reads as ``args``: only ``device_rank``, this rank's
+    device index. Without it DeepSpeed binds ``cuda:LOCAL_RANK``, which does not exist
+    where each task sees one GPU (``CUDA_VISIBLE_DEVICES``, srun); ``device()`` takes
+    the local rank modulo the visible GPUs. On CPU DeepSpeed's CPU accelerator ignores it.
+    """
+    here = device()
+    return Namespace(device_rank=0 if here.index is None else here.index)
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -128,6 +169,7 @@ class DeepSpeedEngine(Engine):
         self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * self.dp_size)
         accumulation = 1 if self.pipelined else self.num_micro_batches
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            args=device_args(),
             model=model,
             optimizer=make_optimizer(model, config),
             config=deepspeed_config(config, accumulation),
@@ -163,6 +205,18 @@ class DeepSpeedEngine(Engine):
             loss=global_mean_loss(loss_sum, len(micro_batches)),
             grad_norm=float("nan") if grad_norm is None else float(grad_norm),
             skipped=self.engine.skipped_steps > skipped_before,
+        )
+
+    def whole_weights(self) -> AbstractContextManager:
+        """Under ZeRO-3 each parameter above ``stage3_param_persistence_threshold`` holds
+        only an empty tensor between forwards (this rank's slice lives in DeepSpeed's
+        partition): gathered here for reading, and released again on exit
+        (``modifier_rank=None``: nothing is written back). Other stages: nothing to do."""
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(
+            list(self.model.parameters()),
+            enabled=self.engine.zero_optimization_partition_weights(),
         )
 
     # -- exact resume ------------------------------------------------------------------

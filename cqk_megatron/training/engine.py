@@ -16,6 +16,7 @@ state goes to folders (each engine has its own sharded format) rather than a sta
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,12 @@ class Engine(ABC):
     @abstractmethod
     def eval_loss(self, micro_batches: list[Batch]) -> float:
         """The mean loss over the global batch, without gradients or an update."""
+
+    def whole_weights(self) -> AbstractContextManager:
+        """A context in which every parameter of the model holds its whole value, to be
+        read (a save of the weights). An engine that partitions the parameters themselves
+        (DeepSpeed ZeRO-3) gathers them here; for the others there is nothing to do."""
+        return nullcontext()
 
     @abstractmethod
     def save_state(self, folder: Path) -> None:
