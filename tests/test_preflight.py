@@ -216,7 +216,7 @@ def test_a_damaged_checkpoint_is_named_before_queueing_and_the_run_takes_one_tha
     ), out.stderr
     logs = "".join(p.read_text() for p in (run_dir / "submitit").glob("*_0_log.out"))
     assert f"resumed from {checkpoints}/iter_0000010 at step 10 (exactly)" in logs
-    assert list(run_dir.glob("superseded/*/iter_0000020"))  # moved aside, not deleted
+    assert list(run_dir.glob("superseded/*/checkpoints/iter_0000020"))  # moved aside, not deleted
     assert "finished   yes: 30 steps" in submit("status", str(run_dir)).stdout
 
     for folder in checkpoints.glob("iter_*"):
