@@ -6,7 +6,8 @@ before it starts training; each refusal is one ``PreflightError`` line (exit 2).
    splits against ``model.seq_length`` (``cqk_megatron.data.checks``);
 2. the run folder: a live holder of its lease; its recorded ``config.yaml`` against this
    config (changes are listed; a shape change is refused unless the run starts over,
-   ``--resume none``); its checkpoints (refused if some exist and none verifies);
+   ``--resume none``); its checkpoints (refused if some exist and none verifies; the
+   launcher verifies by sha256, as the job will, and names the one the run resumes from);
 3. the disk: room for one checkpoint, estimated from the model's parameter count
    (``perf.memory.total_parameters``) and the precision.
 
@@ -26,6 +27,7 @@ from cqk_megatron.perf.memory import BYTES, total_parameters
 from cqk_megatron.run_folder import (
     CHECKPOINTS,
     CONFIG,
+    SUPERSEDED,
     free_bytes,
     human_bytes,
     run_dir_of,
@@ -60,8 +62,11 @@ def check_disk(config: RunConfig) -> None:
         )
 
 
-def check_run_folder(config: RunConfig, resume: str = "auto") -> list[str]:
-    """The run folder can take this run; notes on what changed since it last started."""
+def check_run_folder(
+    config: RunConfig, resume: str = "auto", hash_checkpoints: bool = False
+) -> list[str]:
+    """The run folder can take this run; notes on what changed since it last started and
+    on the checkpoint it resumes from."""
     run_dir = run_dir_of(config)
     holder = run_lease.live_holder(run_dir)
     if holder is not None:
@@ -90,25 +95,42 @@ def check_run_folder(config: RunConfig, resume: str = "auto") -> list[str]:
             notes.append(
                 f"note: run '{config.name}' continues with changed settings: {listed(other)}"
             )
-    notes += _check_checkpoints(run_dir / CHECKPOINTS, resume)
+    hashes = hash_checkpoints and config.train.checkpoint_hashes  # as the job will
+    notes += _check_checkpoints(run_dir / CHECKPOINTS, resume, hashes)
     return notes
 
 
-def _check_checkpoints(checkpoints: Path, resume: str) -> list[str]:
-    """Sizes only (no hashes: this runs before every submission)."""
+def _check_checkpoints(checkpoints: Path, resume: str, hashes: bool) -> list[str]:
+    """The resume's own choice (``checkpoint_files.choose_resume``), made from the files:
+    with ``hashes`` it agrees with the job's, which verifies the same way."""
     try:
-        choice = checkpoint_files.choose_resume(checkpoints, resume, hashes=False)
+        choice = checkpoint_files.choose_resume(checkpoints, resume, hashes)
     except checkpoint_files.CheckpointError as error:
         raise PreflightError(str(error)) from error
-    return [f"note: skipping checkpoint: {reason}" for reason in choice.refused]
+    notes = [f"note: skipping checkpoint: {reason}" for reason in choice.refused]
+    if choice.refused and choice.folder is not None:
+        checked = "verified by sha256" if hashes else "sizes checked"
+        notes.append(
+            f"note: resuming from {choice.folder.name} (the newest that verifies, {checked}); "
+            f"the job moves the newer one(s) to {checkpoints.parent / SUPERSEDED}/"
+        )
+    return notes
 
 
-def preflight(config: RunConfig, resume: str = "auto") -> list[str]:
-    """Refuse (``PreflightError``) a run that cannot start; else notes to print."""
+def preflight(config: RunConfig, resume: str = "auto", hash_checkpoints: bool = False) -> list[str]:
+    """Refuse (``PreflightError``) a run that cannot start; else notes to print.
+
+    ``hash_checkpoints``: verify the checkpoint the run would resume from by its sha256s
+    (``train.checkpoint_hashes``), as the job does, so that a damaged one is named here
+    (the run resumes from the newest that verifies, or is refused when none does) rather
+    than after the job waited in the queue. The launcher asks for it: it reads the
+    checkpoint once, newest first, until one verifies (about a second per GB). ``cqk-train``
+    does not: its rank 0 verifies the same way a moment later, and every rank runs this.
+    """
     try:
         check_run_data(config)
     except (DataError, ConfigError) as error:
         raise PreflightError(str(error)) from error
-    notes = check_run_folder(config, resume)
+    notes = check_run_folder(config, resume, hash_checkpoints)
     check_disk(config)
     return notes

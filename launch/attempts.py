@@ -66,6 +66,8 @@ def describe_exit(code: int) -> str:
         return f"killed by signal {-code} ({name})"
     if code == EXIT_WATCHDOG:
         return f"exited {code} (the watchdog: a peer was lost)"
+    if code == EXIT_REFUSED:
+        return f"refused the run (exit {code})"
     return f"exited {code}"
 
 
@@ -184,13 +186,20 @@ def failures(run_dir: Path, job_id: str) -> list[dict]:
     ]
 
 
+def was_refused(record: dict) -> bool:
+    """The attempt's job refused to start the run (exit ``EXIT_REFUSED``: its folder held by
+    another job, checkpoints that do not verify, bad data): it never trained."""
+    return (record.get("cause") or {}).get("exit") == EXIT_REFUSED
+
+
 def decide(previous: list[dict], record: dict, policy: Policy) -> tuple[str, str]:
     """("relaunch" | "stop", why) for a failed attempt after the ``previous`` ones."""
     relaunched = sum(1 for p in previous if p.get("decision") == "relaunch")
-    if (record.get("cause") or {}).get("exit") == EXIT_REFUSED:
+    if was_refused(record):
+        who = record["cause"].get("rank")
         return "stop", (
-            f"{summary_line(record)}: the run was refused before training (exit "
-            f"{EXIT_REFUSED}; its log says why), which a relaunch cannot change"
+            f"the run was refused before training (exit {EXIT_REFUSED}; rank {who}'s log says "
+            "why), which a relaunch cannot change"
         )
     same = [record]
     for p in reversed(previous):
@@ -224,7 +233,10 @@ def record_failure(
     ``detected_at``: when the launcher saw the first bad exit (else the watchdog's
     verdict time, if one was recorded)."""
     cause = find_cause(run_dir, exits, first_bad, since, hosts)
-    reached = _step_reached(run_dir, since)  # the last step completed in this attempt
+    refused = was_refused({"cause": cause})
+    # The last step completed in this attempt. A refused attempt trained none: the steps
+    # logged meanwhile are those of the job that holds the run (a twin submission).
+    reached = None if refused else _step_reached(run_dir, since)
     checkpoint_step = _checkpoint_step(run_dir)
     record = {
         "job_id": job_id,
@@ -234,7 +246,7 @@ def record_failure(
         "cause": cause,
         "step_reached": reached,
         "checkpoint_step": checkpoint_step,
-        "work_lost_steps": max(0, (reached or checkpoint_step) - checkpoint_step),
+        "work_lost_steps": _work_lost(reached, checkpoint_step),
         "attempt_started": since,
         # the watchdog's verdict when it named the cause, else when the launcher saw it
         "detected_at": cause.pop("verdict_time", None) or detected_at,
@@ -243,6 +255,11 @@ def record_failure(
     record.update(decision=decision, why=why)
     append_event(run_dir, "failed", **record)
     return record
+
+
+def _work_lost(reached: int | None, checkpoint_step: int) -> int:
+    """Steps trained in the attempt after the checkpoint the run goes on from."""
+    return 0 if reached is None else max(0, reached - checkpoint_step)
 
 
 def record_lost_attempt(run_dir: Path, job_id: str, attempt: int, since: float) -> dict:
@@ -264,7 +281,7 @@ def record_lost_attempt(run_dir: Path, job_id: str, attempt: int, since: float) 
         "cause": cause,
         "step_reached": reached,
         "checkpoint_step": checkpoint_step,
-        "work_lost_steps": max(0, (reached or checkpoint_step) - checkpoint_step),
+        "work_lost_steps": _work_lost(reached, checkpoint_step),
         "attempt_started": since,
         "detected_at": cause.pop("verdict_time", None),
         "decision": "relaunch",
@@ -281,7 +298,9 @@ def summary_line(record: dict) -> str:
     if cause.get("host"):
         who += f" on {cause['host']}"
     reached = record.get("step_reached")
-    if cause.get("step") is not None:  # the rank's own (or its watchdog's) word
+    if was_refused(record):
+        where = " before training"
+    elif cause.get("step") is not None:  # the rank's own (or its watchdog's) word
         where = f" in phase {cause.get('phase') or '?'} of step {cause['step']}"
     elif reached is not None:
         where = f" after step {reached}"
@@ -290,25 +309,31 @@ def summary_line(record: dict) -> str:
     return f"{who} {cause.get('reason', 'failed')}{where}"
 
 
-def attempt_lines(run_dir: Path, job_id: str | None = None) -> list[str]:
-    """One line per failed attempt, for ``status`` and the launcher's summary."""
-    out = []
-    for record in events(run_dir):
-        if not is_attempt_record(record):
-            continue
-        if job_id is not None and str(record.get("job_id")) != str(job_id):
-            continue
-        then = (
-            f"restarted from step {record['checkpoint_step']}"
-            if record.get("decision") == "relaunch"
-            else f"not relaunched: {record.get('why')}"
-        )
-        lost = record.get("work_lost_steps")
-        out.append(
-            f"attempt {record.get('attempt')}: {summary_line(record)}; {then}"
-            + (f" ({lost} steps since the last checkpoint lost)" if lost is not None else "")
-        )
-    return out
+def attempt_line(record: dict) -> str:
+    """One failed attempt: what ended it, what came next, the steps it lost."""
+    if record.get("decision") == "relaunch":
+        then = f"restarted from step {record['checkpoint_step']}"
+    elif was_refused(record):  # the summary says so; the why would repeat it
+        then = "not relaunched: a relaunch cannot change a refusal"
+    else:
+        then = f"not relaunched: {record.get('why')}"
+    lost = record.get("work_lost_steps")
+    trained = record.get("step_reached") is not None  # else it lost nothing
+    return f"attempt {record.get('attempt')}: {summary_line(record)}; {then}" + (
+        f" ({lost} steps since the last checkpoint lost)" if trained else ""
+    )
+
+
+def relaunch_summary(records: list[dict]) -> str:
+    """How a job's failed attempts went on, for ``status``: only relaunched attempts'
+    steps were redone."""
+    relaunched = [r for r in records if r.get("decision") == "relaunch"]
+    redone = sum(r.get("work_lost_steps") or 0 for r in relaunched)
+    if not relaunched:
+        return "not relaunched" if len(records) == 1 else "none relaunched"
+    if len(relaunched) == len(records):
+        return f"{redone} steps redone in all"
+    return f"{len(relaunched)} relaunched ({redone} steps redone in all)"
 
 
 # -- Slurm: the batch script's step after srun -------------------------------------------
@@ -402,7 +427,7 @@ def after_srun(folder: Path, srun_exit: int) -> int:
         Policy(job.max_restarts, job.max_identical_failures),
         hosts,
     )
-    print(f"cqk-attempt: {attempt_lines(run_dir, job_id)[-1]}", file=sys.stderr, flush=True)
+    print(f"cqk-attempt: {attempt_line(record)}", file=sys.stderr, flush=True)
     if record["decision"] != "relaunch":
         print(f"cqk-attempt: stopping: {record['why']}", file=sys.stderr, flush=True)
         return srun_exit or 1

@@ -15,7 +15,9 @@ it (a time limit, a wall-clock budget): ``scontrol requeue``, at most ``max_requ
 times. The tasks then exit with ``EXIT_REQUEUE`` and no result, as submitit expects of a
 job that will run again; the requeued job resumes from the newest complete checkpoint.
 Under submitit's local executor rank 0 exits with its requeue code instead (144), and the
-local controller starts the tasks again. A run that has finished is never trained again.
+local controller starts the tasks again, unless the job was cancelled or the controller is
+gone (killed: its tasks got SIGTERM from the kernel), which the record then says. A run
+that has finished is never trained again.
 
 A USR1 that arrives before the training loop has installed its handler (during
 start-up) reaches submitit's handler instead, which calls ``checkpoint()`` below and
@@ -237,10 +239,17 @@ class TrainingJob(submitit.helpers.Checkpointable):
         if attempt - 1 >= self.max_requeues:
             return f"refused: requeued {attempt - 1} times already (max_requeues)", EXIT_REQUEUE
         if env.cluster == "local":
-            from launch.local_job import is_cancelled
+            from launch.local_job import is_cancelled, is_controller
 
             if is_cancelled(env.paths.folder, env.job_id):
                 return "cancelled: not requeued", EXIT_REQUEUE
+            # The controller is this task's parent; once it is gone (kill -9: the kernel
+            # sent us SIGTERM), this task is an orphan and nobody starts it again.
+            if not is_controller(os.getppid()):
+                return (
+                    f"not requeued: the job's controller (job {env.job_id}) is gone; submit "
+                    "the same command again to resume"
+                ), EXIT_REQUEUE
             # submitit's local controller starts the tasks again when one exits with this.
             return "requeued", LOCAL_REQUEUE_RETURN_CODE
         job_id = os.environ.get("SLURM_JOB_ID", env.job_id)

@@ -212,8 +212,7 @@ class Controller(submitit_local.Controller):
                 ended_by_launcher=killed,
                 detected_at=self.detected_at,
             )
-            line = attempts.attempt_lines(self.run_dir, self.pid)[-1]
-            print(f"cqk-attempt: {line}", file=sys.stderr, flush=True)
+            print(f"cqk-attempt: {attempts.attempt_line(record)}", file=sys.stderr, flush=True)
             if record["decision"] != "relaunch":
                 print(f"cqk-attempt: stopping: {record['why']}", file=sys.stderr, flush=True)
                 break

@@ -90,12 +90,15 @@ def describe(run_dir: Path, log_lines: int = 10) -> str:
 
 
 def _failed_attempts(run_dir: Path, job_id: str) -> list[str]:
-    """Each failed attempt of the job: its cause, where it restarted, the work lost."""
-    lines = attempts.attempt_lines(run_dir, job_id)
-    if not lines:
+    """Each failed attempt of the job: its cause, where it restarted, the work lost. An
+    attempt that refused the run never trained: the ``refused`` line says why."""
+    records = [r for r in attempts.failures(run_dir, job_id) if not attempts.was_refused(r)]
+    if not records:
         return []
-    lost = sum(e.get("work_lost_steps") or 0 for e in attempts.failures(run_dir, job_id))
-    return [f"failures   {len(lines)}, {lost} steps redone in all", *(f"  - {x}" for x in lines)]
+    return [
+        f"failures   {len(records)}, {attempts.relaunch_summary(records)}",
+        *(f"  - {attempts.attempt_line(r)}" for r in records),
+    ]
 
 
 def _failed_rank_log(history: list[dict], rank0_log: dict, log_lines: int) -> list[str]:

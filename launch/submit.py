@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 # Run as a script, the repository root is not on sys.path; the job side imports
@@ -230,7 +234,7 @@ def preflight_refusal(plans: list[RunPlan], resume: str, dry_run: bool = False) 
 
     for plan in plans:
         try:
-            notes = preflight(plan.config, resume)
+            notes = preflight(plan.config, resume, hash_checkpoints=True)
         except PreflightError as error:
             if dry_run:
                 print(f"note: {plan.name}: pre-flight would refuse: {error}", file=sys.stderr)
@@ -241,12 +245,11 @@ def preflight_refusal(plans: list[RunPlan], resume: str, dry_run: bool = False) 
     return None
 
 
-def cancel_local_jobs(jobs: list) -> None:
-    """Ctrl-C while waiting on local jobs: they run in sessions of their own, so end them
-    (each saves a checkpoint; the same command resumes them)."""
-    import os
-    import signal
-
+def cancel_local_jobs(jobs: list) -> list:
+    """Ctrl-C (or SIGTERM, SIGHUP) while waiting on local jobs: they run in sessions of
+    their own, so end them (each saves a checkpoint; the same command resumes them).
+    Returns the jobs still running after the wait (their controllers kill what is left
+    ``CANCEL_GRACE_S`` after the signal)."""
     for job in jobs:
         if not job.done():
             os.kill(int(job.job_id), signal.SIGTERM)
@@ -254,6 +257,110 @@ def cancel_local_jobs(jobs: list) -> None:
         deadline = time.monotonic() + 180
         while not job.done() and time.monotonic() < deadline:
             time.sleep(0.5)
+    return [job for job in jobs if not job.done()]
+
+
+# -- stop signals ----------------------------------------------------------------------------
+# SIGTERM and SIGHUP to a launcher that waits on local jobs cancel them, as Ctrl-C does: each
+# job saves a checkpoint and stops, and the same command resumes it. Why not detach: a local
+# job has no scheduler to own it, the launcher is its owner. SIGTERM is how `timeout`, a
+# process supervisor, a CI runner or the end of a Slurm allocation asks a program to stop,
+# and SIGHUP is what a closed terminal or ssh session sends; in each case nobody is left to
+# watch the job, which would train on unseen, holding the machine and the run's folder.
+# srun ends its job step on these signals too. A job meant to outlive the launcher is
+# submitted with --no-wait (a launcher started under nohup keeps SIGHUP ignored). Slurm
+# jobs stay queued, as on Ctrl-C: the scheduler owns them.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class StopSignal(BaseException):  # like KeyboardInterrupt: no ``except Exception`` eats it
+    """SIGTERM or SIGHUP reached the launcher."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+
+
+class StopSignals:
+    """Raise ``StopSignal`` on SIGTERM and SIGHUP, except inside ``deferred()``: a job
+    submitted there is recorded and watched before the signal acts, so that the cancel
+    knows of every job this launcher started."""
+
+    def __init__(self) -> None:
+        self.deferring = False
+        self.pending: int | None = None
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        """The handlers while the launcher submits and waits; the previous ones after.
+        Only the main thread can set them (the launcher called as a library elsewhere
+        keeps the default behaviour)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+        for signum, handler in previous.items():
+            if handler is not signal.SIG_IGN:  # nohup: SIGHUP stays ignored
+                signal.signal(signum, self._received)
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def ignore(self) -> None:
+        """While the cancel runs: a second signal must not cut it short."""
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+
+    def _received(self, signum: int, frame) -> None:
+        if self.deferring:
+            self.pending = signum
+            return
+        raise StopSignal(signum)
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        self.deferring = True
+        try:
+            yield
+        finally:
+            self.deferring = False
+        signum, self.pending = self.pending, None
+        if signum is not None:
+            raise StopSignal(signum)
+
+
+STOPS = StopSignals()
+
+
+def say(text: str, file=None) -> None:
+    """Print, even to a terminal that has gone (SIGHUP): the cancel goes on regardless."""
+    try:
+        print(text, file=file or sys.stdout, flush=True)
+    except OSError:
+        pass
+
+
+def stop_jobs(cluster: str, pending: list, how: str, code: int) -> int:
+    """Ctrl-C, SIGTERM or SIGHUP (``how``) while the launcher runs: local jobs are
+    cancelled (each saves a checkpoint), Slurm jobs stay queued. Returns ``code``."""
+    STOPS.ignore()
+    if cluster != "local":
+        say(
+            f"\n{how}: the jobs stay queued (follow them: submit.py status RUN; "
+            "end them: submit.py cancel RUN)"
+        )
+        return code
+    say(f"\n{how}: cancelling the local jobs (each saves a checkpoint)...")
+    left = cancel_local_jobs(pending)
+    if left:
+        ids = ", ".join(str(job.job_id) for job in left)
+        say(f"job(s) {ids} still ending; follow: submit.py status RUN", file=sys.stderr)
+    else:
+        say("cancelled; run the same command again to resume")
+    return code
 
 
 def group_by_resources(plans: list[RunPlan], profile, sweep) -> list[list[RunPlan]]:
@@ -330,20 +437,22 @@ def submit_group(
             executor = local_executor(
                 plan.run_dir / SUBMITIT, profile, plan.resources, plan.run_dir
             )
-            jobs.append(executor.submit(job_callable))
-            record_submission(plan, jobs[-1], cluster, False, argv)
-            progress.add(plan, jobs[-1])
+            with STOPS.deferred():  # a job started here is known to the cancel
+                jobs.append(executor.submit(job_callable))
+                record_submission(plan, jobs[-1], cluster, False, argv)
+                progress.add(plan, jobs[-1])
         return jobs
     folder = submitit_folder(group, sweep)
     executor = slurm_executor(folder, profile, resources, job_name(group, sweep))
-    if len(group) == 1:
-        jobs = [executor.submit(callables[0])]
-    else:
-        with executor.batch():
-            jobs = [executor.submit(c) for c in callables]
-    for plan, job in zip(group, jobs, strict=True):
-        record_submission(plan, job, cluster, len(group) > 1, argv)
-        progress.add(plan, job)
+    with STOPS.deferred():  # a job queued here is recorded in its run folder
+        if len(group) == 1:
+            jobs = [executor.submit(callables[0])]
+        else:
+            with executor.batch():
+                jobs = [executor.submit(c) for c in callables]
+        for plan, job in zip(group, jobs, strict=True):
+            record_submission(plan, job, cluster, len(group) > 1, argv)
+            progress.add(plan, job)
     return jobs
 
 
@@ -440,6 +549,10 @@ class Progress:
         bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}")
 
 
+def pending_jobs(progress: Progress) -> list:
+    return [job for _, job in progress.pending.values()]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["status"]:
@@ -492,40 +605,43 @@ def main(argv: list[str] | None = None) -> int:
 
     submitted_plans = []
     progress = Progress(cluster, args.progress, total=sum(map(len, todos)))
-    try:
-        for todo in todos:
-            if not todo:
-                continue
-            if cluster == "slurm" and "SLURM_CONF" not in os.environ:
-                print(
-                    "note: SLURM_CONF is not set; sbatch uses its default configuration",
-                    file=sys.stderr,
+    with STOPS.installed():
+        try:
+            for todo in todos:
+                if not todo:
+                    continue
+                if cluster == "slurm" and "SLURM_CONF" not in os.environ:
+                    print(
+                        "note: SLURM_CONF is not set; sbatch uses its default configuration",
+                        file=sys.stderr,
+                    )
+                try:
+                    submit_group(todo, profile, cluster, args.sweep, argv, progress, args.resume)
+                except (RuntimeError, OSError) as error:  # sbatch's refusal, no srun, ...
+                    names = ", ".join(p.name for p in todo)
+                    print(f"error: submitting {names} failed: {error}", file=sys.stderr)
+                    return 1
+                submitted_plans += todo
+            if not submitted_plans:
+                print("nothing submitted")
+                return (
+                    0
+                    if all(runs.is_finished(p.run_dir, p.config.train.train_steps) for p in plans)
+                    else 1
                 )
-            try:
-                submit_group(todo, profile, cluster, args.sweep, argv, progress, args.resume)
-            except (RuntimeError, OSError) as error:  # sbatch's refusal, no srun, ...
-                names = ", ".join(p.name for p in todo)
-                print(f"error: submitting {names} failed: {error}", file=sys.stderr)
-                return 1
-            submitted_plans += todo
-        if not submitted_plans:
-            print("nothing submitted")
-            return (
-                0
-                if all(runs.is_finished(p.run_dir, p.config.train.train_steps) for p in plans)
-                else 1
-            )
-        wait = args.wait if args.wait is not None else cluster == "local"
-        if wait:
-            progress.wait()
-    except KeyboardInterrupt:
-        if cluster != "local":
-            print("\ninterrupted: the jobs stay queued (cancel: submit.py cancel RUN)")
-            return 130
-        print("\ninterrupted: cancelling the local jobs (each saves a checkpoint)...")
-        cancel_local_jobs([job for _, job in progress.pending.values()])
-        print("cancelled; run the same command again to resume")
-        return 130
+            wait = args.wait if args.wait is not None else cluster == "local"
+            if wait:
+                if cluster == "local":
+                    print(
+                        "waiting; Ctrl-C, SIGTERM or SIGHUP cancel the local jobs (each saves a "
+                        "checkpoint), --no-wait leaves them running",
+                        flush=True,
+                    )
+                progress.wait()
+        except KeyboardInterrupt:
+            return stop_jobs(cluster, pending_jobs(progress), "interrupted", 130)
+        except StopSignal as stop:
+            return stop_jobs(cluster, pending_jobs(progress), stop.name, 128 + stop.signum)
     if wait:
         unfinished = [
             p.name for p in plans if not runs.is_finished(p.run_dir, p.config.train.train_steps)

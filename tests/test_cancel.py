@@ -2,6 +2,7 @@
 ``cqk-train`` on a running run is refused naming the holder; ``kill <printed job id>``
 and ``launch/submit.py cancel RUN`` end every process of the job (each rank saves a
 checkpoint first, nothing is requeued); the run then resumes with each step logged once.
+SIGTERM or SIGHUP to a launcher waiting on its local job cancel the job as Ctrl-C does.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SUBMIT = [sys.executable, str(REPO / "launch" / "submit.py")]
@@ -174,3 +177,47 @@ def test_one_job_per_run_and_cancelling_ends_every_process(tmp_path):
         )
         == 1
     )
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_or_sighup_to_the_waiting_launcher_cancels_its_local_job(tmp_path, signum):
+    """As Ctrl-C does: the job saves a checkpoint and stops, nothing is left running, the
+    launcher says so and exits 128 + the signal (it used to die at once, -15, with its job
+    training on)."""
+    root = tmp_path / "runs"
+    run_dir = root / "held"
+    log = tmp_path / "launcher.log"
+    with log.open("w") as out:
+        launcher = subprocess.Popen(
+            [*SUBMIT, *run_args(root, 100_000)],
+            cwd=REPO,
+            env=ENV,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_until(
+            lambda: len(train_steps(run_dir)) >= 3 or launcher.poll() is not None,
+            "the first steps",
+        )
+        assert launcher.poll() is None, log.read_text()
+        launcher.send_signal(signum)
+        code = launcher.wait(timeout=TIMEOUT_S)
+        output = log.read_text()
+        name = signal.Signals(signum).name
+        assert code == 128 + signum, output
+        assert "SIGTERM or SIGHUP cancel the local jobs" in output  # said before it waits
+        assert f"{name}: cancelling the local jobs (each saves a checkpoint)" in output
+        assert "cancelled; run the same command again to resume" in output
+        assert not job_processes(run_dir)
+        (stopped,) = events(run_dir, "stopped")
+        assert stopped["exit"] == 75 and stopped["requeue"] == "cancelled: not requeued"
+        last = train_steps(run_dir)[-1]
+        assert (run_dir / "checkpoints" / f"iter_{last:07d}" / "manifest.json").is_file()
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+        for pid in job_processes(run_dir):
+            os.kill(pid, signal.SIGKILL)

@@ -179,6 +179,56 @@ def test_the_launcher_refuses_a_run_whose_checkpoints_all_fail_to_verify(tmp_pat
     assert sorted(p.name for p in (root / "tiny-cpu").iterdir()) == ["checkpoints"]
 
 
+def _flip_a_byte(checkpoint: Path) -> Path:
+    """One byte of the checkpoint's engine weights changed in place: every size still
+    matches its manifest, only the sha256 tells."""
+    path = checkpoint / "engine" / "pp0" / "ds" / "mp_rank_00_model_states.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_a_damaged_checkpoint_is_named_before_queueing_and_the_run_takes_one_that_verifies(
+    tmp_path,
+):
+    """The launcher's pre-flight verifies by sha256 as the job's resume does: with the
+    newest checkpoint damaged it names the one the run resumes from (and the job does
+    resume from it); with every checkpoint damaged it refuses before queueing (exit 2),
+    where it used to queue a job that then refused (the launcher's exit 1)."""
+    root = tmp_path / "runs"
+    run_dir = root / "flipped"
+    checkpoints = run_dir / "checkpoints"
+    run = [*RUN, f"log.root={root}", "name=flipped", "train.save_interval=10"]
+    first = submit(*run, "train.train_steps=20")
+    assert first.returncode == 0, first.stdout + first.stderr
+    damaged = _flip_a_byte(checkpoints / "iter_0000020")
+
+    out = submit(*run, "train.train_steps=30")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (
+        f"flipped: note: skipping checkpoint: {damaged}: contents do not match the "
+        "manifest's sha256" in out.stderr
+    ), out.stderr
+    assert (
+        "flipped: note: resuming from iter_0000010 (the newest that verifies, verified by "
+        f"sha256); the job moves the newer one(s) to {run_dir}/superseded/" in out.stderr
+    ), out.stderr
+    logs = "".join(p.read_text() for p in (run_dir / "submitit").glob("*_0_log.out"))
+    assert f"resumed from {checkpoints}/iter_0000010 at step 10 (exactly)" in logs
+    assert list(run_dir.glob("superseded/*/checkpoints/iter_0000020"))  # moved aside, not deleted
+    assert "finished   yes: 30 steps" in submit("status", str(run_dir)).stdout
+
+    for folder in checkpoints.glob("iter_*"):
+        _flip_a_byte(folder)
+    submissions = (run_dir / "jobs.jsonl").read_text()
+    out = submit(*run, "train.train_steps=40")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "error: flipped: none of the" in out.stderr and "verifies" in out.stderr
+    assert "submitted" not in out.stdout
+    assert (run_dir / "jobs.jsonl").read_text() == submissions  # nothing queued
+
+
 def test_the_pre_flight_accepts_good_data(demo):
     from cqk_megatron.data.checks import check_run_data
 
