@@ -10,7 +10,8 @@ in real runs of the training loop (gloo), GPT-2 family with tied embeddings, fp3
 
 Each layout starts from the same TP=1 weights and is compared, over ``STEPS`` steps with
 gradient clipping active, with the one-rank run of the same engine and with the other
-engine on the same layout; the copies that must stay identical are compared bitwise.
+engine on the same layout (and with interleaved 1F1B, PP=2 x 2 virtual stages, fp32);
+the copies that must stay identical are compared bitwise.
 
 Two spawns: one rank (initial weights, the references), two ranks (the layouts).
 """
@@ -52,7 +53,13 @@ TOLERANCE = {"fp32": {"loss": 1e-6, "norm": 1e-5}, "bf16": {"loss": 2e-3, "norm"
 BF16_FIRST_STEP = {"loss": 1e-4, "norm": 1e-3}
 
 
-def _common(root: str, precision: str) -> list[str]:
+# Interleaved 1F1B (2 virtual stages per rank): the tied copies are in the first rank's
+# first chunk and the last rank's last chunk; four layers, one per chunk, fp32.
+FOUR_LAYERS = ["model.num_layers=4"]
+INTERLEAVED = [*LAYOUTS["pp2"], "parallel.virtual_pipeline=2"]
+
+
+def _common(root: str, precision: str, init: str = "init") -> list[str]:
     return [
         *GPT2_TIED,
         f"train.precision={precision}",
@@ -61,7 +68,7 @@ def _common(root: str, precision: str) -> list[str]:
         f"train.clip_grad={CLIP}",
         "train.checkpoint_hashes=false",
         f"train.train_steps={STEPS}",
-        f"train.init_from={root}/init-{precision}",
+        f"train.init_from={root}/{init}-{precision}",
     ]
 
 
@@ -75,6 +82,9 @@ def runs(tmp_path_factory) -> Path:
         for p in PRECISIONS
         for engine in ENGINES
     ]
+    four = [*_common(r, "fp32", init="init4"), *FOUR_LAYERS]
+    inits.append(("init4-fp32", [*GPT2_TIED, *FOUR_LAYERS]))
+    one_rank.append(("ref4-ds-fp32", four))
     run_ranks(train_and_dump, 1, r, inits, one_rank)
     two_ranks = [
         (f"{engine}-{layout}-{p}", [*_common(r, p), *ENGINE_OVERRIDES[engine], *overrides])
@@ -85,6 +95,10 @@ def runs(tmp_path_factory) -> Path:
     # and once from the seed, no init_from: Megatron's build must sync the two copies
     seeded = [o for o in _common(r, "fp32") if not o.startswith("train.init_from")]
     two_ranks.append(("ds-pp2-seeded", [*seeded, *LAYOUTS["pp2"]]))
+    for engine in ENGINES:
+        two_ranks.append(
+            (f"{engine}-interleaved-fp32", [*four, *ENGINE_OVERRIDES[engine], *INTERLEAVED])
+        )
     run_ranks(train_and_dump, 2, r, [], two_ranks)
     return root
 
@@ -152,15 +166,29 @@ TIED = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 def _tied_copies(runs: Path, name: str, when: str) -> tuple[torch.Tensor, torch.Tensor]:
-    first, last = _dump(runs, name, 0), _dump(runs, name, 1)
-    assert TIED[1] not in first[when] and TIED[0] not in last[when]
-    return first[when][TIED[0]], last[when][TIED[1]]
+    """The first stage's embedding and the last stage's output layer (under interleaving,
+    in the first rank's first chunk ``0.`` and the last rank's last chunk ``1.``)."""
+    first, last = _dump(runs, name, 0)[when], _dump(runs, name, 1)[when]
+    assert not any(n.endswith(TIED[1]) for n in first), list(first)
+    assert not any(n.endswith(TIED[0]) for n in last), list(last)
+    (embedding,) = [p for n, p in first.items() if n.endswith(TIED[0])]
+    (output,) = [p for n, p in last.items() if n.endswith(TIED[1])]
+    return embedding, output
 
 
 @pytest.mark.parametrize(("engine", "precision"), [(e, p) for p in PRECISIONS for e in ENGINES])
 def test_tied_copies_stay_identical_across_stages(runs, engine, precision):
     for when in ("initial", "final"):
         embedding, output = _tied_copies(runs, f"{engine}-pp2-{precision}", when)
+        assert torch.equal(embedding, output), (when, (embedding - output).abs().max())
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_interleaved_tied_gives_the_one_rank_run_and_keeps_the_copies(runs, engine):
+    name = f"{engine}-interleaved-fp32"
+    _agree(runs, name, "ref4-ds-fp32", "fp32")
+    for when in ("initial", "final"):
+        embedding, output = _tied_copies(runs, name, when)
         assert torch.equal(embedding, output), (when, (embedding - output).abs().max())
 
 
@@ -173,7 +201,9 @@ def test_the_build_syncs_the_tied_copies_and_training_keeps_them(runs):
     assert embedding.abs().max() > 0
 
 
-@pytest.mark.parametrize("name", [f"ref-{e}-{p}" for p in PRECISIONS for e in ENGINES])
+@pytest.mark.parametrize(
+    "name", [*(f"ref-{e}-{p}" for p in PRECISIONS for e in ENGINES), "ref4-ds-fp32"]
+)
 def test_clipping_binds_and_the_runs_train(runs, name):
     curve = _curve(runs, name)
     assert all(norm > CLIP for _, norm in curve), curve
