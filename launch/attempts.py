@@ -189,8 +189,9 @@ def decide(previous: list[dict], record: dict, policy: Policy) -> tuple[str, str
     relaunched = sum(1 for p in previous if p.get("decision") == "relaunch")
     if (record.get("cause") or {}).get("exit") == EXIT_REFUSED:
         return "stop", (
-            f"{summary_line(record)}: the run was refused before training (exit "
-            f"{EXIT_REFUSED}; its log says why), which a relaunch cannot change"
+            f"{summary_line(record)}: the run was refused (exit {EXIT_REFUSED}: bad input "
+            "before training, or a full disk at a save; its log says why), which a relaunch "
+            "cannot change"
         )
     same = [record]
     for p in reversed(previous):
