@@ -135,3 +135,42 @@ def test_a_save_failed_for_a_full_disk_is_a_refusal_and_other_failed_saves_are_n
     decision, why = decide([], record, Policy())
     assert decision == "stop" and "a full disk at a save" in why
     assert json.dumps(why)  # one line, recordable
+
+
+def test_a_write_that_fails_inside_a_librarys_save_is_held_until_the_call_returns(tmp_path):
+    """The guard itself, in one process: the failing write does not raise where it fails
+    (a rank must still reach the library's next collective), later writes are skipped,
+    and the error comes out when the library's call returns."""
+    import errno
+
+    import torch
+
+    from cqk_megatron.training.checkpoint import WriteLog
+
+    full = tmp_path / "full.pt"
+    reached = []
+
+    def library_save() -> None:  # as DeepSpeed's: writes, then its closing barrier
+        torch.save({"a": 1}, tmp_path / "first.pt")
+        torch.save({"b": 2}, full)  # fails: the disk is full
+        torch.save({"c": 3}, tmp_path / "after.pt")  # skipped: this rank's save failed
+        reached.append("the closing barrier")
+
+    real_save = torch.save
+
+    def save_onto_a_full_disk(obj, f, *args, **kwargs):
+        if Path(f) == full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    log = WriteLog()
+    try:
+        torch.save = save_onto_a_full_disk
+        error = log.attempt(library_save)
+    finally:
+        torch.save = real_save
+    assert reached == ["the closing barrier"]
+    assert isinstance(error, OSError) and error.errno == errno.ENOSPC
+    assert [p.name for p in log.paths] == ["first.pt"]
+    assert not (tmp_path / "after.pt").exists()
+    assert torch.save is real_save  # the guard is gone after the call

@@ -238,10 +238,13 @@ def _guarded(log: WriteLog, write: Callable, target: Callable[..., object]) -> C
     return guarded
 
 
-def _path_arg(position: int, name: str) -> Callable[..., Path | None]:
+def _path_arg(position: int, name: str, inside: str = "") -> Callable[..., Path | None]:
+    """The path a write function is given (argument ``position`` or ``name``), joined
+    with ``inside`` when it is a folder the function writes a file in."""
+
     def target(*args, **kwargs):
         value = args[position] if len(args) > position else kwargs.get(name)
-        return Path(value) if isinstance(value, str | os.PathLike) else None
+        return Path(value, inside) if isinstance(value, str | os.PathLike) else None
 
     return target
 
@@ -253,11 +256,7 @@ def _write_functions() -> list[tuple[object, str, Callable[..., Path | None]]]:
 
     found = [
         (torch, "save", _path_arg(1, "f")),  # Megatron's common.pt, DeepSpeed's files
-        (
-            serialization,
-            "save_config",
-            lambda config, folder: Path(folder) / "metadata.json",
-        ),
+        (serialization, "save_config", _path_arg(1, "checkpoint_dir", "metadata.json")),
     ]
     deepspeed_engine = sys.modules.get("deepspeed.runtime.engine")
     if deepspeed_engine is not None:  # rank 0 copies zero_to_fp32.py before a barrier
