@@ -322,11 +322,12 @@ def _launcher_failure(history: list[dict]) -> dict | None:
 
 
 def _fault(run_dir: Path) -> dict | None:
-    """The last crash record or watchdog verdict in ``faults.jsonl``."""
+    """The last crash record, watchdog verdict or refusal (a full disk at a save) in
+    ``faults.jsonl``."""
     faults = [
         r
         for r in read_jsonl(run_dir / FAULTS)
-        if r.get("event") in ("crashed", "lost", "rendezvous")
+        if r.get("event") in ("crashed", "lost", "rendezvous", "refused")
     ]
     return faults[-1] if faults else None
 
