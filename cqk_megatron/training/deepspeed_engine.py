@@ -31,7 +31,6 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from cqk_megatron import cpu_bridge
@@ -39,6 +38,7 @@ from cqk_megatron.attention.tp_grads import left_to_finalize_model_grads, sum_gr
 from cqk_megatron.config import RunConfig
 from cqk_megatron.device import device
 from cqk_megatron.model import model_chunks
+from cqk_megatron.training import collectives
 from cqk_megatron.training.engine import Batch, Engine, StepResult
 from cqk_megatron.training.mpu import MegatronMpu
 from cqk_megatron.training.step_loss import (
@@ -203,7 +203,7 @@ class MegatronGradSums:
                 "reduced it during backward (zero_optimization.overlap_comm); it must stay off "
                 "with model.tie_embeddings=true and parallel.pipeline_parallel > 1"
             )
-        dist.all_reduce(grad, group=ps.get_embedding_group())
+        collectives.all_reduce(grad, group=ps.get_embedding_group())
 
 
 def accumulated_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
