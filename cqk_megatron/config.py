@@ -226,6 +226,10 @@ class TrainConfig:
     save_interval: int = 100
     keep_last: int = 3
     checkpoint_hashes: bool = True  # sha256 of every file in the manifest (else sizes only)
+    # a save stages the state in host memory and training goes on while a background
+    # thread writes it; committed (manifest, rename, latest) only once every rank's write
+    # has finished (docs/checkpoints.md). null (the default): on on GPU, off on CPU
+    async_save: bool | None = None
     # robustness
     max_nan_steps: int = 5  # abort after this many skipped (non-finite) steps in a row
     wall_clock_budget_s: float | None = None  # checkpoint and exit for requeue after this

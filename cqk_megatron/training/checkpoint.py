@@ -425,15 +425,28 @@ def _write_and_commit(
 ) -> None:
     """Collective: each of ``writes`` on every rank, its outcome agreed; each rank hashes
     the files it wrote; rank 0 commits (``_commit``). Any failure raises on every rank."""
-    what = f"{'checkpoint' if iteration_step(final) is not None else 'weights'} {final}"
+    what = save_description(final)
     log = WriteLog()
     for write in writes:
         _agree(log.attempt(write), staging, what)
     digests, error = _hash_own_files(staging, log, config.train.checkpoint_hashes)
     _agree(error, staging, what)
+    commit_across_ranks(staging, final, config, step, digests, lease)
+
+
+def save_description(final: Path) -> str:
+    """How errors name a save: ``checkpoint <folder>`` or ``weights <folder>``."""
+    return f"{'checkpoint' if iteration_step(final) is not None else 'weights'} {final}"
+
+
+def commit_across_ranks(
+    staging: Path, final: Path, config: RunConfig, step: int, digests: dict[str, str], lease=None
+) -> None:
+    """Collective, once every rank's files are written and ``digests`` holds this rank's
+    hashes of its own: rank 0 commits (``_commit``); any failure raises on every rank."""
     commit = _commit(staging, final, config, step, _gathered_digests(digests), lease)
     _, error = rank0_with_hash_helpers(commit)
-    _agree(error, staging, what)
+    _agree(error, staging, save_description(final))
 
 
 def _save_weights(engine: Engine, model, folder: Path) -> None:

@@ -32,6 +32,7 @@ from cqk_megatron.perf.flops import flops_per_token, mfu, peak_flops
 from cqk_megatron.perf.plan import check_fits, gpu_memory_bytes
 from cqk_megatron.run_folder import CHECKPOINTS, SUMMARY, TRAIN, VALID, run_dir_of, write_config
 from cqk_megatron.training import checkpoint, collectives, faults, watchdog
+from cqk_megatron.training.async_save import Saver
 from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine
 from cqk_megatron.training.engine import Engine
 from cqk_megatron.training.lr_schedule import learning_rate
@@ -257,6 +258,7 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
     protect_checkpoint_writer()  # before any save, and before our handlers are installed
     stop = StopRequest(t.wall_clock_budget_s)
     last_saved = state.step
+    saver = Saver(checkpoints, engine, model, config, lease)
     try:
         while state.step < t.train_steps:
             watchdog.enter("step", state.step + 1)
@@ -301,9 +303,9 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
                 )
             if state.step % t.eval_interval == 0 and state.step < t.train_steps:
                 log_validation(logger, engine, valid_data, config, state, dp_rank, dp)
+            saver.poll(state.step)  # an asynchronous save is committed once written
             if state.step % t.save_interval == 0:
-                with watchdog.phase("save"):
-                    checkpoint.save(checkpoints, engine, model, config, state, lease)
+                saver.save(state)
                 last_saved = state.step
             stopping = stop.agreed()  # collective: every rank, every step
             if stopping or state.step == t.exit_after_steps:
@@ -311,8 +313,8 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
                     "another rank was signalled" if stopping else "train.exit_after_steps"
                 )
                 if last_saved != state.step:
-                    with watchdog.phase("save"):
-                        checkpoint.save(checkpoints, engine, model, config, state, lease)
+                    saver.save(state)
+                saver.finish()  # the requeue exit waits for the save in flight
                 if rank == 0:
                     print(
                         f"stopping at step {state.step} ({reason})"
@@ -322,8 +324,8 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
                 return EXIT_REQUEUE
         log_validation(logger, engine, valid_data, config, state, dp_rank, dp, final=True)
         if last_saved != state.step:
-            with watchdog.phase("save"):
-                checkpoint.save(checkpoints, engine, model, config, state, lease)
+            saver.save(state)
+        saver.finish()
         logger.log(
             {
                 "kind": SUMMARY,

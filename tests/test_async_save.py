@@ -1,0 +1,163 @@
+"""Asynchronous checkpoint saves (``train.async_save``, training/async_save.py), 2 ranks.
+
+The background write is held for a number of step boundaries through a test-only hook
+(``CQK_TEST_ASYNC_SAVE_HOLD_STEPS``, read in one place in async_save.Writer): without it
+a tiny model's write finishes within a step on a fast disk, and whether steps ran
+during it would depend on this machine's speed. With it the order is deterministic, and
+every check here is on the order of events (which checkpoints existed when each step
+fetched its data, ``_async_save_workers.Observed``), never on wall-clock time.
+
+Runs (8 steps, a save every 3 steps: iter 3, 6 and the final 8):
+- ``sync``: synchronous saves, the reference;
+- ``async``: asynchronous saves, each write held 2 step boundaries;
+- ``killed``: asynchronous, every rank SIGKILLed as step 7 fetches its data while iter 6
+  is still being written; then resumed (synchronously) to the end;
+- ``stopped``: asynchronous, every rank SIGTERMed as step 7 fetches its data, while
+  iter 6 is being written: the stop saves step 7, waits for both and exits 75; resumed.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+from _async_save_workers import observed_run
+from _multiproc import run_ranks
+from _training import records
+
+from cqk_megatron.checkpoint_files import verify
+from cqk_megatron.exit_codes import EXIT_REQUEUE
+
+BASE = [
+    "train.train_steps=8",
+    "train.save_interval=3",
+    "train.eval_interval=100",
+    "train.keep_last=5",
+]
+ASYNC = [*BASE, "train.async_save=true"]
+HOLD = 2  # step boundaries each background write is held for
+
+
+def observed(root: Path, name: str) -> dict[int, dict]:
+    lines = (root / f"{name}.observed.jsonl").read_text().splitlines()
+    return {entry["step"]: entry for entry in map(json.loads, lines)}
+
+
+def losses(root: Path, name: str) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(root, name, "train")}
+
+
+def exit_codes(root: Path, name: str) -> list[str]:
+    path = root / f"{name}.exit"
+    return path.read_text().split() if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, request):
+    engine = request.param
+    root = tmp_path_factory.mktemp(f"async-{engine}")
+    args = (str(root),)
+    engine_override = [f"train.engine={engine}"]
+    run_ranks(observed_run, 2, *args, "sync", [*BASE, *engine_override], 0, None)
+    run_ranks(observed_run, 2, *args, "async", [*ASYNC, *engine_override], HOLD, None)
+    if engine == "deepspeed":  # the stop and kill drills: one engine is enough
+        with pytest.raises(Exception, match="signal SIGKILL"):
+            run_ranks(observed_run, 2, *args, "killed", ASYNC, 100, ("kill", 7))
+        (root / "killed.after-kill").write_text(
+            json.dumps(sorted(p.name for p in (root / "killed/checkpoints").iterdir()))
+        )
+        run_ranks(observed_run, 2, *args, "killed", BASE, 0, None)
+        run_ranks(observed_run, 2, *args, "stopped", ASYNC, 100, ("term", 7))
+        (root / "stopped.after-stop").write_text(
+            json.dumps(sorted(p.name for p in (root / "stopped/checkpoints").iterdir()))
+        )
+        run_ranks(observed_run, 2, *args, "stopped", ASYNC, 0, None)
+    return root
+
+
+ENGINES = pytest.mark.parametrize("runs", ["deepspeed", "megatron"], indirect=True)
+DEEPSPEED = pytest.mark.parametrize("runs", ["deepspeed"], indirect=True)
+
+
+@ENGINES
+def test_steps_train_while_the_write_is_in_flight(runs):
+    """Steps 4 and 5 fetch their data while iter 3 is staged (its .tmp folder exists)
+    but not committed; a synchronous save commits it before step 4."""
+    seen = observed(runs, "async")
+    for step in (4, 5):
+        assert "iter_0000003.tmp" in seen[step]["folders"], seen[step]
+        assert "iter_0000003" not in seen[step]["folders"], seen[step]
+        assert seen[step]["latest"] is None
+    assert seen[7]["latest"] == "iter_0000003"  # committed by step 6's save at the latest
+    assert observed(runs, "sync")[4]["latest"] == "iter_0000003"
+    assert exit_codes(runs, "async") == ["0"]
+
+
+def same_files(sync: Path, asynchronous: Path) -> list[str]:
+    """The files of two checkpoint folders that differ, compared byte for byte except
+    what differs between any two saves: ``torch.save`` writes a random serialization id
+    into each file (every other record of its zip archive is compared), a distributed
+    checkpoint's ``.metadata`` holds the folder's path and a random id, ``config.yaml``
+    the run's name, and ``manifest.json`` those files' digests."""
+    names = {str(p.relative_to(sync)) for p in sync.rglob("*") if p.is_file()}
+    other = {str(p.relative_to(asynchronous)) for p in asynchronous.rglob("*") if p.is_file()}
+    differ = sorted(names ^ other)
+    for name in sorted(names & other):
+        if name in ("config.yaml", "manifest.json") or name.endswith(".metadata"):
+            continue
+        if name.endswith(".pt"):
+            same = zip_records(sync / name) == zip_records(asynchronous / name)
+        else:
+            same = (sync / name).read_bytes() == (asynchronous / name).read_bytes()
+        if not same:
+            differ.append(name)
+    return differ
+
+
+def zip_records(path: Path) -> dict[str, bytes]:
+    with zipfile.ZipFile(path) as archive:
+        return {
+            n: archive.read(n) for n in archive.namelist() if not n.endswith("serialization_id")
+        }
+
+
+@ENGINES
+def test_async_saves_equal_sync_saves_bit_for_bit(runs):
+    """Same losses, and every checkpoint file (weights, engine state, trainer state)
+    holds the same bytes as the synchronous run's (``same_files``)."""
+    assert losses(runs, "async") == losses(runs, "sync")
+    for iteration in ("iter_0000003", "iter_0000006", "iter_0000008"):
+        sync, asynchronous = runs / "sync/checkpoints", runs / "async/checkpoints"
+        assert not same_files(sync / iteration, asynchronous / iteration), iteration
+    assert (runs / "async/checkpoints/latest").read_text().strip() == "iter_0000008"
+
+
+@DEEPSPEED
+def test_kill_during_the_write_keeps_the_previous_checkpoint(runs):
+    """SIGKILL while iter 6 is written: its .tmp is left, ``latest`` is iter 3, and the
+    resume from it ends where the uninterrupted run does, bit for bit."""
+    after_kill = json.loads((runs / "killed.after-kill").read_text())
+    assert "iter_0000006.tmp" in after_kill and "iter_0000006" not in after_kill
+    assert "iter_0000003" in after_kill
+    reference = losses(runs, "sync")
+    resumed = [r for r in records(runs, "killed", "train") if r["step"] >= 4]
+    assert {r["step"]: r["loss"] for r in resumed} == {s: reference[s] for s in range(4, 9)}
+    checkpoints = "checkpoints/iter_0000008"
+    assert not same_files(runs / "sync" / checkpoints, runs / "killed" / checkpoints)
+
+
+@DEEPSPEED
+def test_sigterm_during_the_write_waits_for_it_then_exits_75(runs):
+    """SIGTERM while iter 6 is written: the stop saves step 7, and the exit (75) comes
+    after both are committed and verify; the resume finishes as the reference does."""
+    assert exit_codes(runs, "stopped") == [str(EXIT_REQUEUE), "0"]
+    after_stop = json.loads((runs / "stopped.after-stop").read_text())
+    assert {"iter_0000006", "iter_0000007", "latest"} <= set(after_stop)
+    assert not [name for name in after_stop if name.endswith(".tmp")]
+    assert verify(runs / "stopped/checkpoints/iter_0000006") == 6
+    assert (runs / "stopped/checkpoints/latest").read_text().strip() == "iter_0000008"
+    checkpoints = "checkpoints/iter_0000006"
+    assert not same_files(runs / "sync" / checkpoints, runs / "stopped" / checkpoints)
+    assert losses(runs, "stopped") == losses(runs, "sync")
