@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import sys
 import threading
 from collections.abc import Callable
@@ -176,8 +177,7 @@ class Writer(threading.Thread):
         try:
             log = WriteLog()
             for request in self.staged.requests:
-                if request.async_fn is not None:
-                    request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)
+                _write_request(request)
             for path, obj, extra in self.staged.files:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(obj, path, *extra["args"], **extra["kwargs"])
@@ -191,6 +191,40 @@ class Writer(threading.Thread):
                 }
         except FAILURES as caught:
             self.error = caught
+
+
+def _write_request(request) -> None:
+    """Megatron's write of one asynchronous request, in this thread. Its own function
+    (``write_preloaded_data_multiproc``) forks a process a bucket; a fork from this
+    thread while the main thread trains can copy a lock another thread holds (seen: a
+    child hung for good). So its per-bucket function runs here instead, one bucket after
+    another, and the results go to the queue its finalize function reads, as it expects
+    them ({bucket: results}, or the first exception)."""
+    write = request.async_fn
+    if write is None:
+        return
+    if getattr(getattr(write, "func", None), "__name__", "") != "write_preloaded_data_multiproc":
+        write(*request.async_fn_args, **request.async_fn_kwargs)  # another writer: as given
+        return
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync,
+    )
+
+    transform_list, _use_msc = write.args
+    _rank, buckets, results_queue = request.async_fn_args
+    results: dict | Exception = {}
+    for index, bucket in enumerate(buckets):
+        local, count = queue.Queue(), queue.Queue()
+        count.put(index)
+        FileSystemWriterAsync.write_preloaded_data(
+            transform_list, index, bucket, local, count, use_fsync=True
+        )
+        _, outcome = local.get()
+        if isinstance(outcome, Exception):
+            results = outcome
+            break
+        results[index] = outcome
+    results_queue.put(results)
 
 
 # -- commit ----------------------------------------------------------------------------
