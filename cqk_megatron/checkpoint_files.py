@@ -323,7 +323,13 @@ def choose_resume(checkpoints: Path, resume: str, hashes: bool = True) -> Resume
             folder, refused=refused, supersede=_newer_than(checkpoints, good[0].step)
         )
     weights_only = resume.startswith("weights:")
-    folder = Path(resume[len("weights:") :] if weights_only else resume).expanduser()
+    given = resume[len("weights:") :] if weights_only else resume
+    if not given.strip():  # Path("") is the current folder: name the real mistake
+        raise CheckpointError(
+            f"--resume {resume} names no checkpoint folder; give one, e.g. --resume "
+            f"{'weights:' if weights_only else ''}RUN/checkpoints/iter_0000010"
+        )
+    folder = Path(given).expanduser()
     if not folder.is_dir():
         raise CheckpointError(f"--resume {resume}: {folder} is not a checkpoint folder")
     step = verify(folder, hashes, WEIGHT_PARTS if weights_only else None)
