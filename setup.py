@@ -26,6 +26,7 @@ setup(
         "datasets>=3.0",
         "pyarrow>=15",
         "submitit>=1.5.4,<1.6",  # launch/ uses submitit's sbatch renderer
+        "xxhash>=3",  # checkpoint manifests (xxh3-128); pinned in constraints.txt
     ],
     extras_require={
         "deepspeed": ["deepspeed>=0.16"],

@@ -9,17 +9,20 @@ Rules that keep good state:
   truncated) are moved to ``superseded/`` rather than overwritten later;
 - when checkpoints exist but none verifies, the run stops and lists them: resuming from
   weights only (``weights:PATH``) or starting over (``none``) is the user's choice;
-- retention deletes a folder only when ``keep_last`` newer folders verify, and never
-  the one just written; ``latest`` names a folder that verifies.
+- retention deletes a folder only when ``keep_last`` newer folders verify by hash, and
+  never the one just written; ``latest`` names a folder that verifies.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cqk_megatron import file_hash
 from cqk_megatron.atomic import write_text_atomically
 from cqk_megatron.config import ConfigError, RunConfig, load_config
 from cqk_megatron.config_changes import (
@@ -28,7 +31,7 @@ from cqk_megatron.config_changes import (
     shape_changes,
     shape_mismatch_message,
 )
-from cqk_megatron.file_hash import file_sha256
+from cqk_megatron.file_hash import CHECKPOINT_HASH, HASHES
 from cqk_megatron.run_folder import CHECKPOINTS, CONFIG, METRICS, SUPERSEDED, supersede
 
 MANIFEST = "manifest.json"  # written last: the folder is whole
@@ -42,7 +45,13 @@ class CheckpointError(RuntimeError):
 
 
 class CheckpointSaveError(CheckpointError):
-    """Writing a checkpoint failed (a full disk, a lost lease); the previous one stands."""
+    """Writing a checkpoint failed (a full disk, a lost lease); the previous one stands.
+    ``disk_full``: its filesystem is full, so the run is refused (``refusals``): run again
+    on the same disk, it would fail the same way."""
+
+    def __init__(self, message: str, disk_full: bool = False) -> None:
+        super().__init__(message)
+        self.disk_full = disk_full
 
 
 def iteration_dir(checkpoints: Path, step: int) -> Path:
@@ -63,37 +72,102 @@ def iterations(checkpoints: Path) -> list[Path]:
 
 
 # -- manifest ------------------------------------------------------------------------------
+#
+# {"step": 100, "hash": "xxh3_128", "files": {"model/__0_0.distcp": {"size": 303735,
+#  "xxh3_128": "..."}, ...}}. "hash" names the algorithm (``file_hash.HASHES``); a manifest
+# without it was written with sha256 (each entry's "sha256"), and still verifies.
+
+# How a folder's files are hashed against its manifest: ``(folder, algorithm, {name: (size,
+# digest)})`` -> the first problem, or None. ``check_digests_here`` hashes them all in this
+# process; ``training/checkpoint.py`` splits them across a job's ranks (``hash_share``).
+HashCheck = Callable[[Path, str, dict[str, tuple[int, str]]], "str | None"]
 
 
-def write_manifest(folder: Path, step: int, with_hashes: bool) -> None:
+def check_digests_here(
+    folder: Path, algorithm: str, expected: dict[str, tuple[int, str]]
+) -> str | None:
+    for name in sorted(expected):
+        path = folder / name
+        if file_hash.file_digest(path, algorithm) != expected[name][1]:
+            return f"{path}: contents do not match the manifest's {algorithm}"
+    return None
+
+
+def hash_share(sizes: dict[str, int], rank: int, world: int) -> list[str]:
+    """The files rank ``rank`` of ``world`` hashes when a folder is verified across ranks:
+    the largest first, each to the rank with the fewest bytes so far (ties: the lowest
+    rank), so every rank computes the same split and the slowest share stays near
+    1/world of the bytes."""
+    loads = [(0, r) for r in range(world)]
+    mine = []
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        load, owner = heapq.heappop(loads)
+        heapq.heappush(loads, (load + sizes[name], owner))
+        if owner == rank:
+            mine.append(name)
+    return sorted(mine)
+
+
+def write_manifest(
+    folder: Path,
+    step: int,
+    with_hashes: bool,
+    digests: dict[str, str] | None = None,
+    algorithm: str = CHECKPOINT_HASH,
+) -> None:
+    """The manifest of every file in ``folder``, written last. ``digests`` ({name: digest
+    under ``algorithm``}): files already hashed by the ranks that wrote them; the others
+    are hashed here."""
+    digests = digests or {}
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
+        name = str(path.relative_to(folder))
         entry = {"size": path.stat().st_size}
         if with_hashes:
-            entry["sha256"] = file_sha256(path)
-        files[str(path.relative_to(folder))] = entry
-    write_text_atomically(folder / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
+            entry[algorithm] = digests.get(name) or file_hash.file_digest(path, algorithm)
+        files[name] = entry
+    record = {"step": step, **({"hash": algorithm} if with_hashes else {}), "files": files}
+    write_text_atomically(folder / MANIFEST, json.dumps(record, indent=1))
 
 
 def _in_parts(name: str, parts: tuple[str, ...] | None) -> bool:
     return parts is None or name.split("/", 1)[0] in parts
 
 
-def verify(folder: Path, hashes: bool = True, parts: tuple[str, ...] | None = None) -> int:
-    """The step of a complete checkpoint; raises ``CheckpointError`` saying what is wrong.
-
-    ``hashes=False`` checks sizes only (cheap: retention, the launcher); ``parts`` limits
-    the check to files under those top-level names (``WEIGHT_PARTS``: a weights-only
-    resume does not need the optimizer's files).
-    """
+def _read_manifest(folder: Path) -> tuple[int, dict, str]:
+    """(step, files, hash algorithm) of ``folder``'s manifest."""
     manifest_path = folder / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"{folder}: no {MANIFEST}, so the checkpoint was never completed")
     try:
         manifest = json.loads(manifest_path.read_text())
         files, step = manifest["files"], int(manifest["step"])
-    except (ValueError, KeyError, TypeError) as error:
+        algorithm = manifest.get("hash", "sha256")  # older manifests: sha256
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise CheckpointError(f"{manifest_path}: unreadable manifest ({error})") from error
+    if algorithm not in HASHES:
+        raise CheckpointError(
+            f"{manifest_path}: hashed with {algorithm!r}, which this version does not read "
+            f"({', '.join(HASHES)}); verify it with the version that wrote it"
+        )
+    return step, files, algorithm
+
+
+def verify(
+    folder: Path,
+    hashes: bool = True,
+    parts: tuple[str, ...] | None = None,
+    hash_check: HashCheck | None = None,
+) -> int:
+    """The step of a complete checkpoint; raises ``CheckpointError`` saying what is wrong.
+
+    ``hashes=False`` checks sizes only (cheap: the launcher's pre-flight); ``parts`` limits
+    the check to files under those top-level names (``WEIGHT_PARTS``: a weights-only
+    resume does not need the optimizer's files); ``hash_check`` hashes the files once
+    every size matched (default: ``check_digests_here``).
+    """
+    step, files, algorithm = _read_manifest(folder)
+    expected = {}
     for name, entry in files.items():
         if not _in_parts(name, parts):
             continue
@@ -105,10 +179,13 @@ def verify(folder: Path, hashes: bool = True, parts: tuple[str, ...] | None = No
             raise CheckpointError(
                 f"{path}: {size} bytes but the manifest says {entry['size']} (truncated?)"
             )
-        if hashes and "sha256" in entry and file_sha256(path) != entry["sha256"]:
-            raise CheckpointError(f"{path}: contents do not match the manifest's sha256")
+        if hashes and algorithm in entry:
+            expected[name] = (size, entry[algorithm])
     if parts is not None and not any(_in_parts(name, ("model",)) for name in files):
         raise CheckpointError(f"{folder}: the manifest lists no model weights")
+    problem = (hash_check or check_digests_here)(folder, algorithm, expected) if expected else None
+    if problem is not None:
+        raise CheckpointError(problem)
     return step
 
 
@@ -125,18 +202,23 @@ class Candidate:
         return iteration_step(self.folder)
 
 
-def survey(checkpoints: Path, hashes: bool = True, stop_at_good: bool = True) -> list[Candidate]:
+def survey(
+    checkpoints: Path,
+    hashes: bool = True,
+    stop_at_good: bool = True,
+    hash_check: HashCheck | None = None,
+) -> list[Candidate]:
     """The folders newest first, each verified, until (and with) the first that verifies."""
     found = []
     for folder in reversed(iterations(checkpoints)):
         candidate = Candidate(folder)
         try:
-            verify(folder, hashes)
+            verify(folder, hashes, hash_check=hash_check)
             candidate.weights_intact = True
         except CheckpointError as error:
             candidate.problem = str(error)
             try:
-                verify(folder, hashes, WEIGHT_PARTS)
+                verify(folder, hashes, WEIGHT_PARTS, hash_check)
                 candidate.weights_intact = True
             except CheckpointError:
                 pass
@@ -146,9 +228,11 @@ def survey(checkpoints: Path, hashes: bool = True, stop_at_good: bool = True) ->
     return found
 
 
-def find_resumable(checkpoints: Path, hashes: bool = True) -> tuple[Path | None, list[str]]:
+def find_resumable(
+    checkpoints: Path, hashes: bool = True, hash_check: HashCheck | None = None
+) -> tuple[Path | None, list[str]]:
     """The newest complete checkpoint (or None) and why newer ones were refused."""
-    found = survey(checkpoints, hashes)
+    found = survey(checkpoints, hashes, hash_check=hash_check)
     good = [c.folder for c in found if c.problem is None]
     return (good[0] if good else None), [c.problem for c in found if c.problem]
 
@@ -181,25 +265,37 @@ def repoint_latest(checkpoints: Path) -> Path | None:
     return None
 
 
-def retire(checkpoints: Path, keep: int, just_written: Path) -> list[Path]:
-    """Delete folders older than the ``keep`` newest that verify (sizes), never
-    ``just_written``; folders that do not verify never count toward ``keep`` (while fewer
-    than ``keep`` verify, nothing is deleted), and one newer than the oldest kept folder is
-    never deleted. Returns what was deleted."""
+def retire(
+    checkpoints: Path,
+    keep: int,
+    just_written: Path,
+    hash_check: HashCheck | None = None,
+    hashes: bool = True,
+) -> list[Path]:
+    """Delete folders older than the ``keep`` newest that verify, never ``just_written``
+    (hashed as it was written). A folder counts only if its files match the manifest's
+    hashes (``hashes=False``: sizes), so a newer folder with a flipped byte never lets an
+    older good one go; while fewer than ``keep`` verify, nothing is deleted, and a folder
+    newer than the oldest kept one is never deleted. Only when something could be deleted
+    is anything hashed: the newest first, until ``keep`` verify. Returns what was deleted."""
     folders = iterations(checkpoints)
-    verified = []
-    for folder in folders:
+    if len([f for f in folders if f != just_written]) < keep:
+        return []  # at most keep folders besides the new one: nothing to delete
+    kept = []
+    for folder in reversed(folders):
+        if len(kept) == keep:
+            break
         if folder == just_written:
-            verified.append(folder)
+            kept.append(folder)
             continue
         try:
-            verify(folder, hashes=False)
-            verified.append(folder)
+            verify(folder, hashes, hash_check=hash_check)
+            kept.append(folder)
         except CheckpointError:
             continue
-    if len(verified) < keep:
+    if len(kept) < keep:
         return []  # fewer good folders than keep_last: every one stays
-    kept = set(verified[-keep:]) | {just_written}
+    kept = set(kept) | {just_written}
     oldest_kept = min(iteration_step(f) for f in kept)
     deleted = []
     for folder in folders:
@@ -306,12 +402,14 @@ def _newer_than(checkpoints: Path, step: int) -> list[Path]:
     return [f for f in iterations(checkpoints) if iteration_step(f) > step]
 
 
-def choose_resume(checkpoints: Path, resume: str, hashes: bool = True) -> ResumeChoice:
+def choose_resume(
+    checkpoints: Path, resume: str, hashes: bool = True, hash_check: HashCheck | None = None
+) -> ResumeChoice:
     """Read ``--resume`` (see ``RESUME_HELP``) against the run's checkpoints."""
     if resume == "none":
         return ResumeChoice(supersede=iterations(checkpoints), start_over=True)
     if resume == "auto":
-        found = survey(checkpoints, hashes)
+        found = survey(checkpoints, hashes, hash_check=hash_check)
         if not found:
             return ResumeChoice()
         good = [c for c in found if c.problem is None]
@@ -332,7 +430,7 @@ def choose_resume(checkpoints: Path, resume: str, hashes: bool = True) -> Resume
     folder = Path(given).expanduser()
     if not folder.is_dir():
         raise CheckpointError(f"--resume {resume}: {folder} is not a checkpoint folder")
-    step = verify(folder, hashes, WEIGHT_PARTS if weights_only else None)
+    step = verify(folder, hashes, WEIGHT_PARTS if weights_only else None, hash_check)
     inside = folder.resolve().parent == checkpoints.resolve()
     newer = _newer_than(checkpoints, step) if inside else []
     return ResumeChoice(folder, weights_only=weights_only, supersede=newer)

@@ -5,6 +5,9 @@ Megatron hard-codes CUDA in a few spots that matter on a CPU/gloo run:
 RoPE frequencies and for the sequence-parallel gather buffers; ``torch.cuda.synchronize()``
 after ``batch_isend_irecv``; and the schedules' token counter made with
 ``device="cuda"``; and the distributed checkpoint writer's synchronize and flag tensors.
+Two tensor *methods* as well, while the Megatron function that calls them runs (see
+``_tensor_method_users``): ``.type()`` names, and ``weight.data.cuda()`` when a tied
+embedding's copy on the last pipeline stage is synchronised with the first stage's.
 Activation recompute (``tensor_parallel.checkpoint``) saves and restores the CUDA generator
 and Megatron's CUDA RNG tracker around each recomputed forward (see ``_RNG_BRIDGE``).
 DeepSpeed's CPU accelerator, for its part, JIT-builds a shared-memory all-reduce op at every
@@ -21,6 +24,7 @@ import contextlib
 import functools
 import importlib
 import types
+from collections.abc import Callable
 
 import torch
 
@@ -110,10 +114,10 @@ def install() -> None:
         module = importlib.import_module(name)
         if not isinstance(module.torch, _CpuTorch):
             module.torch = _CpuTorch()
-    for owner, attribute in _type_name_checkers():
+    for owner, attribute, bridge in _tensor_method_users():
         function = getattr(owner, attribute)
         if not hasattr(function, "_cpu_bridge_original"):
-            setattr(owner, attribute, _with_cuda_type_names(function))
+            setattr(owner, attribute, _bridged(function, bridge))
     rng = importlib.import_module(_RNG_MODULE)
     if not isinstance(rng.torch, _CpuTorch):
         rng.torch = _CpuTorch(rng=True)
@@ -127,7 +131,7 @@ def install() -> None:
 def uninstall() -> None:
     for name in _PATCHED_MODULES:
         importlib.import_module(name).torch = torch
-    for owner, attribute in _type_name_checkers():
+    for owner, attribute, _ in _tensor_method_users():
         function = getattr(owner, attribute)
         setattr(owner, attribute, getattr(function, "_cpu_bridge_original", function))
     rng = importlib.import_module(_RNG_MODULE)
@@ -136,25 +140,20 @@ def uninstall() -> None:
         setattr(rng, name, original)
 
 
-# The distributed optimizer sorts parameters, and gradient clipping checks gradients, by
-# their type *name* ('torch.cuda.FloatTensor', 'torch.cuda.BFloat16Tensor'), a method of the
-# tensor that no module-level view can answer. While these two run, a CPU tensor's
-# ``.type()`` gives the CUDA name of its dtype; they run on the training thread only.
+# Tensor methods that no module-level view can answer, redirected only while the Megatron
+# function that calls them runs (on the training thread only):
+# - The distributed optimizer sorts parameters, and gradient clipping checks gradients, by
+#   their type *name* ('torch.cuda.FloatTensor', 'torch.cuda.BFloat16Tensor'): a CPU
+#   tensor's ``.type()`` gives the CUDA name of its dtype.
+# - ``LanguageModule.setup_embeddings_and_output_layer`` (tied embeddings under pipeline
+#   parallelism) moves the last stage's copy with ``weight.data.cuda()`` before summing it
+#   with the first stage's over the embedding group: ``.cuda()`` leaves a CPU tensor where
+#   it is, the device of a CPU run.
 _CUDA_TYPE_NAMES = {
     "torch.FloatTensor": "torch.cuda.FloatTensor",
     "torch.HalfTensor": "torch.cuda.HalfTensor",
     "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
 }
-
-
-def _type_name_checkers() -> list[tuple[object, str]]:
-    """(owner, attribute) of each Megatron function that compares ``.type()`` names."""
-    distrib_optimizer = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
-    optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
-    return [
-        (distrib_optimizer.DistributedOptimizer, "__init__"),
-        (optimizer, "clip_grad_by_total_norm_fp32"),  # the name optimizer.py calls
-    ]
 
 
 @contextlib.contextmanager
@@ -172,10 +171,42 @@ def _cuda_type_names():
         torch.Tensor.type = real_type
 
 
-def _with_cuda_type_names(function):
+@contextlib.contextmanager
+def _cuda_copies_stay_on_cpu():
+    real_cuda = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = real_cuda
+
+
+Bridge = Callable[[], contextlib.AbstractContextManager]
+
+
+def _tensor_method_users() -> list[tuple[object, str, Bridge]]:
+    """(owner, attribute, bridge) of each Megatron function that calls a bridged method."""
+    distrib_optimizer = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
+    language_module = importlib.import_module(
+        "megatron.core.models.common.language_module.language_module"
+    )
+    return [
+        (distrib_optimizer.DistributedOptimizer, "__init__", _cuda_type_names),
+        # the name optimizer.py calls
+        (optimizer, "clip_grad_by_total_norm_fp32", _cuda_type_names),
+        (
+            language_module.LanguageModule,
+            "setup_embeddings_and_output_layer",
+            _cuda_copies_stay_on_cpu,
+        ),
+    ]
+
+
+def _bridged(function, bridge: Bridge):
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
-        with _cuda_type_names():
+        with bridge():
             return function(*args, **kwargs)
 
     wrapper._cpu_bridge_original = function

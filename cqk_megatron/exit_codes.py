@@ -9,8 +9,9 @@ the local controller and the Slurm batch script read them without importing torc
   The rank that exits with it is a survivor, not the cause; its one-line verdict (and
   ``RUN/faults.jsonl``) names the rank that is. Relaunch from the newest checkpoint.
 - ``EXIT_REFUSED`` (2): refused before training (a bad config, data, run folder, lease or
-  checkpoints; one line says why): running it again as it is cannot help, so it is not
-  relaunched. ``1``: any other error.
+  checkpoints; one line says why), or stopped at a save because the disk is full (the
+  previous checkpoint intact; the line names the path and the free space): running it
+  again as it is cannot help, so it is not relaunched. ``1``: any other error.
 - ``EXIT_INJECTED`` (3): a fault drill's ``action=exit`` (``cqk_megatron.training.faults``):
   a bad exit that is none of the above, as an unknown failure would be.
 """

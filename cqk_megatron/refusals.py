@@ -2,7 +2,9 @@
 
 A refused run (its folder held by another job, checkpoints that do not verify, bad data or
 config) ends with ``EXIT_REFUSED`` and one line, is never relaunched (a relaunch cannot
-change it), and leaves its folder as it was. A failed save is a failure, not a refusal.
+change it), and leaves its folder as it was. A failed save is a failure, not a refusal,
+unless its disk is full (``CheckpointSaveError.disk_full``): the run stops with the
+previous checkpoint intact, and a relaunch onto the same disk would fail the same way.
 ``cqk-train``, the launcher's job and the watchdog all ask :func:`is_refusal`.
 
 Torch-free: each error class lives in a torch-free module of its own concern.
@@ -17,5 +19,6 @@ def is_refusal(error: BaseException) -> bool:
     from cqk_megatron.data.errors import DataError
     from cqk_megatron.run_lease import LeaseHeld
 
-    refusal = isinstance(error, (LeaseHeld, CheckpointError, DataError, ConfigError))
-    return refusal and not isinstance(error, CheckpointSaveError)
+    if isinstance(error, CheckpointSaveError):
+        return error.disk_full
+    return isinstance(error, (LeaseHeld, CheckpointError, DataError, ConfigError))

@@ -332,11 +332,12 @@ def _held_by_another_job(run_dir: Path, failure: dict) -> bool:
 
 
 def _fault(run_dir: Path) -> dict | None:
-    """The last crash record or watchdog verdict in ``faults.jsonl``."""
+    """The last crash record, watchdog verdict or refusal (a full disk at a save) in
+    ``faults.jsonl``."""
     faults = [
         r
         for r in read_jsonl(run_dir / FAULTS)
-        if r.get("event") in ("crashed", "lost", "rendezvous")
+        if r.get("event") in ("crashed", "lost", "rendezvous", "refused")
     ]
     return faults[-1] if faults else None
 

@@ -6,7 +6,8 @@ checks (``cqk_megatron.preflight``: data, tokenizer, run folder and its lease, c
 disk). Exit codes (``cqk_megatron/exit_codes.py``): 0 finished, 75 stopped by a signal or
 the wall-clock budget after saving a checkpoint (requeue and run again with ``--resume
 auto``), 76 the watchdog ended it (a rank was lost: relaunch), 2 refused before training (a
-bad config, data, run folder or checkpoints; one line says why), 1 another error. Under
+bad config, data, run folder or checkpoints; one line says why) or at a save onto a full
+disk, 1 another error. Under
 torchrun, ``cqk-torchrun`` keeps these codes.
 """
 
@@ -78,14 +79,14 @@ def _train(config, resume: str) -> int:
 
     try:
         return train(config, resume=resume)
-    except (CheckpointSaveError, NoSpaceError, LeaseLost) as error:
-        _say(str(error))
-        return 1
     except Exception as error:
-        if not is_refusal(error):
-            raise
-        _say(str(error))
-        return EXIT_REFUSED
+        if is_refusal(error):  # a full disk at a save too: a rerun would fail the same way
+            _say(str(error))
+            return EXIT_REFUSED
+        if isinstance(error, (CheckpointSaveError, NoSpaceError, LeaseLost)):
+            _say(str(error))
+            return 1
+        raise
 
 
 if __name__ == "__main__":

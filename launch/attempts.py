@@ -196,10 +196,10 @@ def decide(previous: list[dict], record: dict, policy: Policy) -> tuple[str, str
     """("relaunch" | "stop", why) for a failed attempt after the ``previous`` ones."""
     relaunched = sum(1 for p in previous if p.get("decision") == "relaunch")
     if was_refused(record):
-        who = record["cause"].get("rank")
         return "stop", (
-            f"the run was refused before training (exit {EXIT_REFUSED}; rank {who}'s log says "
-            "why), which a relaunch cannot change"
+            f"{summary_line(record)}: the run was refused (exit {EXIT_REFUSED}: bad input "
+            "before training, or a full disk at a save; its log says why), which a relaunch "
+            "cannot change"
         )
     same = [record]
     for p in reversed(previous):

@@ -175,8 +175,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
 
     def _train(self, env, config: RunConfig, run_dir: Path, rank0: bool) -> int:
         """The training loop's exit code; a run it refuses to start (its folder held by
-        another job, checkpoints that do not verify, bad data) ends this job with exit 2
-        and a ``refused`` record, without a requeue."""
+        another job, checkpoints that do not verify, bad data), or a save refused for a
+        full disk, ends this job with exit 2 and a ``refused`` record, without a requeue."""
         from cqk_megatron.checkpoint_files import CheckpointSaveError
         from cqk_megatron.refusals import is_refusal
         from cqk_megatron.training.loop import train  # heavy: Megatron, DeepSpeed
@@ -189,12 +189,10 @@ class TrainingJob(submitit.helpers.Checkpointable):
 
         try:
             return train(config, resume=resume, on_start=started)
-        except CheckpointSaveError as error:
-            if rank0:
-                runs.append_event(run_dir, "failed", job_id=env.job_id, reason=str(error))
-            raise
         except Exception as error:
-            if not is_refusal(error):
+            if not is_refusal(error):  # a full disk at a save is one: not relaunched
+                if rank0 and isinstance(error, CheckpointSaveError):
+                    runs.append_event(run_dir, "failed", job_id=env.job_id, reason=str(error))
                 raise
             if rank0:
                 print(f"error: {error}", file=sys.stderr, flush=True)

@@ -503,7 +503,7 @@ def test_a_run_refused_before_training_is_not_relaunched():
         return {"cause": {"rank": 0, "exit": code}, "step_reached": 0}
 
     decision, why = decide([], failure(2), Policy(max_restarts=3, max_identical_failures=2))
-    assert decision == "stop" and "refused before training (exit 2" in why
+    assert decision == "stop" and "the run was refused (exit 2" in why
     assert decide([], failure(1), Policy(max_restarts=3, max_identical_failures=2))[0] == (
         "relaunch"
     )

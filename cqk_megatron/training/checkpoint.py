@@ -8,28 +8,40 @@ Layout of ``RUN/checkpoints/iter_0000100/``:
   pipeline stage, ``engine/pp<stage>/ds``; Megatron: one distributed checkpoint);
 - ``trainer/rank<r>.pt``: step, consumed samples, skipped-step counter, RNG states;
 - ``config.yaml`` (the resolved run config) and ``layout.json``;
-- ``manifest.json``: every file's size (and sha256), written last.
+- ``manifest.json``: every file's size (and xxh3-128 digest), written last.
 
-Everything is written under ``iter_0000100.tmp``; rank 0 writes the manifest and renames
-the folder, then points ``latest`` at it (a temporary file renamed over the old one). A
+Everything is written under ``iter_0000100.tmp``. Each rank hashes the files it wrote, all
+ranks at once, and rank 0 gathers the digests into the manifest, renames the folder, then
+points ``latest`` at it (a temporary file renamed over the old one). Verifying a folder
+(at resume, before retention deletes anything) splits its files across the ranks the same
+way (``rank0_with_hash_helpers``). A
 folder without a valid manifest, or whose files disagree with it, is refused with the
 reason, and ``find_resumable`` falls back to the previous complete checkpoint. The file
 rules (verification, ``latest``, retention, where a run starts) live torch-free in
 ``cqk_megatron.checkpoint_files``; this module writes and reads the tensors.
 
 A save is collective and fails on every rank together: each rank's error is gathered
-before the next step, the half-written staging folder is removed (on a full disk that
-frees the space the error message needs), and the previous checkpoint stays as it was.
+after each part (the weights, the engine's state, the trainer state) and before the
+commit, the half-written staging folder is removed (on a full disk that frees the space
+the error message needs), and the previous checkpoint stays as it was. A write that fails
+inside Megatron's or DeepSpeed's own collective save is held until the library's call
+returns (``guarded_writes``), so that no rank waits in a collective its peer left.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
 import re
 import shutil
+import sys
+import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -38,6 +50,7 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from torch.distributed.checkpoint.api import CheckpointException
 
+from cqk_megatron import file_hash
 from cqk_megatron.atomic import write_text_atomically
 from cqk_megatron.checkpoint_files import (
     LATEST,
@@ -45,9 +58,13 @@ from cqk_megatron.checkpoint_files import (
     WEIGHT_PARTS,
     CheckpointError,
     CheckpointSaveError,
+    HashCheck,
+    check_digests_here,
     check_same_shape,
     find_resumable,
+    hash_share,
     iteration_dir,
+    iteration_step,
     point_latest,
     retire,
     saved_config,
@@ -60,12 +77,17 @@ from cqk_megatron.device import device
 from cqk_megatron.model import load_sharded_state, sharded_state_dict
 from cqk_megatron.parallel_plan import Layout, engine_name
 from cqk_megatron.run_folder import CONFIG, is_no_space, no_space_error
-from cqk_megatron.training.collectives import barrier, gather_objects
+from cqk_megatron.training.collectives import (
+    from_rank0,
+    gather_objects,
+    gather_objects_on_rank0,
+)
 from cqk_megatron.training.engine import Engine
 
 # torch.distributed.checkpoint reports a failed save or load as CheckpointException, which
 # derives from BaseException (not Exception): caught explicitly, with everything else.
 FAILURES = (Exception, CheckpointException)
+T = TypeVar("T")
 
 __all__ = [
     "LATEST",
@@ -141,7 +163,8 @@ def _set_rng_state(state: dict) -> None:
 
 def _agree(error: BaseException | None, staging: Path, what: str) -> None:
     """Collective: raise on every rank if any rank failed, after rank 0 removed the
-    half-written ``staging`` folder (so a full disk has room for the message)."""
+    half-written ``staging`` folder (so a full disk has room for the message). A full disk
+    raises with ``disk_full`` set: the run is refused, not relaunched into the same disk."""
     local = None
     if error is not None:
         local = (
@@ -158,7 +181,8 @@ def _agree(error: BaseException | None, staging: Path, what: str) -> None:
     # a full disk explains the other ranks' errors; name it first
     failures.sort(key=lambda item: "no space left" not in item[1])
     rank, text = failures[0]
-    if "no space left" in text:
+    disk_full = "no space left" in text
+    if disk_full:
         # the staging folder is gone now: say how much room that left
         text = str(no_space_error(staging, OSError(28, "No space left on device"), what))
     previous = (
@@ -167,7 +191,254 @@ def _agree(error: BaseException | None, staging: Path, what: str) -> None:
         else None
     )
     kept = f"; the previous checkpoint {previous} is untouched" if previous else ""
-    raise CheckpointSaveError(f"saving {what} failed on rank {rank}: {text}{kept}") from error
+    raise CheckpointSaveError(
+        f"saving {what} failed on rank {rank}: {text}{kept}", disk_full=disk_full
+    ) from error
+
+
+class WriteLog:
+    """What one rank's file writes did during a save: the files written (this rank hashes
+    them for the manifest) and the first write that failed."""
+
+    def __init__(self) -> None:
+        self.paths: list[Path] = []
+        self.error: BaseException | None = None
+
+    def attempt(self, write: Callable[[], object]) -> BaseException | None:
+        """``write()`` with its file writes guarded (``guarded_writes``): the first
+        failure, raised or deferred, or None (the paths written add up over attempts)."""
+        self.error = None
+        try:
+            with guarded_writes(self):
+                write()
+        except FAILURES as caught:
+            self.error = self.error or caught
+        return self.error
+
+
+def _guarded(log: WriteLog, write: Callable, target: Callable[..., object]) -> Callable:
+    """``write`` (a file-writing function) recording the path ``target(*args, **kwargs)``
+    names, and on the main thread of this process deferring its failure to ``log``."""
+    pid, main = os.getpid(), threading.main_thread()
+
+    def guarded(*args, **kwargs):
+        path = target(*args, **kwargs)
+        if path is None or os.getpid() != pid or threading.current_thread() is not main:
+            return write(*args, **kwargs)  # a stream, or a writer's helper: as it was
+        if log.error is not None:
+            return None  # this rank's save has failed: write nothing more
+        try:
+            result = write(*args, **kwargs)
+        except FAILURES as caught:
+            log.error = caught
+            return None
+        log.paths.append(Path(path))
+        return result
+
+    return guarded
+
+
+def _path_arg(position: int, name: str, inside: str = "") -> Callable[..., Path | None]:
+    """The path a write function is given (argument ``position`` or ``name``), joined
+    with ``inside`` when it is a folder the function writes a file in."""
+
+    def target(*args, **kwargs):
+        value = args[position] if len(args) > position else kwargs.get(name)
+        return Path(value, inside) if isinstance(value, str | os.PathLike) else None
+
+    return target
+
+
+def _write_functions() -> list[tuple[object, str, Callable[..., Path | None]]]:
+    """The rank-local file writes inside Megatron's and DeepSpeed's collective saves, each
+    between two of their collectives: (module, attribute, the path it writes)."""
+    from megatron.core.dist_checkpointing import serialization
+
+    found = [
+        (torch, "save", _path_arg(1, "f")),  # Megatron's common.pt, DeepSpeed's files
+        (serialization, "save_config", _path_arg(1, "checkpoint_dir", "metadata.json")),
+    ]
+    deepspeed_engine = sys.modules.get("deepspeed.runtime.engine")
+    if deepspeed_engine is not None:  # rank 0 copies zero_to_fp32.py before a barrier
+        found.append((deepspeed_engine, "copyfile", _path_arg(1, "dst")))
+    return found
+
+
+@contextlib.contextmanager
+def guarded_writes(log: WriteLog):
+    """During a collective save by Megatron-Core or DeepSpeed, a rank whose file write
+    fails (a full disk) must not raise there: its peers would wait in the library's next
+    collective (DeepSpeed's closing barrier) while it waits in ``_agree``, and the job
+    would hang until a timeout. So the failure is kept in ``log``, this rank writes
+    nothing more and goes through the library's remaining collectives with the others,
+    and the error is raised after the call, on the way to ``_agree``. The written paths
+    are recorded too: each rank hashes the files it wrote. Only this process's main
+    thread is guarded (Megatron's writer threads and processes report their own errors,
+    which it agrees across ranks itself)."""
+    patched = []
+    for owner, name, target in _write_functions():
+        patched.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, _guarded(log, getattr(owner, name), target))
+    try:
+        yield log
+        if log.error is not None:
+            raise log.error
+    finally:
+        for owner, name, original in patched:
+            setattr(owner, name, original)
+
+
+def _own_files(staging: Path, log: WriteLog, rank: int) -> list[str]:
+    """The files of ``staging`` this rank wrote: through the guarded writes, and its
+    shards of each distributed checkpoint (torch DCP names them ``__<rank>_<n>.distcp``)."""
+    names = {str(p.relative_to(staging)) for p in log.paths if p.is_relative_to(staging)}
+    names |= {str(p.relative_to(staging)) for p in staging.rglob(f"__{rank}_*.distcp")}
+    return sorted(n for n in names if (staging / n).is_file())
+
+
+def _hash_own_files(
+    staging: Path, log: WriteLog, with_hashes: bool
+) -> tuple[dict[str, str], BaseException | None]:
+    """This rank's digests of the files it wrote ({} without hashes), or the error."""
+    if not with_hashes:
+        return {}, None
+    try:
+        names = _own_files(staging, log, dist.get_rank())
+        algorithm = file_hash.CHECKPOINT_HASH
+        return {n: file_hash.file_digest(staging / n, algorithm) for n in names}, None
+    except FAILURES as caught:
+        return {}, caught
+
+
+def _gathered_digests(digests: dict[str, str]) -> dict[str, str]:
+    """Every rank's digests, merged on rank 0 ({} elsewhere)."""
+    merged: dict[str, str] = {}
+    for part in gather_objects_on_rank0(digests) or []:
+        for name, digest in part.items():
+            merged.setdefault(name, digest)
+    return merged
+
+
+def _hash_check_across_ranks(
+    folder: Path, algorithm: str, expected: dict[str, tuple[int, str]]
+) -> str | None:
+    """A ``checkpoint_files.HashCheck`` for rank 0 while the others ``_serve_hash_checks``:
+    each rank hashes its share (``hash_share``) at once; the first problem, by rank."""
+    return _check_my_share(from_rank0((str(folder), algorithm, expected)))
+
+
+def _check_my_share(request: tuple[str, str, dict[str, tuple[int, str]]]) -> str | None:
+    folder, algorithm, expected = request
+    sizes = {name: size for name, (size, _) in expected.items()}
+    mine = hash_share(sizes, dist.get_rank(), dist.get_world_size())
+    try:
+        problem = check_digests_here(Path(folder), algorithm, {n: expected[n] for n in mine})
+    except OSError as error:  # gone or unreadable since its size was checked
+        problem = f"{folder}: {error}"
+    return next((p for p in gather_objects(problem) if p is not None), None)
+
+
+def _serve_hash_checks() -> None:
+    """Ranks other than 0: hash this rank's share of each folder rank 0 verifies, until
+    rank 0 is done (it sends None)."""
+    while (request := from_rank0(None)) is not None:
+        _check_my_share(request)
+
+
+def rank0_with_hash_helpers(work: Callable[[HashCheck], T]) -> tuple[T | None, Exception | None]:
+    """Collective: ``work(hash_check)`` on rank 0, where ``hash_check`` splits the hashing
+    of every folder ``work`` verifies across all ranks (they hash in parallel, each its
+    share, meanwhile). Rank 0 gets ``work``'s result or the error it raised (for the caller
+    to agree on); the other ranks get ``(None, None)``."""
+    if dist.get_rank() != 0:
+        _serve_hash_checks()
+        return None, None
+    try:
+        return work(_hash_check_across_ranks), None
+    except FAILURES as caught:
+        return None, caught
+    finally:
+        from_rank0(None)  # the others stop serving
+
+
+def verify_across_ranks(folder: Path, parts: tuple[str, ...] | None = None) -> int:
+    """Collective ``checkpoint_files.verify``: rank 0 checks the manifest and the sizes,
+    every rank hashes a share, and every rank raises the same ``CheckpointError`` (or
+    returns the same step)."""
+    step, error = rank0_with_hash_helpers(
+        lambda hash_check: verify(folder, parts=parts, hash_check=hash_check)
+    )
+    if error is not None and not isinstance(error, CheckpointError):
+        raise error  # not a verdict on the checkpoint: the watchdog's to judge
+    step, problem = from_rank0((step, None if error is None else str(error)))
+    if problem is not None:
+        raise CheckpointError(problem)
+    return step
+
+
+def _make_staging(staging: Path, *parts: str) -> BaseException | None:
+    """Rank 0: an empty ``staging`` folder with ``parts`` inside; the error, if any."""
+    if dist.get_rank() != 0:
+        return None
+    try:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for part in parts:
+            (staging / part).mkdir()
+    except OSError as caught:
+        return caught
+    return None
+
+
+def _commit(
+    staging: Path, final: Path, config: RunConfig, step: int, digests: dict[str, str], lease=None
+) -> Callable[[HashCheck], None]:
+    """Rank 0's last part of a save (for ``rank0_with_hash_helpers``): the config, layout
+    and manifest (the ranks' digests of their files, rank 0 hashing the rest), the rename,
+    and for a training checkpoint (``iter_*``) ``latest`` and retention (its hashing split
+    across ranks)."""
+
+    def commit(hash_check: HashCheck) -> None:
+        save_config(config, staging / CONFIG)
+        layout = json.dumps(current_layout(config).checkpoint_record())
+        write_text_atomically(staging / "layout.json", layout)
+        write_manifest(staging, step, config.train.checkpoint_hashes, digests)
+        if lease is not None:
+            lease.check()  # never commit into a run another job holds now
+        if final.exists():
+            shutil.rmtree(final)
+        staging.rename(final)
+        if iteration_step(final) is not None:
+            point_latest(final.parent, final)
+            retire(final.parent, config.train.keep_last, final, hash_check)
+
+    return commit
+
+
+def _write_and_commit(
+    staging: Path,
+    final: Path,
+    config: RunConfig,
+    step: int,
+    writes: list[Callable[[], object]],
+    lease=None,
+) -> None:
+    """Collective: each of ``writes`` on every rank, its outcome agreed; each rank hashes
+    the files it wrote; rank 0 commits (``_commit``). Any failure raises on every rank."""
+    what = f"{'checkpoint' if iteration_step(final) is not None else 'weights'} {final}"
+    log = WriteLog()
+    for write in writes:
+        _agree(log.attempt(write), staging, what)
+    digests, error = _hash_own_files(staging, log, config.train.checkpoint_hashes)
+    _agree(error, staging, what)
+    commit = _commit(staging, final, config, step, _gathered_digests(digests), lease)
+    _, error = rank0_with_hash_helpers(commit)
+    _agree(error, staging, what)
+
+
+def _save_weights(engine: Engine, model, folder: Path) -> None:
+    with engine.whole_weights():  # ZeRO-3 partitions the parameters themselves
+        dist_checkpointing.save(sharded_state_dict(model), str(folder))
 
 
 def save(
@@ -183,43 +454,14 @@ def save(
     rank = dist.get_rank()
     final = iteration_dir(checkpoints, state.step)
     staging = final.with_name(final.name + ".tmp")
-    what = f"checkpoint {final}"
-    error = None
-    if rank == 0:
-        try:
-            shutil.rmtree(staging, ignore_errors=True)
-            (staging / "model").mkdir(parents=True)
-            (staging / "trainer").mkdir()
-        except OSError as caught:
-            error = caught
-    _agree(error, staging, what)
-
-    try:
-        with engine.whole_weights():  # ZeRO-3 partitions the parameters themselves
-            dist_checkpointing.save(sharded_state_dict(model), str(staging / "model"))
-        engine.save_state(staging / "engine")
-        trainer_file = staging / "trainer" / f"rank{rank}.pt"
-        torch.save({"state": asdict(state), "rng": _rng_state()}, trainer_file)
-    except FAILURES as caught:  # reported on every rank by _agree
-        error = caught
-    _agree(error, staging, what)
-
-    if rank == 0:
-        try:
-            save_config(config, staging / CONFIG)
-            layout = json.dumps(current_layout(config).checkpoint_record())
-            write_text_atomically(staging / "layout.json", layout)
-            write_manifest(staging, state.step, config.train.checkpoint_hashes)
-            if lease is not None:
-                lease.check()  # never commit into a run another job holds now
-            if final.exists():
-                shutil.rmtree(final)
-            staging.rename(final)
-            point_latest(checkpoints, final)
-            retire(checkpoints, config.train.keep_last, final)
-        except FAILURES as caught:
-            error = caught
-    _agree(error, staging, what)
+    _agree(_make_staging(staging, "model", "trainer"), staging, f"checkpoint {final}")
+    trainer_file = staging / "trainer" / f"rank{rank}.pt"
+    writes = [
+        lambda: _save_weights(engine, model, staging / "model"),
+        lambda: engine.save_state(staging / "engine"),
+        lambda: torch.save({"state": asdict(state), "rng": _rng_state()}, trainer_file),
+    ]
+    _write_and_commit(staging, final, config, state.step, writes, lease)
     return final
 
 
@@ -250,7 +492,7 @@ def load_model_weights(folder: Path, model, config: RunConfig | None = None, fix
 
     Call before the engine is built: ZeRO keeps its own fp32 master copy of the weights.
     """
-    verify(folder, parts=WEIGHT_PARTS)
+    verify_across_ranks(folder, WEIGHT_PARTS)
     fix = fix or "use a config with the checkpoint's values, or another checkpoint"
     if config is not None:
         check_same_shape(folder, config, fix)
@@ -287,29 +529,8 @@ def load_exact(folder: Path, engine: Engine) -> TrainerState:
 
 def save_weights(folder: Path, model, config: RunConfig) -> Path:
     """Collective: a weights-only checkpoint (``train.init_from`` reads it), atomic."""
-    rank = dist.get_rank()
     staging = folder.with_name(folder.name + ".tmp")
-    what = f"weights {folder}"
-    error = None
-    if rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        (staging / "model").mkdir(parents=True)
-    barrier()
-    try:
-        dist_checkpointing.save(sharded_state_dict(model), str(staging / "model"))
-    except FAILURES as caught:
-        error = caught
-    _agree(error, staging, what)
-    if rank == 0:
-        try:
-            save_config(config, staging / CONFIG)
-            layout = json.dumps(current_layout(config).checkpoint_record())
-            write_text_atomically(staging / "layout.json", layout)
-            write_manifest(staging, 0, config.train.checkpoint_hashes)
-            if folder.exists():
-                shutil.rmtree(folder)
-            staging.rename(folder)
-        except FAILURES as caught:
-            error = caught
-    _agree(error, staging, what)
+    _agree(_make_staging(staging, "model"), staging, f"weights {folder}")
+    writes = [lambda: dist_checkpointing.save(sharded_state_dict(model), str(staging / "model"))]
+    _write_and_commit(staging, folder, config, 0, writes)
     return folder

@@ -126,3 +126,14 @@ def from_rank0(value, group=None):
     box = [value]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
+
+
+def gather_objects_on_rank0(value, group=None) -> list | None:
+    """Every rank's picklable ``value``, in rank order, on the first rank of ``group`` (None
+    on the others): what only rank 0 needs, such as each rank's digests of the checkpoint
+    files it wrote, for the one manifest rank 0 writes."""
+    first = 0 if group is None else dist.get_global_rank(group, 0)
+    on_first = dist.get_rank() == first
+    gathered = [None] * dist.get_world_size(group) if on_first else None
+    dist.gather_object(value, gathered, dst=first, group=group)
+    return gathered

@@ -16,6 +16,10 @@ it so the loop can count skipped steps.
 
 In bf16 the gradients are summed in fp32, over micro-batches and across data-parallel
 ranks, as the Megatron engine does (``grad_reduce_in_fp32``): see ``bf16_settings``.
+
+Megatron's ``finalize_model_grads``, which the Megatron engine hands to its schedule, is
+never called here; the two sums it does beyond data parallelism are done by
+``MegatronGradSums`` (below) instead.
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ import torch
 from megatron.core import parallel_state as ps
 
 from cqk_megatron import cpu_bridge
+from cqk_megatron.attention.tp_grads import left_to_finalize_model_grads, sum_grads_across_tp
 from cqk_megatron.config import RunConfig
 from cqk_megatron.device import device
 from cqk_megatron.model import model_chunks
+from cqk_megatron.training import collectives
 from cqk_megatron.training.engine import Batch, Engine, StepResult
 from cqk_megatron.training.mpu import MegatronMpu
 from cqk_megatron.training.step_loss import (
@@ -156,6 +162,70 @@ def _prebuilt_deepspeed_op(name: str) -> bool:
     return bool(installed_ops.get(name, False))
 
 
+class MegatronGradSums:
+    """What Megatron's ``finalize_model_grads`` adds to the data-parallel reduction, for
+    DeepSpeed's engine (the Megatron engine must not have it: its ``finalize_model_grads``
+    would add the same sums a second time).
+
+    - Sequence parallelism: the TP partial gradients of the parameters Megatron marks
+      ``sequence_parallel`` (the row-parallel biases) are summed across the TP group by the
+      tensor hook of ``attention/tp_grads.py``, the one that serves ``f``, ``dt`` and our
+      norms: registered at build, it runs in each backward before DeepSpeed sees the
+      gradient. Without it each TP rank steps its copy with its own half of the gradient
+      and the copies drift apart.
+    - Tied embeddings under pipeline parallelism: the first stage's word embedding and the
+      last stage's output layer are two copies of one weight (Megatron's build makes them
+      equal). After the schedule's last backward their gradients are summed over
+      Megatron's embedding group, before DeepSpeed reduces them over data parallelism; and
+      the last stage's copy, which Megatron marks ``shared`` (its own gradient norm skips
+      it), is marked ``ds_pipe_replicated``, the attribute by which DeepSpeed's norms
+      (ZeRO's ``get_grad_norm_direct``, ``BF16_Optimizer``) skip a pipeline replica, so
+      that the clipping norm counts the weight once.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: RunConfig) -> None:
+        sequence_parallel = left_to_finalize_model_grads(model, config.parallel.sequence_parallel)
+        sum_grads_across_tp(sequence_parallel, ps.get_tensor_model_parallel_group())
+        self.tied_copy = tied_embedding_copy(model)
+        for param in model.parameters():
+            if getattr(param, "shared", False):
+                param.ds_pipe_replicated = True
+
+    def sum_tied_embedding_grads(self) -> None:
+        """Collective over the embedding group (first and last stage), on the ranks that
+        hold a copy; DeepSpeed has not reduced the gradients yet (``overlap_comm`` is off)."""
+        if self.tied_copy is None:
+            return
+        grad = accumulated_grad(self.tied_copy)
+        if grad is None:
+            raise RuntimeError(
+                "the tied embedding has no gradient after the pipeline schedule: DeepSpeed "
+                "reduced it during backward (zero_optimization.overlap_comm); it must stay off "
+                "with model.tie_embeddings=true and parallel.pipeline_parallel > 1"
+            )
+        collectives.all_reduce(grad, group=ps.get_embedding_group())
+
+
+def accumulated_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """Where this step's summed gradient of ``param`` is. In bf16 (``bf16_settings``)
+    ``BF16_Optimizer``'s ``immediate_grad_update`` hook adds each micro-batch's bf16
+    gradient into an fp32 buffer as soon as autograd has it and drops ``param.grad``: the
+    buffer (``param._hp_grad``) is then what DeepSpeed reduces, clips and steps on."""
+    if param.grad is not None:
+        return param.grad
+    return getattr(param, "_hp_grad", None)
+
+
+def tied_embedding_copy(model: torch.nn.Module) -> torch.nn.Parameter | None:
+    """This rank's copy of a word embedding tied to the output layer across pipeline stages
+    (the first stage's embedding or the last stage's output layer); None elsewhere and
+    without pipeline parallelism, where the two are one parameter."""
+    for chunk in model_chunks(model):
+        if chunk.share_embeddings_and_output_weights and chunk.pre_process != chunk.post_process:
+            return chunk.shared_embedding_or_output_weight()
+    return None
+
+
 class DeepSpeedEngine(Engine):
     def __init__(self, model: torch.nn.Module, config: RunConfig) -> None:
         os.environ.setdefault("DS_ACCELERATOR", device().type)
@@ -168,6 +238,7 @@ class DeepSpeedEngine(Engine):
         t = config.train
         self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * self.dp_size)
         accumulation = 1 if self.pipelined else self.num_micro_batches
+        self.megatron_sums = MegatronGradSums(model, config)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             args=device_args(),
             model=model,
@@ -191,6 +262,7 @@ class DeepSpeedEngine(Engine):
             loss_sum = schedule_loss_sum(
                 model_chunks(self.model), micro_batches, self.config, forward_only=False
             )
+            self.megatron_sums.sum_tied_embedding_grads()  # before DeepSpeed reduces them
             self.engine.allreduce_gradients()
             self.engine.step()
         else:

@@ -172,21 +172,27 @@ RESUME_SHAPE_FIX = (
 
 
 def _choose_start(
-    checkpoints: Path, resume: str, config: RunConfig, rank: int
+    checkpoints: Path, resume: str, config: RunConfig
 ) -> checkpoint_files.ResumeChoice:
-    """Collective: rank 0 verifies the checkpoints once and decides where the run starts."""
-    choice, refusal = None, None
-    if rank == 0:
-        try:
-            choice = checkpoint_files.choose_resume(
-                checkpoints, resume, config.train.checkpoint_hashes
-            )
-            if choice.folder is not None:
-                checkpoint_files.check_same_shape(choice.folder, config, RESUME_SHAPE_FIX)
-        except checkpoint_files.CheckpointError as error:
-            refusal = str(error)
-        except OSError as error:  # an unreadable checkpoints folder: every rank stops
-            refusal = f"cannot read {checkpoints}: {error}"
+    """Collective: rank 0 decides where the run starts, verifying the checkpoints once,
+    their hashing split across every rank (``checkpoint.rank0_with_hash_helpers``)."""
+
+    def choose(hash_check) -> checkpoint_files.ResumeChoice:
+        choice = checkpoint_files.choose_resume(
+            checkpoints, resume, config.train.checkpoint_hashes, hash_check
+        )
+        if choice.folder is not None:
+            checkpoint_files.check_same_shape(choice.folder, config, RESUME_SHAPE_FIX)
+        return choice
+
+    choice, error = checkpoint.rank0_with_hash_helpers(choose)
+    refusal = None
+    if isinstance(error, checkpoint_files.CheckpointError):
+        refusal = str(error)
+    elif isinstance(error, OSError):  # an unreadable checkpoints folder: every rank stops
+        refusal = f"cannot read {checkpoints}: {error}"
+    elif error is not None:
+        raise error
     choice, refusal = collectives.from_rank0((choice, refusal))
     if refusal is not None:
         raise checkpoint_files.CheckpointError(refusal)
@@ -196,7 +202,7 @@ def _choose_start(
 def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_start) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     checkpoints = run_dir / CHECKPOINTS
-    choice = _choose_start(checkpoints, resume, config, rank)
+    choice = _choose_start(checkpoints, resume, config)
     folder = choice.folder
 
     gpu_memory = gpu_memory_bytes()

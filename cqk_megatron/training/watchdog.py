@@ -391,6 +391,25 @@ class Watchdog:
         if self._store is not None:  # peers stop now instead of after the heartbeat timeout
             self._publish_last()
 
+    def on_refusal(self, error: BaseException) -> None:
+        """Every rank refused together (``collectives.from_rank0``, a save's agreed outcome):
+        nobody is lost. Refused before training, the run's folder stays as it was (no
+        record); refused once steps have run (a full disk at a save), rank 0 records why
+        in ``faults.jsonl``: it is what ended the job."""
+        step = self._phase.step
+        self.enter("shutdown", step)
+        if self._steps_begun and self.rank == 0:
+            self._record(
+                {
+                    "event": "refused",
+                    "rank": self.rank,
+                    "host": self.host,
+                    "pid": self.pid,
+                    "step": step,
+                    "reason": f"{type(error).__name__}: {_first_line(error, 2000)}",
+                }
+            )
+
     # -- the thread --------------------------------------------------------------------------
 
     def _key(self, rank: int) -> str:
@@ -693,9 +712,7 @@ def watching(config, dist_env, run_dir: Path | None = None):
         yield watchdog
     except BaseException as error:
         if is_refusal(error):
-            # Refused on every rank together (collectives.from_rank0): nobody is lost, and a
-            # refused run leaves its folder as it was (no crash record).
-            watchdog.enter("shutdown", watchdog._phase.step)
+            watchdog.on_refusal(error)
         elif not isinstance(error, (KeyboardInterrupt, SystemExit)):
             watchdog.on_error(error)
         raise
