@@ -461,7 +461,8 @@ def test_the_data_tools_refuse_random_bytes(prepared_data, tmp_path, capsys):
     outcome = data_tool(preprocess.main, argv, capsys)
     check(outcome, EXIT_REFUSED, f"error: cannot read '{data / 'noise.jsonl'}' as json: line 1")
     outcome = data_tool(stats.main, [str(data / "noise_text_document")], capsys)
-    check(outcome, EXIT_REFUSED, "error:", "noise_text_document")
+    prefix = data / "noise_text_document"
+    check(outcome, EXIT_REFUSED, f"error: dataset '{prefix}': {prefix}.idx is not a readable")
     watch.assert_unchanged()
     watch.assert_no_process_left()
 
@@ -500,7 +501,7 @@ RESUME_CASES = {
         lambda run: _flip_byte(_newest(run)),
         0,
         "note: skipping checkpoint:",
-        "contents do not match the manifest's sha256",
+        "contents do not match the manifest's",
     ),
     "truncated file in the newest": (
         lambda run: _truncate_file(_newest(run)),
@@ -696,6 +697,76 @@ def test_a_damaged_checkpoint_at_export(
     watch.assert_no_process_left()
 
 
+def _train_process(run_dir: Path, *overrides: str, log: Path) -> subprocess.Popen:
+    """A real ``cqk-train`` of the run in ``run_dir``, its output to ``log``."""
+    with log.open("w") as out:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "cqk_megatron.train",
+                "--config",
+                CONFIG,
+                f"log.root={run_dir.parent}",
+                f"name={RUN}",
+                *SETTINGS,
+                *overrides,
+            ],
+            cwd=REPO,
+            env=ENV,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def _ended(process: subprocess.Popen) -> int:
+    try:
+        return process.wait(timeout=TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_a_real_resume_skips_a_damaged_checkpoint_and_deletes_nothing(prepared_run, tmp_path):
+    """``cqk-train``'s rank 0 verifies by hash as the launcher does: the flipped newest is
+    skipped, moved whole to ``superseded/``, and the run goes on from the one before."""
+    run_dir = copy_run(prepared_run, tmp_path)
+    damaged = _newest(run_dir)
+    _flip_byte(damaged)
+    watch = Watch(tmp_path)
+    log = tmp_path / "train.log"
+    code = _ended(_train_process(run_dir, "train.exit_after_steps=3", log=log))
+    text = log.read_text()
+    assert code == EXIT_REQUEUE, text[-3000:]
+    first = next(x for x in text.splitlines() if "skipping checkpoint" in x)
+    assert f"{damaged}/model/common.pt: contents do not match the manifest's" in first, text
+    assert f"resumed from {run_dir / 'checkpoints' / 'iter_0000002'} at step 2" in text, text
+    # the damaged folder moved whole, byte for byte; nothing else written before changed
+    (moved,) = (run_dir / "superseded").iterdir()
+    old = "runs/base/checkpoints/iter_0000004"
+    new = str((moved / "checkpoints" / "iter_0000004").relative_to(tmp_path))
+    after = snapshot(tmp_path)
+    for name, digest in watch.before.items():
+        if name.startswith(old):
+            assert after.get(new + name[len(old) :]) == digest, name
+    rewritten = {"changed runs/base/metrics.jsonl", "changed runs/base/checkpoints/latest"}
+    rewritten.add("changed runs/base/config.yaml")  # this attempt's exit_after_steps
+    watch.assert_unchanged(
+        lambda change: (
+            change in rewritten
+            or change.startswith((f"removed {old}", "added runs/base/superseded"))
+            or change.startswith(("added runs/base/checkpoints/iter_0000003", "added train.log"))
+        )
+    )
+    # metrics.jsonl: the records up to the step resumed from kept as they were; those past
+    # it are superseded by this attempt's (read_metrics' rule), which logged step 3 again
+    kept = (prepared_run / "metrics.jsonl").read_text().splitlines(keepends=True)[:2]
+    assert (run_dir / "metrics.jsonl").read_text().startswith("".join(kept))
+    assert _steps(run_dir) == [1, 2, 3]
+    watch.assert_no_process_left()
+
+
 # -- signals -------------------------------------------------------------------------------
 
 
@@ -718,37 +789,24 @@ def test_sigterm_stops_training_with_75_and_a_checkpoint_it_resumes_from(prepare
     watch = Watch(tmp_path)
     metrics_before = (run_dir / "metrics.jsonl").read_bytes()
     log = tmp_path / "train.log"
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "cqk_megatron.train",
-                "--config",
-                CONFIG,
-                f"log.root={run_dir.parent}",
-                f"name={RUN}",
-                *SETTINGS,
-                "train.train_steps=100000",
-                "train.save_interval=100000",
-                "train.exit_after_steps=null",
-            ],
-            cwd=REPO,
-            env=ENV,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    process = _train_process(
+        run_dir,
+        "train.train_steps=100000",
+        "train.save_interval=100000",
+        "train.exit_after_steps=null",
+        log=log,
+    )
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while len(_steps(run_dir)) < 6 and process.poll() is None:  # resumed: 5, 6, ...
             assert time.monotonic() < deadline, "gave up waiting for the resumed steps"
             time.sleep(0.2)
-        process.send_signal(signal.SIGTERM)
-        code = process.wait(timeout=TIMEOUT_S)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+    process.send_signal(signal.SIGTERM)
+    code = _ended(process)
     text = log.read_text()
     assert code == EXIT_REQUEUE, text[-3000:]
     stop = next(line for line in text.splitlines() if line.startswith("stopping at step"))
