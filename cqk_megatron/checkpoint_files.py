@@ -209,6 +209,33 @@ def retire(checkpoints: Path, keep: int, just_written: Path) -> list[Path]:
     return deleted
 
 
+def checkpoint_file(folder: Path) -> str | None:
+    """What makes ``folder`` a checkpoint (its ``manifest.json``, or an ``iter_NNNNNNN``
+    name, whole or half-written) or a checkpoints folder (``latest``, ``iter_*`` folders),
+    or None. Tools that replace a folder refuse one where this is not None."""
+    folder = Path(folder)
+    if (folder / MANIFEST).is_file():
+        return MANIFEST
+    if iteration_step(Path(folder.name.removesuffix(".tmp"))) is not None:
+        return f"the name {folder.name}"
+    if (folder / LATEST).is_file():
+        return LATEST
+    if iterations(folder):
+        return iterations(folder)[-1].name
+    return None
+
+
+def weights_only_checkpoint(folder: Path) -> bool:
+    """``folder`` is a weights-only checkpoint (what ``cqk-convert import`` and
+    ``train.init_from`` write): its manifest lists weights, config and layout only, no
+    trainer or optimizer state of a run."""
+    try:
+        files = json.loads((Path(folder) / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return bool(files) and all(_in_parts(name, ("model", CONFIG, "layout.json")) for name in files)
+
+
 # -- config recorded with a checkpoint -------------------------------------------------------
 
 

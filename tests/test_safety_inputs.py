@@ -2,18 +2,32 @@
 
 - ``--help`` and ``-h`` of every console script in ``setup.py`` and of every subcommand
   exit 0 with a usage (in-process, through each script's ``main``);
+- a config with inf or nan in any float field, or a run name that is not one safe path
+  segment, is refused (by ``cqk-train`` before it imports Megatron, and at submit);
+- ``cqk-convert export/import --overwrite`` never deletes a run folder, a checkpoint, a
+  folder holding or inside either, or its own input; an export of a run whose newest
+  checkpoint is damaged takes the newest one that verifies;
+- a run whose weights stop being finite saves no checkpoint of them: ``latest`` stays on
+  the last good one.
+
+The training runs are the tiny model of ``tests/_training.py`` on synthetic data, in one
+spawned gloo rank.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import importlib
 import io
 import re
+import shutil
 from pathlib import Path
 
 import pytest
+from _multiproc import run_ranks
+from _training import attempts, train_attempts
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -204,3 +218,145 @@ def test_a_layout_refusal_comes_before_megatron_is_imported(tmp_path):
         assert done.returncode == 2, done.stderr
         assert done.stderr.startswith("error: invalid config:") and message in done.stderr
         assert done.stdout.strip() == "imported: []", done.stdout + done.stderr
+
+
+# -- runs to export, and a run that diverges -------------------------------------------------
+
+QUIET = ["train.eval_interval=100", "train.checkpoint_hashes=true"]
+
+
+def train_then_diverge(rank, world_size, port, root, runs) -> None:
+    """``train_attempts``, the last attempt with every optimizer step followed by a NaN in
+    one weight: a stand-in for an update that overflows. (A config cannot do it here any
+    more: lr=.inf is refused now, at lr=1e30 fp32 AdamW leaves the weights finite near
+    1e30 and only the gradients overflow, and torch refuses an lr beyond fp32's range.)"""
+    import torch
+
+    from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine
+
+    train_attempts(rank, world_size, port, root, runs[:-1])
+    original = DeepSpeedEngine.train_step
+
+    def diverging_step(self, micro_batches):
+        result = original(self, micro_batches)
+        with torch.no_grad():
+            next(p for p in self.model.parameters() if p.dim() >= 2).view(-1)[0] = float("nan")
+        return result
+
+    DeepSpeedEngine.train_step = diverging_step
+    train_attempts(rank, world_size, port, root, runs[-1:])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """``export``: checkpoints at steps 2 and 4. ``diverged``: good checkpoints at steps 1
+    and 2, then resumed with weights that are not finite after step 3 (a save every step)."""
+    root = tmp_path_factory.mktemp("trained")
+    every_step = [*QUIET, "train.save_interval=1"]
+    runs = [
+        ("export", [*QUIET, "train.train_steps=4", "train.save_interval=2"]),
+        ("diverged", [*every_step, "train.train_steps=2"]),
+        ("diverged", [*every_step, "train.train_steps=6"]),
+    ]
+    run_ranks(train_then_diverge, 1, str(root), runs)
+    return root
+
+
+def _hashes(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _convert(argv: list[str], capsys) -> tuple[int, str]:
+    from cqk_megatron.convert.cli import main
+
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out + err
+
+
+def test_a_run_that_diverges_saves_no_checkpoint_of_non_finite_weights(trained):
+    good, diverged = attempts(trained, "diverged")
+    assert good["exit"] == 0, good
+    assert diverged.get("error") == "CheckpointSaveError", diverged
+    message = diverged["message"]
+    assert message.startswith("not saving iter_0000003: the weights at step 3 are not finite")
+    assert "the previous checkpoint iter_0000002 stays latest" in message
+    checkpoints = trained / "diverged" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        "iter_0000001",
+        "iter_0000002",
+        "latest",
+    ]
+    assert (checkpoints / "latest").read_text().strip() == "iter_0000002"
+    before = {k: v for k, v in good["files"].items() if k.startswith("checkpoints/")}
+    after = {k: v for k, v in diverged["files"].items() if k.startswith("checkpoints/")}
+    assert after == before  # the good checkpoints as they were
+
+
+@pytest.fixture
+def run_copy(trained, tmp_path) -> Path:
+    """A copy of the ``export`` run, alone in its own root."""
+    run = tmp_path / "root" / "export"
+    shutil.copytree(trained / "export", run)
+    return run
+
+
+def test_overwrite_never_deletes_a_run_a_checkpoint_or_the_input(run_copy, capsys):
+    run = run_copy
+    root = run.parent
+    checkpoint = run / "checkpoints" / "iter_0000002"
+    code, said = _convert(["export", str(run), str(run / "hf"), "--no-tokenizer"], capsys)
+    assert code == 0, said  # a new folder inside the run: nothing is replaced
+    before = _hashes(root)
+    cases = {
+        "the run folder": ("export", run, run),
+        "a checkpoint folder": ("export", run, checkpoint),
+        "a parent of the run folder": ("export", run, root),
+        "its own input": ("export", checkpoint, checkpoint),
+        "a folder inside the run folder": ("export", run, run / "hf"),
+        "import into a run's checkpoint": ("import", run / "hf", checkpoint),
+        "import into the run folder": ("import", run / "hf", run),
+        "import into its own input": ("import", run / "hf", run / "hf"),
+    }
+    for case, (command, source, target) in cases.items():
+        flags = ["--no-tokenizer"] if command == "export" else []
+        argv = [command, str(source), str(target), *flags, "--overwrite"]
+        code, said = _convert(argv, capsys)
+        assert code == 2, f"{case}: {said}"
+        assert said.startswith(f"cqk-convert {command}: error: --overwrite would delete"), said
+        assert "nothing was deleted" in said, f"{case}: {said}"
+        assert _hashes(root) == before, case
+        assert sorted(p.name for p in root.iterdir()) == ["export"], case  # no staging left
+
+
+def test_overwrite_still_replaces_a_folder_the_tool_wrote(run_copy, tmp_path, capsys):
+    hf, weights = tmp_path / "hf", tmp_path / "weights"
+    for _ in range(2):  # the second time over the first's output
+        code, said = _convert(
+            ["export", str(run_copy), str(hf), "--no-tokenizer", "--overwrite"], capsys
+        )
+        assert code == 0, said
+        code, said = _convert(["import", str(hf), str(weights), "--overwrite"], capsys)
+        assert code == 0, said
+
+
+def test_export_of_a_run_whose_newest_checkpoint_is_damaged_takes_the_newest_that_verifies(
+    run_copy, tmp_path, capsys
+):
+    newest = run_copy / "checkpoints" / "iter_0000004" / "model"
+    shard = max(
+        (p for p in newest.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size
+    )
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte: same size, another sha256
+    shard.write_bytes(bytes(data))
+    out = tmp_path / "hf"
+    code, said = _convert(["export", str(run_copy), str(out), "--no-tokenizer"], capsys)
+    assert code == 0, said
+    assert "note: exporting iter_0000002, the newest checkpoint" in said
+    assert "iter_0000004: " in said and "sha256" in said
+    assert "| Iteration | 2 |" in (out / "README.md").read_text()
