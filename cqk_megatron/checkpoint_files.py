@@ -350,7 +350,14 @@ def choose_resume(checkpoints: Path, resume: str, hashes: bool = True) -> Resume
             folder, refused=refused, supersede=_newer_than(checkpoints, good[0].step)
         )
     weights_only = resume.startswith("weights:")
-    folder = Path(resume[len("weights:") :] if weights_only else resume).expanduser()
+    given = resume[len("weights:") :] if weights_only else resume
+    if not given.strip():
+        raise CheckpointError(
+            f"--resume {resume!r} names no checkpoint; give its folder, e.g. --resume "
+            f"{'weights:' if weights_only else ''}RUN/checkpoints/iter_0000100 (or --resume "
+            "auto for the run's newest, none to start over)"
+        )
+    folder = Path(given).expanduser()
     if not folder.is_dir():
         raise CheckpointError(f"--resume {resume}: {folder} is not a checkpoint folder")
     step = verify(folder, hashes, WEIGHT_PARTS if weights_only else None)

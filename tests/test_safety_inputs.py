@@ -360,3 +360,167 @@ def test_export_of_a_run_whose_newest_checkpoint_is_damaged_takes_the_newest_tha
     assert "note: exporting iter_0000002, the newest checkpoint" in said
     assert "iter_0000004: " in said and "sha256" in said
     assert "| Iteration | 2 |" in (out / "README.md").read_text()
+
+
+# -- data: a foreign index without a meta file, text that is not text ---------------------
+
+
+def _documents(count: int) -> list[str]:
+    """Documents of different lengths, so that their ends move when the order changes."""
+    import random
+
+    rng = random.Random(0)
+    words = "the model reads tokens and writes text over many quiet days".split()
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(3, 40))) for _ in range(count)]
+
+
+def _jsonl(path: Path, documents: list[str]) -> Path:
+    import json
+
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> dict[str, Path]:
+    """A tokenizer, and the same documents preprocessed in order and in reverse order."""
+    from data_tools import preprocess
+    from data_tools import tokenizer as tokenizer_tool
+
+    folder = tmp_path_factory.mktemp("corpus")
+    documents = _documents(200)
+    forward = _jsonl(folder / "forward.jsonl", documents)
+    backward = _jsonl(folder / "backward.jsonl", documents[::-1])
+    recipe = tokenizer_tool.TokenizerRecipe(
+        vocab_size=60, byte_fallback=False, sample_documents=200, threads=1
+    )
+    model = tokenizer_tool.train_tokenizer([str(forward)], folder / "spm", recipe).model
+    made = {"tokenizer": model, "folder": folder}
+    for name, source in (("forward", forward), ("backward", backward)):
+        made[name] = folder / name
+        preprocess.preprocess([str(source)], made[name], model, workers=1, progress=False)
+    return made
+
+
+def _dataset_copy(corpus: dict[str, Path], folder: Path, idx_from: str = "forward") -> str:
+    """The forward dataset's .bin beside the .idx of ``idx_from``, without a .meta.json."""
+    folder.mkdir(parents=True, exist_ok=True)
+    prefix = folder / "data"
+    shutil.copyfile(f"{corpus['forward']}.bin", f"{prefix}.bin")
+    shutil.copyfile(f"{corpus[idx_from]}.idx", f"{prefix}.idx")
+    return str(prefix)
+
+
+def _data_config(prefix: str, corpus: dict[str, Path], root: Path):
+    from cqk_megatron.config import load_config
+
+    return load_config(
+        None,
+        [
+            f"data.prefixes=[{prefix}]",
+            f"data.tokenizer={corpus['tokenizer']}",
+            "model.vocab_size=128",
+            "model.seq_length=16",
+            "train.train_steps=2",
+            "train.eval_interval=2",
+            f"log.root={root}",
+            "name=data",
+        ],
+    )
+
+
+def test_a_same_size_index_of_another_order_without_a_meta_file_is_refused(
+    corpus, tmp_path, capsys
+):
+    from cqk_megatron.data.checks import check_run_data
+    from cqk_megatron.data.errors import DataError
+    from cqk_megatron.train import main
+
+    assert Path(f"{corpus['forward']}.idx").stat().st_size == (
+        Path(f"{corpus['backward']}.idx").stat().st_size
+    )
+    own = _dataset_copy(corpus, tmp_path / "own")
+    check_run_data(_data_config(own, corpus, tmp_path))  # its own index: accepted
+
+    foreign = _dataset_copy(corpus, tmp_path / "foreign", idx_from="backward")
+    assert not Path(f"{foreign}.meta.json").exists()
+    config = _data_config(foreign, corpus, tmp_path)
+    with pytest.raises(DataError, match=r"document \d+ \(of 200\) does not end with the EOD id"):
+        check_run_data(config)
+    code = main([f"data.prefixes=[{foreign}]", *_overrides_of(config)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: dataset '{foreign}': document "), err
+    assert "does not belong to" in err and "(it has no data.meta.json)" in err
+    assert not (tmp_path / "data").exists()  # refused before a run folder was made
+
+
+def _overrides_of(config) -> list[str]:
+    return [
+        f"data.tokenizer={config.data.tokenizer}",
+        f"model.vocab_size={config.model.vocab_size}",
+        f"model.seq_length={config.model.seq_length}",
+        f"train.train_steps={config.train.train_steps}",
+        f"train.eval_interval={config.train.eval_interval}",
+        f"log.root={config.log.root}",
+        f"name={config.name}",
+    ]
+
+
+def test_an_index_whose_documents_overlap_is_refused(corpus, tmp_path):
+    """Offsets are checked whether or not a meta file exists: here document 1 starts where
+    document 0 does, and the sizes still add up to the .bin."""
+    import numpy as np
+
+    from cqk_megatron.data.checks import check_prefix, read_index
+    from cqk_megatron.data.errors import DataError
+
+    prefix = _dataset_copy(corpus, tmp_path)
+    index = read_index(prefix)
+    pointers_at = 34 + index.lengths.nbytes  # header (9 + 8 + 1 + 16 bytes), then lengths
+    pointers = index.pointers.copy()
+    pointers[1] = pointers[0]
+    with open(f"{prefix}.idx", "r+b") as stream:
+        stream.seek(pointers_at)
+        stream.write(pointers.astype(np.int64).tobytes())
+    assert read_index(prefix).pointers[1] == 0
+    with pytest.raises(DataError, match="places document 1 .* not right after the document"):
+        check_prefix(prefix)
+
+
+def test_a_text_file_of_random_bytes_is_refused_naming_the_file_and_the_option(
+    corpus, tmp_path, capsys
+):
+    import random
+
+    from data_tools import preprocess
+    from data_tools import tokenizer as tokenizer_tool
+
+    noise = tmp_path / "noise.txt"
+    noise.write_bytes(random.Random(0).randbytes(64 << 10))
+    out = tmp_path / "out"
+    common = ["--input", str(noise), "--output-prefix", str(out)]
+    for main, argv in (
+        (preprocess.main, [*common, "--tokenizer", str(corpus["tokenizer"]), "--quiet"]),
+        (tokenizer_tool.main, [*common, "--vocab-size", "400"]),
+    ):
+        code = main(argv)
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert err.startswith(f"error: input '{noise}' is not text: "), err
+        assert "are invalid UTF-8 sequences, more than --max-invalid-utf8 0.2 (20%)" in err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["noise.txt"]
+    code = preprocess.main(
+        [*common, "--tokenizer", str(corpus["tokenizer"]), "--quiet", "--max-invalid-utf8", "1"]
+    )
+    assert code == 0 and Path(f"{out}.bin").is_file()  # asked for: replaced and reported
+    assert "replaced" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("resume", ["weights:", "", "weights: "])
+def test_a_resume_that_names_no_checkpoint_says_so(resume, tmp_path, capsys):
+    from cqk_megatron.train import main
+
+    code = main(["data.mock=true", f"log.root={tmp_path}", "name=r", "--resume", resume])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith(f"error: --resume {resume!r} names no checkpoint; give its folder")
