@@ -14,8 +14,10 @@ import dataclasses
 import difflib
 import functools
 import math
+import re
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -418,8 +420,22 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(key, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override '{override}': '{key}' is not a section")
-        node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        node[keys[-1]] = _override_value(override, raw)
     return data
+
+
+def _override_value(override: str, raw: str) -> Any:
+    """The value of ``key=raw`` as YAML reads it (empty: null)."""
+    if not raw.strip():
+        return None
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as error:
+        problem = str(error).splitlines()[0]
+        raise ConfigError(
+            f"override {override!r}: the value is not valid YAML ({problem}); quote it, "
+            "e.g. key='value'"
+        ) from error
 
 
 def apply_model_family(data: dict) -> dict:
@@ -513,6 +529,45 @@ class _Checks:
 
     def choice(self, value: str, options: tuple[str, ...], dotted: str) -> None:
         self(value in options, f"{dotted}={value!r} is unknown; choose one of {list(options)}")
+
+
+def _float_values(section: Any, prefix: str = "") -> Iterator[tuple[str, float]]:
+    """``(dotted name, value)`` of every float in the config, lists' items included."""
+    for item in dataclasses.fields(section):
+        value = getattr(section, item.name)
+        dotted = f"{prefix}{item.name}"
+        if dataclasses.is_dataclass(value):
+            yield from _float_values(value, f"{dotted}.")
+        elif isinstance(value, float):
+            yield dotted, value
+        elif isinstance(value, list):
+            yield from ((f"{dotted}[{i}]", v) for i, v in enumerate(value) if isinstance(v, float))
+
+
+def _check_finite_numbers(config: RunConfig, check: _Checks) -> None:
+    """No field holds inf or nan: both pass range checks such as ``lr > 0`` (inf) or
+    compare false with everything (nan), and a run trained on them learns nothing."""
+    for dotted, value in _float_values(config):
+        check(
+            math.isfinite(value),
+            f"{dotted}={value} is not a finite number; give a finite value "
+            "(an optional field takes null for none)",
+        )
+
+
+# A run's folder is log.root/name: a name is one path segment that every filesystem, shell
+# and scheduler takes as it is.
+_RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=-]{0,199}")
+
+
+def _check_run_name(name: str, check: _Checks) -> None:
+    """``name`` cannot point outside ``log.root`` (``../x``, ``/x``, ``a/b``) or be empty."""
+    check(
+        _RUN_NAME.fullmatch(name) is not None,
+        f"name={name!r} is not a run name: the run's folder is log.root/name, so a name is "
+        "one path segment of letters, digits and . _ + = - (not starting with . + = or -), "
+        "at most 200 characters, e.g. name=my-run; put the folder elsewhere with log.root",
+    )
 
 
 def _check_names(config: RunConfig, check: _Checks) -> None:
@@ -854,6 +909,10 @@ def config_errors(
     ``hardware``'s facts (default: this one's); empty if it can. Where a single field is
     wrong, only those errors: the checks of combinations assume valid fields."""
     check = _Checks()
+    _check_finite_numbers(config, check)
+    if check.errors:
+        return check.errors  # every other check compares numbers
+    _check_run_name(config.name, check)
     _check_names(config, check)
     _check_architecture(config.model, config.attention, check)
     _check_training(config.train, check)
