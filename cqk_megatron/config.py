@@ -232,6 +232,11 @@ class TrainConfig:
     exit_after_steps: int | None = None  # checkpoint and exit for requeue at this step
     init_from: str | None = None  # weights-only checkpoint to start from (any layout)
     log_interval: int = 1
+    # every this many steps, and at the end, check that every parameter that must be the
+    # same on several ranks is, bit for bit (data-parallel replicas, parameters whole on
+    # every tensor-parallel rank, tied embedding copies across pipeline stages); the run
+    # stops naming the first that differs and the ranks (training/replicas.py). 0: off
+    check_replicas_interval: int = 0
     # faults (training/watchdog.py): no rank waits forever. Rendezvous, process-group
     # creation, start-up and the first step are bounded by init_timeout_s; after the first
     # step every process group's collectives time out after collective_timeout_s (raised
@@ -574,6 +579,11 @@ def _check_training(t: TrainConfig, check: _Checks) -> None:
         ("train.max_nan_steps", t.max_nan_steps),
     ]:
         check(value >= 1, f"{dotted}={value} must be at least 1")
+    check(
+        t.check_replicas_interval >= 0,
+        f"train.check_replicas_interval={t.check_replicas_interval} must be >= 0 (0 turns the "
+        "replica check off)",
+    )
 
 
 def check_fault_bounds(t: TrainConfig, check) -> None:
