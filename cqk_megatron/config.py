@@ -281,7 +281,7 @@ class DataConfig:
     tokenizer: str | None = None  # SentencePiece .model (or a Hugging Face tokenizer folder)
     mock: bool = False
     num_workers: int = 0
-    cache_dir: str | None = None  # Megatron's index cache; None: next to the run
+    cache_dir: str | None = None  # Megatron's index cache; None: the run folder's index_cache/
     # the dataset's shuffling seed; None: the run's seed. Fix it to compare model seeds on
     # the same data order and the same validation windows.
     seed: int | None = None
