@@ -75,8 +75,14 @@ def _cuda_call_is_a_no_op_on_cpu():
 
 
 def perturbed_train_attempts(rank, world_size, port, root, runs) -> None:
-    """``_training.train_attempts`` of each ``(name, overrides, perturbation or None)``."""
+    """``_training.train_attempts`` of each ``(name, overrides, perturbation)``: a
+    ``Perturbation``, None, or a fault of ``_gpu_path_workers`` by name (``unsummed``: the
+    sequence-parallel norms' gradients are not summed across TP ranks)."""
+    from _gpu_path_workers import _fault
+
     set_rank_env(rank, world_size, port)
     for name, overrides, perturbation in runs:
-        with _perturbing(perturbation), _cuda_call_is_a_no_op_on_cpu():
+        fault = perturbation if isinstance(perturbation, str) else "none"
+        off = perturbation if isinstance(perturbation, Perturbation) else None
+        with _perturbing(off), _fault(fault), _cuda_call_is_a_no_op_on_cpu():
             train_attempts(rank, world_size, port, root, [(name, overrides)])

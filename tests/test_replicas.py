@@ -47,6 +47,8 @@ RUNS = {
     "dp2-norm-off": (DP2, Perturbation(NORM, rank=1, step=1)),
     "tp2-zero3-dt-off": (TP2_ZERO3, Perturbation(DT, rank=0, step=2)),
     "pp2-tied-off": (PP2_TIED, Perturbation("output_layer.weight", rank=1, step=2)),
+    # the bug tests/test_gpu_path.py plants: SP norms' partial gradients left unsummed
+    "tp2-sp-unsummed": (TP2_SP, "unsummed"),
 }
 
 
@@ -69,6 +71,15 @@ def test_zero3_says_it_compares_no_data_parallel_copies(runs):
     assert (
         "only tensor-parallel replicas and tied embedding copies are compared"
         in (attempt["stderr"])
+    )
+
+
+def test_norms_without_their_tp_gradient_sum_stop_the_run_at_step_1(runs):
+    (attempt,) = attempts(runs, "tp2-sp-unsummed")
+    assert attempt.get("error") == "ReplicaMismatch", attempt
+    assert (
+        "at step 1: decoder.layers.0.input_layernorm.weight is not the same on ranks [0, 1]"
+        in attempt["message"]
     )
 
 
