@@ -280,6 +280,8 @@ class DataConfig:
     split: str = "969,30,1"
     tokenizer: str | None = None  # SentencePiece .model (or a Hugging Face tokenizer folder)
     mock: bool = False
+    # 0 only: each rank reads its batches itself (sampler.fetch: a memory-mapped slice per
+    # sample, microseconds against a step); there are no DataLoader workers to ask for
     num_workers: int = 0
     cache_dir: str | None = None  # Megatron's index cache; None: the run folder's index_cache/
     # the dataset's shuffling seed; None: the run's seed. Fix it to compare model seeds on
@@ -633,6 +635,12 @@ def _check_data(d: DataConfig, check: _Checks) -> None:
             f"{len(d.prefixes)}; give one weight per prefix (or none)",
         )
         check(all(w > 0 for w in d.weights), "data.weights must all be positive")
+    check(
+        d.num_workers == 0,
+        f"data.num_workers={d.num_workers}: there are no data-loader workers to start; each "
+        "rank reads its micro-batches itself (memory-mapped samples, microseconds each against "
+        "a step of seconds), so set data.num_workers=0 or remove it",
+    )
     split = d.split.split(",")
     check(
         len(split) == 3 and all(x.strip().replace(".", "", 1).isdigit() for x in split),

@@ -16,8 +16,6 @@ from _multiproc import run_ranks
 from _replica_workers import Perturbation, perturbed_train_attempts
 from _training import attempts
 
-from cqk_megatron.config import ConfigError, load_config, validate
-
 STEPS = 3
 # f, dt, lambda and the differential RMSNorm: whole on every tensor-parallel rank
 COUPLED_DIFFERENTIAL = ["attention.coupling=hamiltonian", "attention.scoring=differential"]
@@ -102,9 +100,3 @@ def test_a_parameter_off_on_one_rank_stops_the_run_naming_it(runs, name, names, 
     assert "rank 0 holds sha256" in message and "rank 1 holds sha256" in message
     # it stopped at that step, before saving it
     assert not any("iter_" in path for path in attempt["files"]), attempt["files"]
-
-
-def test_the_interval_must_not_be_negative():
-    with pytest.raises(ConfigError, match=r"train.check_replicas_interval=-1 must be >= 0"):
-        validate(load_config(None, ["train.check_replicas_interval=-1"]))
-    assert load_config(None, []).train.check_replicas_interval == 0  # off unless asked
