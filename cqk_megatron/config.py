@@ -211,7 +211,9 @@ class TrainConfig:
     engine: str = "deepspeed"
     zero_stage: int = 1
     offload_optimizer: bool = False
-    # train.engine=megatron: reduce-scatter gradients bucket by bucket during the backward
+    # reduce the data-parallel gradients bucket by bucket during the backward: Megatron's
+    # DDP overlap_grad_reduce (train.engine=megatron) or DeepSpeed ZeRO's overlap_comm
+    # (false leaves DeepSpeed's default: on for ZeRO-3 only); the cluster configs turn it on
     overlap_grad_reduce: bool = False
     # activation recompute: none | selective (the core attention: scores, softmax and
     # context recomputed from q, k, v in the backward) | full (whole layers from their
@@ -726,8 +728,12 @@ def _check_engine(t: TrainConfig, pp: int, check: _Checks) -> None:
             "train.engine=megatron set it to false, or use train.engine=deepspeed",
         )
     check(
-        not t.overlap_grad_reduce or t.engine == "megatron",
-        "train.overlap_grad_reduce=true applies to train.engine=megatron only; set it to false",
+        not (t.overlap_grad_reduce and t.engine == "deepspeed" and pp > 1),
+        f"train.overlap_grad_reduce=true with train.engine=deepspeed and "
+        f"parallel.pipeline_parallel={pp}: DeepSpeed's overlap_comm reduces gradients in "
+        "hooks inside each backward, which Megatron's pipeline schedule drives itself "
+        "(DeepSpeed's own pipeline engine turns it off); set train.overlap_grad_reduce=false, "
+        "or use train.engine=megatron",
     )
 
 
@@ -851,7 +857,7 @@ def hardware_errors(config: RunConfig, hardware: Hardware) -> list[str]:
     p, t = config.parallel, config.train
     pp = p.pipeline_parallel
     check(
-        not (t.overlap_grad_reduce and pp > 1 and not hardware.cuda),
+        not (t.overlap_grad_reduce and t.engine == "megatron" and pp > 1 and not hardware.cuda),
         f"train.overlap_grad_reduce=true with parallel.pipeline_parallel={pp} hangs on CPU "
         "(gloo); set train.overlap_grad_reduce=false on CPU",
     )

@@ -226,3 +226,20 @@ def test_on_gpu_the_optimizer_is_torchs_fused_adamw(monkeypatch):
     host = engine.make_optimizer(model, offload)  # DeepSpeed's CPU Adam is not prebuilt
     assert type(host) is torch.optim.AdamW and not host.defaults["fused"]
     assert engine.deepspeed_config(offload, 1)["zero_force_ds_cpu_optimizer"] is False
+
+
+def test_the_1b_run_overlaps_the_gradient_reduction_with_the_backward():
+    # train.overlap_grad_reduce: DeepSpeed ZeRO's overlap_comm (on CPU too: a DP=2 ZeRO-1 or
+    # ZeRO-2 run gave the very same losses and gradient norms with it as without)
+    from cqk_megatron.training.deepspeed_engine import deepspeed_config
+
+    config = load_config(CONFIGS_DIR / "runs" / "1b_4x8.yaml", [])
+    assert config.train.engine == "deepspeed" and config.train.overlap_grad_reduce
+    assert deepspeed_config(config, 8)["zero_optimization"]["overlap_comm"] is True
+    plain = load_config(None, [])
+    assert "overlap_comm" not in deepspeed_config(plain, 8)["zero_optimization"]
+    pipelined = load_config(
+        None, ["train.overlap_grad_reduce=true", "parallel.pipeline_parallel=2"]
+    )
+    with pytest.raises(ConfigError, match="DeepSpeed's overlap_comm reduces gradients in hooks"):
+        validate(pipelined)

@@ -49,6 +49,8 @@ def deepspeed_config(config: RunConfig, gradient_accumulation_steps: int) -> dic
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if t.overlap_grad_reduce:  # reduce in buckets during the backward (PP=1: validate)
+        ds["zero_optimization"]["overlap_comm"] = True
     if t.offload_optimizer:
         on_gpu = device().type == "cuda"
         ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
