@@ -213,7 +213,9 @@ class TrainConfig:
     engine: str = "deepspeed"
     zero_stage: int = 1
     offload_optimizer: bool = False
-    # train.engine=megatron: reduce-scatter gradients bucket by bucket during the backward
+    # reduce the data-parallel gradients bucket by bucket during the backward: Megatron's
+    # DDP overlap_grad_reduce (train.engine=megatron) or DeepSpeed ZeRO's overlap_comm
+    # (false leaves DeepSpeed's default: on for ZeRO-3 only); the cluster configs turn it on
     overlap_grad_reduce: bool = False
     # activation recompute: none | selective (the core attention: scores, softmax and
     # context recomputed from q, k, v in the backward) | full (whole layers from their
@@ -234,6 +236,11 @@ class TrainConfig:
     exit_after_steps: int | None = None  # checkpoint and exit for requeue at this step
     init_from: str | None = None  # weights-only checkpoint to start from (any layout)
     log_interval: int = 1
+    # every this many steps, and at the end, check that every parameter that must be the
+    # same on several ranks is, bit for bit (data-parallel replicas, parameters whole on
+    # every tensor-parallel rank, tied embedding copies across pipeline stages); the run
+    # stops naming the first that differs and the ranks (training/replicas.py). 0: off
+    check_replicas_interval: int = 0
     # faults (training/watchdog.py): no rank waits forever. Rendezvous, process-group
     # creation, start-up and the first step are bounded by init_timeout_s; after the first
     # step every process group's collectives time out after collective_timeout_s (raised
@@ -277,8 +284,10 @@ class DataConfig:
     split: str = "969,30,1"
     tokenizer: str | None = None  # SentencePiece .model (or a Hugging Face tokenizer folder)
     mock: bool = False
+    # 0 only: each rank reads its batches itself (sampler.fetch: a memory-mapped slice per
+    # sample, microseconds against a step); there are no DataLoader workers to ask for
     num_workers: int = 0
-    cache_dir: str | None = None  # Megatron's index cache; None: next to the run
+    cache_dir: str | None = None  # Megatron's index cache; None: the run folder's index_cache/
     # the dataset's shuffling seed; None: the run's seed. Fix it to compare model seeds on
     # the same data order and the same validation windows.
     seed: int | None = None
@@ -629,6 +638,11 @@ def _check_training(t: TrainConfig, check: _Checks) -> None:
         ("train.max_nan_steps", t.max_nan_steps),
     ]:
         check(value >= 1, f"{dotted}={value} must be at least 1")
+    check(
+        t.check_replicas_interval >= 0,
+        f"train.check_replicas_interval={t.check_replicas_interval} must be >= 0 (0 turns the "
+        "replica check off)",
+    )
 
 
 def check_fault_bounds(t: TrainConfig, check) -> None:
@@ -678,6 +692,12 @@ def _check_data(d: DataConfig, check: _Checks) -> None:
             f"{len(d.prefixes)}; give one weight per prefix (or none)",
         )
         check(all(w > 0 for w in d.weights), "data.weights must all be positive")
+    check(
+        d.num_workers == 0,
+        f"data.num_workers={d.num_workers}: there are no data-loader workers to start; each "
+        "rank reads its micro-batches itself (memory-mapped samples, microseconds each against "
+        "a step of seconds), so set data.num_workers=0 or remove it",
+    )
     split = d.split.split(",")
     check(
         len(split) == 3 and all(x.strip().replace(".", "", 1).isdigit() for x in split),
@@ -763,8 +783,26 @@ def _check_engine(t: TrainConfig, pp: int, check: _Checks) -> None:
             "train.engine=megatron set it to false, or use train.engine=deepspeed",
         )
     check(
-        not t.overlap_grad_reduce or t.engine == "megatron",
-        "train.overlap_grad_reduce=true applies to train.engine=megatron only; set it to false",
+        not (t.overlap_grad_reduce and t.engine == "deepspeed" and pp > 1),
+        f"train.overlap_grad_reduce=true with train.engine=deepspeed and "
+        f"parallel.pipeline_parallel={pp}: DeepSpeed's overlap_comm reduces gradients in "
+        "hooks inside each backward, which Megatron's pipeline schedule drives itself "
+        "(DeepSpeed's own pipeline engine turns it off); set train.overlap_grad_reduce=false, "
+        "or use train.engine=megatron",
+    )
+    check(
+        not (
+            t.overlap_grad_reduce
+            and t.engine == "deepspeed"
+            and t.precision == "bf16"
+            and t.zero_stage == 1
+            and not t.offload_optimizer
+        ),
+        "train.overlap_grad_reduce=true with train.engine=deepspeed, train.zero_stage=1 and "
+        "train.precision=bf16 would do nothing: with fp32 gradient sums DeepSpeed runs "
+        "ZeRO-1 in bf16 as its BF16_Optimizer, which reduces after the backward; use "
+        "train.zero_stage=2 (gradients reduce-scattered during the backward), or "
+        "train.engine=megatron, or set train.overlap_grad_reduce=false",
     )
 
 
@@ -888,7 +926,7 @@ def hardware_errors(config: RunConfig, hardware: Hardware) -> list[str]:
     p, t = config.parallel, config.train
     pp = p.pipeline_parallel
     check(
-        not (t.overlap_grad_reduce and pp > 1 and not hardware.cuda),
+        not (t.overlap_grad_reduce and t.engine == "megatron" and pp > 1 and not hardware.cuda),
         f"train.overlap_grad_reduce=true with parallel.pipeline_parallel={pp} hangs on CPU "
         "(gloo); set train.overlap_grad_reduce=false on CPU",
     )
