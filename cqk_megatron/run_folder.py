@@ -380,3 +380,18 @@ def run_status(run_dir: Path, train_steps: int | None = None) -> RunStatus:
         or any(e["event"] == "started" for e in history)
     )
     return RunStatus("partial" if started else "new", summary)
+
+
+# -- recognising a run folder --------------------------------------------------------------
+
+# The files only a run writes (``config.yaml`` aside: other tools write files of that name,
+# and a run that wrote it has written ``checkpoints/`` and ``metrics.jsonl`` before it).
+_RUN_FILES = (CHECKPOINTS, METRICS, JOBS, FAULTS, LEASE, SUPERSEDED)
+
+
+def run_folder_file(folder: Path) -> str | None:
+    """The first of the files only a run writes that ``folder`` holds (what makes it a run
+    folder), or None. Tools that replace a folder (``cqk-convert ... --overwrite``) refuse
+    one where this is not None."""
+    folder = Path(folder)
+    return next((name for name in _RUN_FILES if (folder / name).exists()), None)
