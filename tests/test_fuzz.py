@@ -1,6 +1,9 @@
-"""The fault and bad-input cases of issue 27, kept: bad configs, bad data, damaged
-checkpoints at resume and at export, exports that would delete a run, an empty
-``--resume weights:``, and SIGTERM to a training process.
+"""The fault and bad-input cases of issue 27, kept: bad configs (unknown, mistyped,
+negative, non-finite fields, run names that are paths), bad data (truncated, foreign
+indexes, a tokenizer larger than the vocabulary, random bytes to the data tools), damaged
+checkpoints at resume (the launcher's pre-flight and a real resume) and at export,
+exports with ``--overwrite`` that would delete a run, resume paths that name no
+checkpoint, and SIGTERM to a training process (exit 75, resumable).
 
 Every case asserts four things: the exit code; the first line of what the tool said (a
 stable part of it); that nothing written before changed (the sha256 of every file of the
@@ -31,7 +34,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -58,11 +61,6 @@ SETTINGS = [
     "train.checkpoint_hashes=true",
     "train.exit_after_steps=4",
 ]
-
-
-def pending(item: str) -> pytest.MarkDecorator:
-    """A case whose fix is on its way: expected to fail until it is merged."""
-    return pytest.mark.xfail(strict=True, reason=f"lands with issue 27 {item}")
 
 
 # -- what a case checks --------------------------------------------------------------------
@@ -296,10 +294,8 @@ class ConfigCase:
     overrides: tuple[str, ...]
     first: str  # in the first line said
     names: str = ""  # somewhere in the message: the field (and value) at fault
-    marks: tuple = field(default=())
 
 
-ITEM_3, ITEM_4 = (pending("item 3"),), (pending("item 4"),)
 CONFIG_CASES = {
     "unknown field": ConfigCase(("train.lrr=0.1",), "unknown key 'train.lrr'", "train.lr"),
     "wrong type": ConfigCase(
@@ -312,28 +308,27 @@ CONFIG_CASES = {
         ("train.micro_batch_size=-2",), "invalid config", "train.micro_batch_size"
     ),
     "nan lr": ConfigCase(("train.lr=.nan",), "invalid config", "train.lr"),
-    "inf lr": ConfigCase(("train.lr=.inf",), "invalid config", "train.lr", ITEM_3),
+    "inf lr": ConfigCase(("train.lr=.inf",), "invalid config", "train.lr"),
     "-inf min lr": ConfigCase(("train.min_lr=-.inf",), "invalid config", "train.min_lr"),
     "inf weight decay": ConfigCase(
-        ("train.weight_decay=.inf",), "invalid config", "train.weight_decay", ITEM_3
+        ("train.weight_decay=.inf",), "invalid config", "train.weight_decay"
     ),
     "inf save timeout": ConfigCase(
         ("train.save_timeout_s=.inf",),
         "invalid config",
         "train.save_timeout_s",
-        ITEM_3,
     ),
     "name ../x": ConfigCase(
-        ("name=../escape",), "invalid config", "name='../escape' is not a run name", ITEM_4
+        ("name=../escape",), "invalid config", "name='../escape' is not a run name"
     ),
     "name /x": ConfigCase(
-        ("name={tmp}/abs",), "invalid config", "name='{tmp}/abs' is not a run name", ITEM_4
+        ("name={tmp}/abs",), "invalid config", "name='{tmp}/abs' is not a run name"
     ),
-    "name a/b": ConfigCase(("name=a/b",), "invalid config", "name='a/b' is not a run name", ITEM_4),
-    "name empty": ConfigCase(("name=''",), "invalid config", "name='' is not a run name", ITEM_4),
+    "name a/b": ConfigCase(("name=a/b",), "invalid config", "name='a/b' is not a run name"),
+    "name empty": ConfigCase(("name=''",), "invalid config", "name='' is not a run name"),
     "name null": ConfigCase(("name=",), "'name' must be str, got None"),
     "name with a tab": ConfigCase(
-        ("name='a\tb'",), "invalid config", "name='a\\tb' is not a run name", ITEM_4
+        ("name='a\tb'",), "invalid config", "name='a\\tb' is not a run name"
     ),
     "missing data prefix": ConfigCase(
         ("data.mock=false", "data.prefixes=[{tmp}/no/such_prefix]"),
@@ -347,7 +342,7 @@ ENTRY_POINTS = {"cqk-train": cqk_train, "launcher": launcher}
 @pytest.mark.parametrize("entry", list(ENTRY_POINTS))
 @pytest.mark.parametrize(
     "case",
-    [pytest.param(case, id=name, marks=case.marks) for name, case in CONFIG_CASES.items()],
+    [pytest.param(case, id=name) for name, case in CONFIG_CASES.items()],
 )
 def test_a_bad_config_is_refused_and_nothing_is_written(
     case, entry, prepared_run, tmp_path, capsys, monkeypatch
@@ -416,16 +411,18 @@ def _foreign_index(data: Path, keep_meta: bool) -> None:
 
 
 DATA_CASES = {
-    "truncated .bin": (_truncate_bin, "docs_text_document.bin"),
-    "truncated .idx": (_truncate_idx, "docs_text_document.idx"),
+    "truncated .bin": (_truncate_bin, "docs_text_document.bin has "),
+    "truncated .idx": (
+        _truncate_idx,
+        "docs_text_document.idx is not the index docs_text_document.meta.json recorded",
+    ),
     "foreign same-size .idx with meta": (
         lambda data: _foreign_index(data, keep_meta=True),
         "does not belong",
     ),
-    "foreign same-size .idx without meta": pytest.param(
+    "foreign same-size .idx without meta": (
         lambda data: _foreign_index(data, keep_meta=False),
         "does not end with the EOD id",
-        marks=pending("item 5"),
     ),
 }
 
@@ -445,24 +442,67 @@ def test_bad_data_is_refused_before_training(
     watch.assert_no_process_left()
 
 
-def test_the_data_tools_refuse_random_bytes(prepared_data, tmp_path, capsys):
-    """Random bytes where JSON lines are expected (cqk-preprocess), and where a dataset is
-    (cqk-data-stats): one line, exit 2, nothing written."""
-    from data_tools import preprocess, stats
+def _noise(data: Path, name: str, size: int = 20_000) -> Path:
+    path = data / name
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes())
+    return path
 
+
+def _preprocess(data: Path, source: Path) -> tuple[Callable, list[str]]:
+    from data_tools import preprocess
+
+    argv = ["--input", str(source), "--tokenizer", str(data / "spm.model"), "--workers", "1"]
+    return preprocess.main, [*argv, "--output-prefix", str(data / "out"), "--quiet"]
+
+
+def _train_tokenizer(data: Path, source: Path) -> tuple[Callable, list[str]]:
+    from data_tools import tokenizer
+
+    argv = ["--input", str(source), "--output-prefix", str(data / "tok"), "--vocab-size", "300"]
+    return tokenizer.main, argv
+
+
+def _data_stats(data: Path, source: Path) -> tuple[Callable, list[str]]:
+    from data_tools import stats
+
+    Path(f"{source}.bin").write_bytes(source.read_bytes())
+    Path(f"{source}.idx").write_bytes(source.read_bytes()[:2000])
+    return stats.main, [str(source)]
+
+
+# (tool, input file, first line): random bytes where text, JSON lines or a dataset belong
+NOISE_CASES = {
+    "cqk-preprocess, .txt": (_preprocess, "noise.txt", "error: input '{path}' is not text: "),
+    "cqk-preprocess, .jsonl": (
+        _preprocess,
+        "noise.jsonl",
+        "error: input '{path}' is not text: ",
+    ),
+    "cqk-train-tokenizer, .txt": (
+        _train_tokenizer,
+        "noise.txt",
+        "error: input '{path}' is not text: ",
+    ),
+    "cqk-data-stats": (
+        _data_stats,
+        "noise_text_document",
+        "error: dataset '{path}': {path}.idx is not a readable Megatron index",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("tool", "name", "first"), list(NOISE_CASES.values()), ids=list(NOISE_CASES)
+)
+def test_the_data_tools_refuse_random_bytes(tool, name, first, prepared_data, tmp_path, capsys):
+    """One line naming the file, exit 2, nothing written (it was tokenized with a warning
+    for 20,655 bad sequences)."""
     data = copy_data(prepared_data, tmp_path)
-    noise = np.random.default_rng(0).integers(0, 256, 20_000, dtype=np.uint8).tobytes()
-    (data / "noise.jsonl").write_bytes(noise)
-    (data / "noise_text_document.bin").write_bytes(noise)
-    (data / "noise_text_document.idx").write_bytes(noise[:2000])
+    source = _noise(data, name)
+    main, argv = tool(data, source)
     watch = Watch(tmp_path)
-    argv = ["--input", str(data / "noise.jsonl"), "--tokenizer", str(data / "spm.model")]
-    argv += ["--output-prefix", str(data / "out"), "--workers", "1", "--quiet"]
-    outcome = data_tool(preprocess.main, argv, capsys)
-    check(outcome, EXIT_REFUSED, f"error: cannot read '{data / 'noise.jsonl'}' as json: line 1")
-    outcome = data_tool(stats.main, [str(data / "noise_text_document")], capsys)
-    prefix = data / "noise_text_document"
-    check(outcome, EXIT_REFUSED, f"error: dataset '{prefix}': {prefix}.idx is not a readable")
+    outcome = data_tool(main, argv, capsys)
+    check(outcome, EXIT_REFUSED, first.replace("{path}", str(source)))
     watch.assert_unchanged()
     watch.assert_no_process_left()
 
@@ -578,7 +618,7 @@ def test_a_checkpoint_of_another_shape_is_refused_at_resume(
 @pytest.mark.parametrize(
     ("resume", "first"),
     [
-        ("weights:", "--resume weights: names no checkpoint folder"),
+        ("weights:", "--resume 'weights:' names no checkpoint; give its folder"),
         ("weights:{tmp}/nowhere", "--resume weights:{tmp}/nowhere: {tmp}/nowhere is not a"),
         ("{tmp}/nowhere", "--resume {tmp}/nowhere: {tmp}/nowhere is not a checkpoint folder"),
     ],
@@ -620,7 +660,6 @@ OVERWRITE_CASES = {
 @pytest.mark.parametrize(
     ("source", "target"), list(OVERWRITE_CASES.values()), ids=list(OVERWRITE_CASES)
 )
-@pending("item 1")
 def test_export_overwrite_never_deletes_a_run(source, target, prepared_run, tmp_path, capsys):
     copy_run(prepared_run, tmp_path)
     watch = Watch(tmp_path)
@@ -631,34 +670,36 @@ def test_export_overwrite_never_deletes_a_run(source, target, prepared_run, tmp_
 
 
 def _another_shape(run_dir: Path) -> None:
-    """The newest checkpoint's recorded config says another hidden size than its weights."""
-    path = _newest(run_dir) / "config.yaml"
+    """The newest checkpoint without a config of its own (as an older save wrote it),
+    complete by its manifest, and its run's config changed to another hidden size since:
+    the export reads the checkpoint with that config."""
+    folder = _newest(run_dir)
+    (folder / "config.yaml").unlink()
+    checkpoint_files.write_manifest(folder, 4, with_hashes=True)
+    path = run_dir / "config.yaml"
     path.write_text(path.read_text().replace("hidden_size: 64", "hidden_size: 128"))
 
 
 # (damage, source, exit code, first line): a run folder export takes the newest checkpoint
 # whose weights verify, and says which when a newer one does not
 EXPORT_CASES = {
-    "flipped byte in the newest": pytest.param(
+    "flipped byte in the newest": (
         lambda run: _flip_byte(_newest(run)),
         "runs/base",
         0,
         "note: exporting iter_0000002",
-        marks=pending("the export's fallback (issue 27, smaller items)"),
     ),
-    "truncated weights in the newest": pytest.param(
+    "truncated weights in the newest": (
         lambda run: _truncate_file(_newest(run), "model/common.pt"),
         "runs/base",
         0,
         "note: exporting iter_0000002",
-        marks=pending("the export's fallback (issue 27, smaller items)"),
     ),
-    "deleted latest": pytest.param(
+    "deleted latest": (
         lambda run: (run / "checkpoints" / checkpoint_files.LATEST).unlink(),
         "runs/base",
         0,
         "",
-        marks=pending("the export's fallback (issue 27, smaller items)"),
     ),
     "missing manifest": (
         lambda run: (_newest(run) / checkpoint_files.MANIFEST).unlink(),
@@ -670,7 +711,7 @@ EXPORT_CASES = {
         _another_shape,
         "runs/base/checkpoints/iter_0000004",
         EXIT_REFUSED,
-        "cqk-convert export: error:",
+        "cqk-convert export: error: checkpoint {run}/checkpoints/iter_0000004 does not fit",
     ),
 }
 
@@ -686,7 +727,9 @@ def test_a_damaged_checkpoint_at_export(
     watch = Watch(tmp_path)
     out = tmp_path / "hf"
     outcome = convert(_export(tmp_path / source, out), capsys)
-    check(outcome, code, first)
+    check(outcome, code, first.replace("{run}", str(run_dir)))
+    if not first:  # nothing to say: the newest checkpoint verifies
+        assert "note:" not in outcome.err, outcome.err
     if code == 0:
         assert outcome.out.strip() == f"wrote {out}"
         assert (out / "config.json").is_file()
