@@ -305,6 +305,33 @@ def retire(
     return deleted
 
 
+def checkpoint_file(folder: Path) -> str | None:
+    """What makes ``folder`` a checkpoint (its ``manifest.json``, or an ``iter_NNNNNNN``
+    name, whole or half-written) or a checkpoints folder (``latest``, ``iter_*`` folders),
+    or None. Tools that replace a folder refuse one where this is not None."""
+    folder = Path(folder)
+    if (folder / MANIFEST).is_file():
+        return MANIFEST
+    if iteration_step(Path(folder.name.removesuffix(".tmp"))) is not None:
+        return f"the name {folder.name}"
+    if (folder / LATEST).is_file():
+        return LATEST
+    if iterations(folder):
+        return iterations(folder)[-1].name
+    return None
+
+
+def weights_only_checkpoint(folder: Path) -> bool:
+    """``folder`` is a weights-only checkpoint (what ``cqk-convert import`` and
+    ``train.init_from`` write): its manifest lists weights, config and layout only, no
+    trainer or optimizer state of a run."""
+    try:
+        files = json.loads((Path(folder) / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return bool(files) and all(_in_parts(name, ("model", CONFIG, "layout.json")) for name in files)
+
+
 # -- config recorded with a checkpoint -------------------------------------------------------
 
 
@@ -421,7 +448,14 @@ def choose_resume(
             folder, refused=refused, supersede=_newer_than(checkpoints, good[0].step)
         )
     weights_only = resume.startswith("weights:")
-    folder = Path(resume[len("weights:") :] if weights_only else resume).expanduser()
+    given = resume[len("weights:") :] if weights_only else resume
+    if not given.strip():
+        raise CheckpointError(
+            f"--resume {resume!r} names no checkpoint; give its folder, e.g. --resume "
+            f"{'weights:' if weights_only else ''}RUN/checkpoints/iter_0000100 (or --resume "
+            "auto for the run's newest, none to start over)"
+        )
+    folder = Path(given).expanduser()
     if not folder.is_dir():
         raise CheckpointError(f"--resume {resume}: {folder} is not a checkpoint folder")
     step = verify(folder, hashes, WEIGHT_PARTS if weights_only else None, hash_check)

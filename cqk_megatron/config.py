@@ -14,8 +14,10 @@ import dataclasses
 import difflib
 import functools
 import math
+import re
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,7 +213,9 @@ class TrainConfig:
     engine: str = "deepspeed"
     zero_stage: int = 1
     offload_optimizer: bool = False
-    # train.engine=megatron: reduce-scatter gradients bucket by bucket during the backward
+    # reduce the data-parallel gradients bucket by bucket during the backward: Megatron's
+    # DDP overlap_grad_reduce (train.engine=megatron) or DeepSpeed ZeRO's overlap_comm
+    # (false leaves DeepSpeed's default: on for ZeRO-3 only); the cluster configs turn it on
     overlap_grad_reduce: bool = False
     # activation recompute: none | selective (the core attention: scores, softmax and
     # context recomputed from q, k, v in the backward) | full (whole layers from their
@@ -236,6 +240,11 @@ class TrainConfig:
     exit_after_steps: int | None = None  # checkpoint and exit for requeue at this step
     init_from: str | None = None  # weights-only checkpoint to start from (any layout)
     log_interval: int = 1
+    # every this many steps, and at the end, check that every parameter that must be the
+    # same on several ranks is, bit for bit (data-parallel replicas, parameters whole on
+    # every tensor-parallel rank, tied embedding copies across pipeline stages); the run
+    # stops naming the first that differs and the ranks (training/replicas.py). 0: off
+    check_replicas_interval: int = 0
     # faults (training/watchdog.py): no rank waits forever. Rendezvous, process-group
     # creation, start-up and the first step are bounded by init_timeout_s; after the first
     # step every process group's collectives time out after collective_timeout_s (raised
@@ -279,8 +288,10 @@ class DataConfig:
     split: str = "969,30,1"
     tokenizer: str | None = None  # SentencePiece .model (or a Hugging Face tokenizer folder)
     mock: bool = False
+    # 0 only: each rank reads its batches itself (sampler.fetch: a memory-mapped slice per
+    # sample, microseconds against a step); there are no DataLoader workers to ask for
     num_workers: int = 0
-    cache_dir: str | None = None  # Megatron's index cache; None: next to the run
+    cache_dir: str | None = None  # Megatron's index cache; None: the run folder's index_cache/
     # the dataset's shuffling seed; None: the run's seed. Fix it to compare model seeds on
     # the same data order and the same validation windows.
     seed: int | None = None
@@ -422,8 +433,22 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(key, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override '{override}': '{key}' is not a section")
-        node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        node[keys[-1]] = _override_value(override, raw)
     return data
+
+
+def _override_value(override: str, raw: str) -> Any:
+    """The value of ``key=raw`` as YAML reads it (empty: null)."""
+    if not raw.strip():
+        return None
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as error:
+        problem = str(error).splitlines()[0]
+        raise ConfigError(
+            f"override {override!r}: the value is not valid YAML ({problem}); quote it, "
+            "e.g. key='value'"
+        ) from error
 
 
 def apply_model_family(data: dict) -> dict:
@@ -519,6 +544,45 @@ class _Checks:
         self(value in options, f"{dotted}={value!r} is unknown; choose one of {list(options)}")
 
 
+def _float_values(section: Any, prefix: str = "") -> Iterator[tuple[str, float]]:
+    """``(dotted name, value)`` of every float in the config, lists' items included."""
+    for item in dataclasses.fields(section):
+        value = getattr(section, item.name)
+        dotted = f"{prefix}{item.name}"
+        if dataclasses.is_dataclass(value):
+            yield from _float_values(value, f"{dotted}.")
+        elif isinstance(value, float):
+            yield dotted, value
+        elif isinstance(value, list):
+            yield from ((f"{dotted}[{i}]", v) for i, v in enumerate(value) if isinstance(v, float))
+
+
+def _check_finite_numbers(config: RunConfig, check: _Checks) -> None:
+    """No field holds inf or nan: both pass range checks such as ``lr > 0`` (inf) or
+    compare false with everything (nan), and a run trained on them learns nothing."""
+    for dotted, value in _float_values(config):
+        check(
+            math.isfinite(value),
+            f"{dotted}={value} is not a finite number; give a finite value "
+            "(an optional field takes null for none)",
+        )
+
+
+# A run's folder is log.root/name: a name is one path segment that every filesystem, shell
+# and scheduler takes as it is.
+_RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=-]{0,199}")
+
+
+def _check_run_name(name: str, check: _Checks) -> None:
+    """``name`` cannot point outside ``log.root`` (``../x``, ``/x``, ``a/b``) or be empty."""
+    check(
+        _RUN_NAME.fullmatch(name) is not None,
+        f"name={name!r} is not a run name: the run's folder is log.root/name, so a name is "
+        "one path segment of letters, digits and . _ + = - (not starting with . + = or -), "
+        "at most 200 characters, e.g. name=my-run; put the folder elsewhere with log.root",
+    )
+
+
 def _check_names(config: RunConfig, check: _Checks) -> None:
     """Every named choice is one of its options."""
     m, a, t = config.model, config.attention, config.train
@@ -578,6 +642,11 @@ def _check_training(t: TrainConfig, check: _Checks) -> None:
         ("train.max_nan_steps", t.max_nan_steps),
     ]:
         check(value >= 1, f"{dotted}={value} must be at least 1")
+    check(
+        t.check_replicas_interval >= 0,
+        f"train.check_replicas_interval={t.check_replicas_interval} must be >= 0 (0 turns the "
+        "replica check off)",
+    )
 
 
 def check_fault_bounds(t: TrainConfig, check) -> None:
@@ -627,6 +696,12 @@ def _check_data(d: DataConfig, check: _Checks) -> None:
             f"{len(d.prefixes)}; give one weight per prefix (or none)",
         )
         check(all(w > 0 for w in d.weights), "data.weights must all be positive")
+    check(
+        d.num_workers == 0,
+        f"data.num_workers={d.num_workers}: there are no data-loader workers to start; each "
+        "rank reads its micro-batches itself (memory-mapped samples, microseconds each against "
+        "a step of seconds), so set data.num_workers=0 or remove it",
+    )
     split = d.split.split(",")
     check(
         len(split) == 3 and all(x.strip().replace(".", "", 1).isdigit() for x in split),
@@ -712,8 +787,26 @@ def _check_engine(t: TrainConfig, pp: int, check: _Checks) -> None:
             "train.engine=megatron set it to false, or use train.engine=deepspeed",
         )
     check(
-        not t.overlap_grad_reduce or t.engine == "megatron",
-        "train.overlap_grad_reduce=true applies to train.engine=megatron only; set it to false",
+        not (t.overlap_grad_reduce and t.engine == "deepspeed" and pp > 1),
+        f"train.overlap_grad_reduce=true with train.engine=deepspeed and "
+        f"parallel.pipeline_parallel={pp}: DeepSpeed's overlap_comm reduces gradients in "
+        "hooks inside each backward, which Megatron's pipeline schedule drives itself "
+        "(DeepSpeed's own pipeline engine turns it off); set train.overlap_grad_reduce=false, "
+        "or use train.engine=megatron",
+    )
+    check(
+        not (
+            t.overlap_grad_reduce
+            and t.engine == "deepspeed"
+            and t.precision == "bf16"
+            and t.zero_stage == 1
+            and not t.offload_optimizer
+        ),
+        "train.overlap_grad_reduce=true with train.engine=deepspeed, train.zero_stage=1 and "
+        "train.precision=bf16 would do nothing: with fp32 gradient sums DeepSpeed runs "
+        "ZeRO-1 in bf16 as its BF16_Optimizer, which reduces after the backward; use "
+        "train.zero_stage=2 (gradients reduce-scattered during the backward), or "
+        "train.engine=megatron, or set train.overlap_grad_reduce=false",
     )
 
 
@@ -837,7 +930,7 @@ def hardware_errors(config: RunConfig, hardware: Hardware) -> list[str]:
     p, t = config.parallel, config.train
     pp = p.pipeline_parallel
     check(
-        not (t.overlap_grad_reduce and pp > 1 and not hardware.cuda),
+        not (t.overlap_grad_reduce and t.engine == "megatron" and pp > 1 and not hardware.cuda),
         f"train.overlap_grad_reduce=true with parallel.pipeline_parallel={pp} hangs on CPU "
         "(gloo); set train.overlap_grad_reduce=false on CPU",
     )
@@ -858,6 +951,10 @@ def config_errors(
     ``hardware``'s facts (default: this one's); empty if it can. Where a single field is
     wrong, only those errors: the checks of combinations assume valid fields."""
     check = _Checks()
+    _check_finite_numbers(config, check)
+    if check.errors:
+        return check.errors  # every other check compares numbers
+    _check_run_name(config.name, check)
     _check_names(config, check)
     _check_architecture(config.model, config.attention, check)
     _check_training(config.train, check)

@@ -60,13 +60,32 @@ def transformer_config(config: RunConfig) -> TransformerConfig:
         apply_rope_fusion=False,
         cross_entropy_loss_fusion=False,
         deallocate_pipeline_outputs=False,
-        # gloo matches a pair of ranks' sends and receives in posting order, and a batched
-        # exchange posts both directions to the same peer when PP=2 (interleaved 1F1B):
-        # activations and gradients would swap. Megatron's unbatched path sends each
-        # direction through its own group. NCCL keeps the batched default.
-        batch_p2p_comm=on_gpu,
+        **p2p_options(p.pipeline_parallel, p.virtual_pipeline, device().type),
         **recompute_options(config),
     )
+
+
+def p2p_options(pipeline_parallel: int, virtual_pipeline: int | None, device_type: str) -> dict:
+    """How pipeline stages exchange activations and gradients: Megatron-Core's
+    ``batch_p2p_comm`` / ``overlap_p2p_comm`` for this layout and device.
+
+    At PP=2 the previous and the next stage are the same rank, and interleaved 1F1B sends
+    to it in both directions in one exchange; point-to-point messages carry no tag (NCCL
+    has none), so in one batched call a gradient can land in an activation's buffer of the
+    same shape, silently. Megatron's unbatched path sends each direction through its own
+    group, so it is safe on either backend.
+
+    - GPU: Megatron-LM's own defaults (``core_transformer_config_from_args``:
+      ``batch_p2p_comm = not overlap_p2p_comm``, overlap on only for the interleaved
+      schedule, which alone supports it): interleaved overlaps unbatched sends with
+      compute, plain 1F1B batches (a stage there never sends both ways at once).
+    - CPU (gloo): unbatched and not overlapped, for both schedules: gloo matches a pair of
+      ranks' messages in posting order, which a batched exchange at PP=2 also breaks.
+    """
+    if device_type != "cuda":
+        return {"batch_p2p_comm": False, "overlap_p2p_comm": False}
+    interleaved = pipeline_parallel > 1 and virtual_pipeline is not None
+    return {"batch_p2p_comm": not interleaved, "overlap_p2p_comm": interleaved}
 
 
 def recompute_options(config: RunConfig) -> dict:

@@ -41,9 +41,11 @@ repro and analysis use:
   not save, and no relaunch decision came after). Without launcher events (a plain
   ``cqk-train``, a repro run): ``faults.jsonl`` holds a crash record or a watchdog
   verdict. Either way the failure must be newer than the last metrics record: a run that
-  logs after it goes on (a resume of a crashed plain run; the live job that held the
-  folder when another job was refused for it). A bare ``refused`` event decides nothing:
-  it is one job's refusal, and under the launcher its ``failed`` record follows.
+  logs after it goes on (a resume of a crashed plain run), and so does a run whose lease a
+  live job holds other than the one that failed (a twin submission refused because that
+  job held the folder: it is that job's refusal, not the run's end, also before the
+  holder logs its next step). A bare ``refused`` event decides nothing: it is one job's
+  refusal, and under the launcher its ``failed`` record follows.
 - ``partial``: started (a metrics record, a checkpoint folder or a ``started`` event),
   neither finished nor failed: running, preempted, stopped to requeue, cancelled.
 - ``new``: nothing of the above yet (a folder with at most a config and a submission).
@@ -321,6 +323,14 @@ def _launcher_failure(history: list[dict]) -> dict | None:
     return None
 
 
+def _held_by_another_job(run_dir: Path, failure: dict) -> bool:
+    """A live process holds the run's lease and is not of the job that ``failure`` ended."""
+    from cqk_megatron import run_lease  # it imports this module for the file's name
+
+    holder = run_lease.live_holder(run_dir)
+    return holder is not None and holder.job_id != str(failure.get("job_id"))
+
+
 def _fault(run_dir: Path) -> dict | None:
     """The last crash record, watchdog verdict or refusal (a full disk at a save) in
     ``faults.jsonl``."""
@@ -358,6 +368,8 @@ def run_status(run_dir: Path, train_steps: int | None = None) -> RunStatus:
         return RunStatus("finished", summary)
     history = events(run_dir)
     failure = _launcher_failure(history) if history else _fault(run_dir)
+    if failure is not None and history and _held_by_another_job(run_dir, failure):
+        failure = None  # that job's refusal (or failure); the holder carries the run on
     logged = max(map(_time, records), default=0.0)
     if failure is not None and _time(failure) >= logged:
         return RunStatus("failed", summary, _why(failure))
@@ -368,3 +380,18 @@ def run_status(run_dir: Path, train_steps: int | None = None) -> RunStatus:
         or any(e["event"] == "started" for e in history)
     )
     return RunStatus("partial" if started else "new", summary)
+
+
+# -- recognising a run folder --------------------------------------------------------------
+
+# The files only a run writes (``config.yaml`` aside: other tools write files of that name,
+# and a run that wrote it has written ``checkpoints/`` and ``metrics.jsonl`` before it).
+_RUN_FILES = (CHECKPOINTS, METRICS, JOBS, FAULTS, LEASE, SUPERSEDED)
+
+
+def run_folder_file(folder: Path) -> str | None:
+    """The first of the files only a run writes that ``folder`` holds (what makes it a run
+    folder), or None. Tools that replace a folder (``cqk-convert ... --overwrite``) refuse
+    one where this is not None."""
+    folder = Path(folder)
+    return next((name for name in _RUN_FILES if (folder / name).exists()), None)

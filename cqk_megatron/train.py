@@ -48,10 +48,29 @@ def _say(message: str) -> None:
         print(f"error: {message}", file=sys.stderr, flush=True)
 
 
+def _launch_world_size() -> int | None:
+    """The world size the launcher gives this process, read as ``distributed.discover``
+    reads it (torchrun's ``WORLD_SIZE``, srun's ``SLURM_NTASKS``; a plain process is one
+    rank) but without importing torch or Megatron: the layout's refusals (a world size that
+    the parallel sizes or the batch do not divide) come in a moment, before either loads.
+    None where the variables do not read as a number (``discover`` says so later)."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        value = env["WORLD_SIZE"]
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        value = env["SLURM_NTASKS"]
+    else:
+        return 1
+    try:
+        return int(value)
+    except ValueError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        config = validate(load_config(args.config, args.overrides))
+        config = validate(load_config(args.config, args.overrides), _launch_world_size())
         if not args.skip_preflight:
             from cqk_megatron.preflight import preflight
 

@@ -35,7 +35,13 @@ from cqk_megatron.data.tokenizer import Tokenizer, check_vocab_fits, load_tokeni
 from data_tools.cli import friendly_errors
 from data_tools.outputs import commit_dataset, partial_paths, refuse_existing_dataset
 from data_tools.progress import Progress
-from data_tools.sources import FileReport, add_input_arguments, default_workers, open_corpus
+from data_tools.sources import (
+    MAX_INVALID_UTF8,
+    FileReport,
+    add_input_arguments,
+    default_workers,
+    open_corpus,
+)
 
 
 @dataclass
@@ -191,6 +197,7 @@ def preprocess(
     input_format: str | None = None,
     split: str = "train",
     skip_missing_text: bool = False,
+    max_invalid_utf8: float = MAX_INVALID_UTF8,
     workers: int | None = None,
     docs_per_task: int = 256,
     overwrite: bool = False,
@@ -219,6 +226,7 @@ def preprocess(
             split=split,
             report=lambda message: print(message, file=sys.stderr),
             skip_missing_text=skip_missing_text,
+            max_invalid_utf8=max_invalid_utf8,
         )
         log(
             f"tokenizing {len(corpus):,} documents from {len(corpus.files)} input(s) with "
@@ -323,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         input_format=args.input_format,
         split=args.split,
         skip_missing_text=args.skip_missing_text,
+        max_invalid_utf8=args.max_invalid_utf8,
         workers=args.workers,
         docs_per_task=args.docs_per_task,
         overwrite=args.overwrite,

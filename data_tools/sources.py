@@ -27,6 +27,11 @@ PARQUET_SUFFIXES = (".parquet",)
 COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz")
 FORMATS = ("text", "json", "parquet")
 TEXT_UNITS = {"line": "line", "paragraph": "paragraph", "file": "document"}
+# Above this fraction of a file's bytes in invalid UTF-8 sequences, a "text" file is not
+# text: random or compressed bytes run to about 40%, executables to 25-30%, text in Latin-1
+# or another 8-bit encoding to a few percent (its accented letters), which is replaced and
+# reported instead.
+MAX_INVALID_UTF8 = 0.2
 
 _SUPPORTED = (
     "supported: .txt/.text/.md/.rst (plain text), .jsonl/.json/.ndjson (JSON lines), "
@@ -337,10 +342,12 @@ def open_corpus(
     split: str = "train",
     report=print,
     skip_missing_text: bool = False,
+    max_invalid_utf8: float = MAX_INVALID_UTF8,
 ) -> Corpus:
     """All inputs as one dataset with a ``text`` column, in input order. ``workdir`` holds
     the Arrow cache and repaired copies of files with bad bytes; keep it while the corpus
-    is in use."""
+    is in use. A text or JSON file with more than ``max_invalid_utf8`` of its bytes in
+    invalid UTF-8 sequences is refused as not text."""
     import datasets
 
     if text_unit not in TEXT_UNITS:
@@ -385,6 +392,7 @@ def open_corpus(
                         f"input '{item}' is empty ({scan.bytes} bytes, no text); remove it from "
                         "the inputs"
                     )
+                _check_mostly_utf8(item, scan.replaced, scan.bytes, max_invalid_utf8)
                 if scan.replaced:
                     load_path = workdir / f"repaired-{position}{_strip_compression(item)[0]}"
                     write_repaired(item, load_path)
@@ -434,6 +442,24 @@ def open_corpus(
     return Corpus(dataset, reports)
 
 
+def _check_mostly_utf8(path: Path, replaced: int, size: int, limit: float) -> None:
+    if size and replaced / size > limit:
+        raise DataError(
+            f"input '{path}' is not text: {replaced:,} of its {size:,} bytes "
+            f"({replaced / size:.1%}) are invalid UTF-8 sequences, more than "
+            f"--max-invalid-utf8 {limit:g} ({limit:.0%}) allows; convert it to UTF-8 (e.g. "
+            "iconv -f latin1 -t utf-8), leave it out of the inputs, or raise "
+            "--max-invalid-utf8 to tokenize it with those bytes replaced by U+FFFD"
+        )
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a fraction between 0 and 1")
+    return value
+
+
 def default_workers() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
@@ -457,4 +483,13 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
         "--skip-missing-text",
         action="store_true",
         help="leave out JSONL/Parquet records without the text field (default: an error)",
+    )
+    parser.add_argument(
+        "--max-invalid-utf8",
+        type=_fraction,
+        default=MAX_INVALID_UTF8,
+        metavar="FRACTION",
+        help="refuse a text/JSONL file with more than this fraction of its bytes in invalid "
+        "UTF-8 sequences (below it they are replaced with U+FFFD and reported; default: "
+        "%(default)s)",
     )

@@ -28,7 +28,7 @@ from cqk_megatron.data.errors import DataError
 from cqk_megatron.data.metadata import write_json
 from data_tools.cli import friendly_errors
 from data_tools.outputs import commit_file, partial_paths, refuse_existing_file
-from data_tools.sources import add_input_arguments, default_workers, open_corpus
+from data_tools.sources import MAX_INVALID_UTF8, add_input_arguments, default_workers, open_corpus
 
 NORMALIZATIONS = ("nfkc", "identity", "nmt_nfkc", "nfkc_cf", "nmt_nfkc_cf")
 # SentencePiece skips training sentences longer than its max_sentence_length (bytes);
@@ -161,6 +161,7 @@ def train_tokenizer(
     input_format: str | None = None,
     split: str = "train",
     skip_missing_text: bool = False,
+    max_invalid_utf8: float = MAX_INVALID_UTF8,
     overwrite: bool = False,
     verbose: bool = False,
     command: list[str] | None = None,
@@ -184,6 +185,7 @@ def train_tokenizer(
             split=split,
             report=lambda message: print(message, file=sys.stderr),
             skip_missing_text=skip_missing_text,
+            max_invalid_utf8=max_invalid_utf8,
         )
         sample = _sample(corpus.dataset, recipe.sample_documents, recipe.seed)
         counter = [0]
@@ -302,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         input_format=args.input_format,
         split=args.split,
         skip_missing_text=args.skip_missing_text,
+        max_invalid_utf8=args.max_invalid_utf8,
         overwrite=args.overwrite,
         verbose=args.verbose,
         command=sys.argv if argv is None else ["cqk-train-tokenizer", *argv],

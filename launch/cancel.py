@@ -4,6 +4,9 @@
   and stops, then SIGKILL after its ``KillWait``);
 - a local job: SIGTERM to its controller (``launch.local_job``), which forwards it to the
   tasks, does not restart them, and kills what is left after a grace period;
+- the job is the last one submitted for the run while it is queued or running, else the
+  submitted job that holds the run's lease (the last submission may be a twin that was
+  refused because that job held the run);
 - no job of the launcher's but a live holder of the run's lease on this host (a plain
   ``cqk-train`` or ``torchrun``): SIGTERM to that process, which stops the run the same way.
 
@@ -39,19 +42,29 @@ def _wait_free(run_dir: Path, job_id: str | None, cluster: str | None, wait_s: f
     return False
 
 
+def _active_job(run_dir: Path, holder: run_lease.Holder | None) -> tuple[str | None, str | None]:
+    """(job id, cluster) of the launcher's job to end: the last submission while it is
+    active, else the submitted job that holds the run's lease. After two submissions of one
+    run raced, the last is the twin that was refused while the first trains on: ending
+    the holder's rank 0 instead of its job would only make its controller restart it."""
+    submitted = [e for e in runs.events(run_dir) if e["event"] == "submitted"]
+    candidates = submitted[-1:]
+    if holder is not None and holder.job_id:
+        candidates += [e for e in reversed(submitted) if str(e["job_id"]) == holder.job_id]
+    for event in candidates:
+        job_id, cluster = str(event["job_id"]), event["cluster"]
+        if slurm_state.is_active(slurm_state.job_state(job_id, cluster)):
+            return job_id, cluster
+    return None, None
+
+
 def cancel(run_dir: Path, wait_s: float = 180.0) -> tuple[bool, str]:
     """(ended, what happened) for one run folder."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return False, f"{run_dir}: no such run folder"
-    submitted = runs.last_submission(run_dir)
-    job_id, cluster = None, None
-    if submitted is not None:
-        job_id, cluster = str(submitted["job_id"]), submitted["cluster"]
-        state = slurm_state.job_state(job_id, cluster)
-        if not slurm_state.is_active(state):
-            job_id = None
     holder = run_lease.live_holder(run_dir)
+    job_id, cluster = _active_job(run_dir, holder)
     if job_id is None and holder is None:
         return True, f"{run_dir}: nothing is running"
     if job_id is not None and cluster == "slurm":

@@ -36,6 +36,7 @@ __all__ = [
     "append_event",
     "events",
     "is_finished",
+    "job_refusal",
     "last_submission",
     "latest_checkpoint",
     "latest_train_record",
@@ -49,6 +50,17 @@ __all__ = [
 def last_submission(run_dir: Path) -> dict | None:
     submitted = [e for e in events(run_dir) if e["event"] == "submitted"]
     return submitted[-1] if submitted else None
+
+
+def job_refusal(run_dir: Path, job_id: str) -> str | None:
+    """Why job ``job_id`` refused the run, if its last attempt did (a ``refused`` event by
+    its rank 0 after the job's last ``started`` one): it trained nothing and is not
+    relaunched. None if the job was not refused."""
+    history = [e for e in events(run_dir) if str(e.get("job_id")) == str(job_id)]
+    starts = [i for i, e in enumerate(history) if e["event"] == "started"]
+    since = history[starts[-1] :] if starts else history
+    refusals = [e for e in since if e["event"] == "refused"]
+    return str(refusals[-1].get("reason") or "refused") if refusals else None
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -14,7 +14,10 @@ or whose folder another live process holds (``lease.json``), are skipped; the ot
 checked before anything is written or queued (``cqk_megatron.preflight``: data, tokenizer,
 sequence length, the run folder's recorded config and checkpoints, free disk; a refusal
 is one line and exit 2), then submitted, and resume from their newest complete checkpoint
-(``--resume`` says otherwise, for the first attempt only).
+(``--resume`` says otherwise, for the first attempt only). Waiting on its jobs, the launcher
+exits 0 when every run finished, 2 when each unfinished run was refused by its job after
+it was queued (``refused: RUN: why``: a twin submission, checkpoints that no longer
+verify), else 1 (``not finished: RUN``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import yaml  # noqa: E402
 
 from cqk_megatron.checkpoint_files import RESUME_HELP  # noqa: E402
 from cqk_megatron.config import ConfigError, to_dict  # noqa: E402
+from cqk_megatron.exit_codes import EXIT_REFUSED  # noqa: E402
 from cqk_megatron.run_folder import CONFIG, SUBMITIT, write_config  # noqa: E402
 from launch import run_dir as runs  # noqa: E402
 from launch import slurm_state  # noqa: E402
@@ -549,6 +553,26 @@ class Progress:
         bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}")
 
 
+def unfinished_exit(plans: list[RunPlan], unfinished: list[str], job_ids: dict[str, str]) -> int:
+    """The launcher's exit code when runs it waited for did not finish: ``EXIT_REFUSED`` (2)
+    when every one of them was refused by its job after it was queued (its folder held by
+    another job, checkpoints that do not verify, bad data: what the pre-flight refuses with
+    2 too, and what a resubmission as it is cannot change), else 1. Says which and why."""
+    run_dirs = {p.name: p.run_dir for p in plans}
+    refused = {}
+    for name in unfinished:
+        job_id = job_ids.get(name)
+        reason = runs.job_refusal(run_dirs[name], job_id) if job_id is not None else None
+        if reason is not None:
+            refused[name] = reason
+    for name, reason in refused.items():
+        print(f"refused: {name}: {reason.splitlines()[0]}", file=sys.stderr)
+    if len(refused) == len(unfinished):
+        return EXIT_REFUSED
+    print(f"not finished: {', '.join(n for n in unfinished if n not in refused)}", file=sys.stderr)
+    return 1
+
+
 def pending_jobs(progress: Progress) -> list:
     return [job for _, job in progress.pending.values()]
 
@@ -604,6 +628,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     submitted_plans = []
+    job_ids: dict[str, str] = {}  # run name: the job this launcher submitted for it
     progress = Progress(cluster, args.progress, total=sum(map(len, todos)))
     with STOPS.installed():
         try:
@@ -616,12 +641,15 @@ def main(argv: list[str] | None = None) -> int:
                         file=sys.stderr,
                     )
                 try:
-                    submit_group(todo, profile, cluster, args.sweep, argv, progress, args.resume)
+                    jobs = submit_group(
+                        todo, profile, cluster, args.sweep, argv, progress, args.resume
+                    )
                 except (RuntimeError, OSError) as error:  # sbatch's refusal, no srun, ...
                     names = ", ".join(p.name for p in todo)
                     print(f"error: submitting {names} failed: {error}", file=sys.stderr)
                     return 1
                 submitted_plans += todo
+                job_ids.update((p.name, str(j.job_id)) for p, j in zip(todo, jobs, strict=True))
             if not submitted_plans:
                 print("nothing submitted")
                 return (
@@ -652,8 +680,7 @@ def main(argv: list[str] | None = None) -> int:
             for plan in plans:
                 if plan.name in unfinished:
                     print(describe(plan.run_dir), file=sys.stderr)
-            print(f"not finished: {', '.join(unfinished)}", file=sys.stderr)
-            return 1
+            return unfinished_exit(plans, unfinished, job_ids)
         print("all runs finished")
     return 0
 

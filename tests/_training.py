@@ -22,6 +22,8 @@ TINY = [
     "train.micro_batch_size=2",
     "train.eval_iters=2",
     "log.wandb_mode=disabled",
+    # every copy a layout keeps is compared after every step (training/replicas.py)
+    "train.check_replicas_interval=1",
 ]
 
 

@@ -811,3 +811,16 @@ def test_overrides_do_not_mutate_input():
     data = {"model": {"num_layers": 2}}
     apply_overrides(data, ["model.num_layers=3"])
     assert data == {"model": {"num_layers": 2}}
+
+
+def test_data_loader_workers_are_refused_not_ignored():
+    # nothing reads them: each rank fetches its own micro-batches (training/sampler.py)
+    message = assert_invalid(cfg("data.num_workers=2"), "data.num_workers=2")
+    assert "set data.num_workers=0 or remove it" in message
+    validate(cfg("data.num_workers=0"))
+
+
+def test_replica_check_interval_is_an_option_off_by_default():
+    assert_invalid(cfg("train.check_replicas_interval=-1"), "train.check_replicas_interval=-1")
+    assert cfg().train.check_replicas_interval == 0
+    validate(cfg("train.check_replicas_interval=100"))

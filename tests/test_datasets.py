@@ -292,3 +292,36 @@ def test_data_seed_fixes_the_sample_order_whatever_the_run_seed(data):
     assert first_tokens("seed=2") != run_seed_1  # by default the run's seed shuffles
     assert first_tokens("seed=1", "data.seed=7") == first_tokens("seed=2", "data.seed=7")
     assert first_tokens("seed=1", "data.seed=1") == run_seed_1
+
+
+def _files_under(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_the_index_cache_goes_to_the_run_folder_not_the_data_folder(data, tmp_path):
+    """Without data.cache_dir, Megatron would write its indices under the data prefix (a
+    read-only data folder failed at start-up); they go to the run's index_cache/."""
+    root, tok = data
+    folder = tmp_path / "read-only-data"  # what the run may not write to
+    folder.mkdir()
+    for suffix in (".bin", ".idx", ".meta.json"):
+        shutil.copy(f"{root / 'letters'}{suffix}", folder / f"letters{suffix}")
+    before = _files_under(folder)
+    config = load_config(
+        None,
+        [
+            f"model.seq_length={SEQ}",
+            "model.vocab_size=320",
+            f"data.prefixes=[{folder / 'letters'}]",
+            f"data.tokenizer={tok}",
+            "data.split=1,0,0",
+            f"log.root={tmp_path / 'runs'}",
+            "name=r",
+        ],
+    )
+    assert config.data.cache_dir is None
+    train, _, _ = build_datasets(config, 8, 0, 0)
+    assert len(train) >= 8
+    assert _files_under(folder) == before
+    cache = tmp_path / "runs" / "r" / "index_cache"
+    assert len(list(cache.glob("*GPTDataset-train-shuffle_index.npy"))) == 1

@@ -61,18 +61,27 @@ def test_an_unknown_stage_is_refused():
     assert result.returncode == 2 and "trian" in result.stderr
 
 
-def test_the_training_runs_are_valid_and_the_resumed_one_is_its_twin(tmp_path):
-    runs = accept.train_runs(tmp_path, accept.Sizes())
-    assert len(runs) == 2 * len(accept.TRAIN_VARIANTS) + 1
-    for overrides in runs.values():
+def test_the_training_runs_are_valid_and_each_resumed_one_is_its_twin(tmp_path):
+    sizes = accept.Sizes()
+    runs = accept.train_runs(tmp_path, sizes)
+    # each variant and the GPT-2 family under both engines, ZeRO-3, and the two twins
+    assert len(runs) == 2 * (len(accept.TRAIN_VARIANTS) + 1) + 1 + len(accept.TWINS)
+    configs = {}
+    for name, overrides in runs.items():
         config = validate(load_config(REPO / "configs/runs/demo.yaml", overrides))
-        assert config.train.precision == "bf16" and config.train.train_steps == 40
-
-    def settings(name: str) -> list[str]:
-        return [o for o in runs[name] if not o.startswith(("name=", "data.cache_dir="))]
-
-    twin = accept.RESUMED
-    assert sorted(settings(f"{twin}-resumed")) == sorted(settings(twin))
+        assert config.train.precision == "bf16" and config.train.train_steps == 50
+        assert config.train.check_replicas_interval > 0, name
+        configs[name] = config
+    assert configs[accept.ZERO3].train.zero_stage == 3
+    assert configs[f"{accept.ZERO3}-resumed"].train.exit_after_steps == 25  # the mid-run save
+    assert configs[f"{accept.ZERO3}"].train.save_interval == 25
+    for engine in accept.ENGINES:
+        gpt2 = configs[f"{accept.GPT2}-{engine}"]
+        assert gpt2.model.family == "gpt2" and gpt2.attention.variant == "coupled"
+        assert gpt2.train.engine == engine
+    for twin, original in accept.TWINS.items():
+        again = accept.resumed_command(runs[twin])
+        assert sorted(accept.settings(again)) == sorted(accept.settings(runs[original]))
 
 
 def test_the_kernel_check_names_every_required_variant():

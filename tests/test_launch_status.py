@@ -4,7 +4,10 @@ never happened:
 
 - a twin submission of a run that another job holds: its job is refused before training,
   so it redid and lost nothing (it said "25 steps redone ... lost", the steps the other
-  job trained meanwhile);
+  job trained meanwhile), the run is not failed (it said "finished no: failed" until the
+  holder logged again), its launcher exits 2 (refused; it said 1, "not finished"), and
+  ``cancel RUN`` ends the holder's job (it sent SIGTERM to the holder's rank 0, whose
+  controller then restarted it, while cancel said "the run is free");
 - a killed rank with ``--max-restarts 0``: nothing was relaunched, so nothing was redone
   (it said "11 steps redone in all");
 - ``kill -9`` of the local job's controller: its tasks save and stop, and nothing starts
@@ -131,7 +134,11 @@ def test_a_refused_twin_submission_reports_its_refusal_and_no_work(tmp_path):
             prefix=(sys.executable, "-c", RACING_LAUNCHER),
         )
         twin = re.search(r"submitted twin: job (\d+) \(local\)", output).group(1)
-        assert code == 1 and "not finished: twin" in output, output
+        # refused after it was queued: the launcher says refused (2), as its pre-flight
+        # would have, not "not finished" (1)
+        assert code == 2, output
+        assert f"refused: twin: run folder {run_dir} is in use by another job" in output, output
+        assert "not finished" not in output, output
         assert steps_logged(run_dir) >= 3  # the holder trained meanwhile
         (failed,) = events(run_dir, "failed")
         assert failed["job_id"] == twin and failed["decision"] == "stop"
@@ -147,6 +154,26 @@ def test_a_refused_twin_submission_reports_its_refusal_and_no_work(tmp_path):
         # it trained nothing: no failed attempt, nothing redone or lost
         for claim in ("failures", "redone", "lost", "restarted"):
             assert claim not in report, report
+        assert "finished   no (partial)" in report, report  # the holder trains on
+
+        # cancel ends the holder's job (the last submission is the refused twin): its
+        # controller stops the tasks and restarts nothing, so the run is really free
+        starts = len(events(run_dir, "started"))
+        out = subprocess.run(
+            [*SUBMIT, "cancel", str(run_dir)],
+            cwd=REPO,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert f"SIGTERM to local job {holder}" in out.stdout, out.stdout
+        assert "the run is free" in out.stdout, out.stdout
+        assert not job_processes(run_dir)
+        (stopped,) = events(run_dir, "stopped")
+        assert (stopped["job_id"], stopped["requeue"]) == (holder, "cancelled: not requeued")
+        assert len(events(run_dir, "started")) == starts  # nothing was restarted
     finally:
         end_every_process(run_dir)
 

@@ -254,3 +254,44 @@ def test_cpu_bridge_redirects_only_megatron_modules():
     cpu_bridge.uninstall()
     assert schedules.torch is torch
     cpu_bridge.install()
+
+
+# (pipeline_parallel, virtual_pipeline, device) -> (batch_p2p_comm, overlap_p2p_comm)
+P2P_RULE = [
+    (1, None, "cuda", True, False),  # no pipeline: unused, Megatron's default
+    (2, None, "cuda", True, False),  # plain 1F1B: Megatron-LM batches
+    (4, None, "cuda", True, False),
+    (2, 2, "cuda", False, True),  # interleaved: Megatron-LM overlaps, unbatched
+    (4, 2, "cuda", False, True),
+    (1, None, "cpu", False, False),  # gloo: unbatched, not overlapped
+    (2, None, "cpu", False, False),
+    (2, 2, "cpu", False, False),
+    (4, 2, "cpu", False, False),
+]
+
+
+@pytest.mark.parametrize(("pp", "vp", "device_type", "batch", "overlap"), P2P_RULE)
+def test_the_p2p_rule_for_each_layout_and_device(pp, vp, device_type, batch, overlap):
+    from cqk_megatron.model import p2p_options
+
+    options = p2p_options(pp, vp, device_type)
+    assert options == {"batch_p2p_comm": batch, "overlap_p2p_comm": overlap}
+    assert not (options["batch_p2p_comm"] and options["overlap_p2p_comm"])  # Megatron refuses
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_megatrons_config_takes_the_p2p_rule_for_interleaved_1f1b(monkeypatch, device_type):
+    """Megatron's own TransformerConfig accepts what the rule gives (on CPU for this build:
+    only the device the rule reads is said to be CUDA)."""
+    import cqk_megatron.model as model
+
+    monkeypatch.setattr(model, "device", lambda: torch.device(device_type))
+    config = tiny_config(
+        "standard",
+        "model.num_layers=4",
+        "parallel.pipeline_parallel=2",
+        "parallel.virtual_pipeline=2",
+    )
+    megatron_config = model.transformer_config(config)
+    on_gpu = device_type == "cuda"
+    assert (megatron_config.batch_p2p_comm, megatron_config.overlap_p2p_comm) == (False, on_gpu)

@@ -243,6 +243,36 @@ def test_finished_is_for_the_steps_asked_and_later_steps_undo_a_summary(tmp_path
     assert run_status(crashed).state == "partial"
 
 
+def test_a_twin_refused_while_another_job_holds_the_run_is_not_the_runs_failure(
+    tmp_path, folders, monkeypatch
+):
+    """Just after a twin submission was refused (exit 2, decision stop) and before the job
+    that holds the run logs its next step, status said "finished no: failed"; the run
+    trains on under that job. Once nobody holds the run, the refusal is its last word."""
+    from cqk_megatron import run_lease
+
+    folder = folders["partial"]  # job-7 trained 2 steps and goes on
+    monkeypatch.setenv("SUBMITIT_LOCAL_JOB_ID", "job-7")
+    lease = run_lease.acquire(folder)  # this process stands for job-7's live rank 0
+    try:
+        _job(folder, "job-8")
+        held = f"run folder {folder} is in use by another job ({lease.holder.describe()})"
+        append_event(folder, "refused", job_id="job-8", reason=held)
+        append_event(
+            folder,
+            "failed",
+            job_id="job-8",
+            cause={"rank": 0, "exit": 2},
+            decision="stop",
+            why="refused before training",
+        )
+        assert run_status(folder).state == "partial"
+        assert "finished   no (partial)" in describe(folder)
+    finally:
+        lease.release()
+    assert run_status(folder).state == "failed"  # job-7 is gone without logging again
+
+
 # -- atomic writes ---------------------------------------------------------------------
 
 

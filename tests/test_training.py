@@ -31,6 +31,8 @@ STEPS = 10
 LAYOUTS = {
     "dp2-zero1": ["train.zero_stage=1"],
     "dp2-zero2": ["train.zero_stage=2"],
+    # ZeRO's overlap_comm (train.overlap_grad_reduce), as the 1B cluster config runs
+    "dp2-zero1-overlap": ["train.zero_stage=1", "train.overlap_grad_reduce=true"],
     "dp2-zero3": ["train.zero_stage=3"],
     "tp2": ["parallel.tensor_parallel=2"],
     "pp2": ["parallel.pipeline_parallel=2"],

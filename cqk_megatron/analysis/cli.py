@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     report.add_argument("--out", required=True, help="output folder")
     report.set_defaults(func=cmd_report)
 
-    gains = commands.add_parser("gains", help="% change vs baseline from a CSV of perplexities")
+    gains = commands.add_parser("gains", help="%% change vs baseline from a CSV of perplexities")
     gains.add_argument("csv", help="columns size,params,variant,ppl[,ppl_low,ppl_high]")
     gains.add_argument("--baseline", default="standard")
     gains.add_argument(

@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument(
         "checkpoint_dir",
-        help="run_dir/checkpoints/iter_XXXXXXX (or the run or checkpoints folder: its latest)",
+        help="run_dir/checkpoints/iter_XXXXXXX (or the run or checkpoints folder: its newest "
+        "checkpoint that verifies)",
     )
     export.add_argument("out_dir", help="the Hugging Face folder to write")
     tokenizer = export.add_mutually_exclusive_group()
@@ -46,7 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--max-shard-size", default=DEFAULT_MAX_SHARD, help="split safetensors above this size"
     )
-    export.add_argument("--overwrite", action="store_true", help="replace an existing out_dir")
+    export.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing out_dir (never a run folder, a checkpoint, or one holding "
+        "or inside either)",
+    )
 
     back = commands.add_parser(
         "import", help="a Hugging Face folder -> a run checkpoint for continued pretraining"
@@ -55,7 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     back.add_argument(
         "checkpoint_dir", help="the weights-only checkpoint to write (for train.init_from)"
     )
-    back.add_argument("--overwrite", action="store_true", help="replace an existing folder")
+    back.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing weights-only checkpoint (never a run's)",
+    )
     return parser
 
 

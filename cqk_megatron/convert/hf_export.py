@@ -18,12 +18,22 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from cqk_megatron import coupling as coupling_module
-from cqk_megatron.checkpoint_files import LATEST, MANIFEST, iterations, latest_name
+from cqk_megatron.checkpoint_files import (
+    LATEST,
+    MANIFEST,
+    WEIGHT_PARTS,
+    CheckpointError,
+    iterations,
+    latest_name,
+    verify,
+)
 from cqk_megatron.config import ConfigError, RunConfig, load_config, save_config, validate
 from cqk_megatron.convert.checkpoint_io import read_full_state_dict
 from cqk_megatron.convert.errors import ConversionError
@@ -61,15 +71,18 @@ def export_state_dict(
     dtype: str | None = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD,
     overwrite: bool = False,
+    inputs: Sequence[Path] = (),
 ) -> Path:
     """Write the Hugging Face folder of a full Megatron state dict; returns ``out_dir``.
 
     ``tokenizer`` defaults to the run's ``data.tokenizer``; with ``with_tokenizer`` (the
     default) a missing one is an error. ``dtype`` (float32, bfloat16, float16) casts the
-    weights; None keeps the checkpoint's.
+    weights; None keeps the checkpoint's. ``overwrite`` replaces an existing ``out_dir``,
+    unless it is, holds or lies in a run folder, a checkpoint or one of ``inputs`` (the
+    folders the state dict was read from).
     """
     out_dir = Path(out_dir)
-    check_target(out_dir, overwrite)
+    check_target(out_dir, overwrite, inputs=inputs)
     parse_size(max_shard_size)  # refuse a bad size before any work
     check_exportable(config)
     try:
@@ -90,7 +103,7 @@ def export_state_dict(
     hf_tensors = (megatron_to_gpt2 if native == GPT2 else megatron_to_hf)(state, layout)
     num_parameters = sum(t.numel() for t in state.values())
 
-    with staged_folder(out_dir, overwrite) as staging:
+    with staged_folder(out_dir, overwrite, inputs) as staging:
         _write_json(staging / "config.json", hf_config_dict(config, target_dtype, special_ids))
         _write_json(staging / "generation_config.json", _generation_config(special_ids))
         save_weights(hf_tensors, staging, max_shard_size)
@@ -179,42 +192,65 @@ def find_checkpoint_config(checkpoint_dir: Path) -> Path:
 
 
 def resolve_checkpoint_dir(path: Path) -> Path:
-    """A complete checkpoint folder: ``iter_XXXXXXX/`` itself, or what ``latest`` names in
-    a ``checkpoints/`` folder or a run folder; refuses anything else with the reason."""
+    """A complete checkpoint folder: ``iter_XXXXXXX/`` itself, or, in a ``checkpoints/``
+    folder or a run folder, the newest one whose weights verify (a note on stderr names it
+    when newer ones do not); refuses anything else with the reason."""
     if not path.is_dir():
         raise ConversionError(f"checkpoint '{path}' is not a folder")
-    for checkpoints in (path, path / CHECKPOINTS):
-        name = latest_name(checkpoints)
-        if name is not None and not (path / MANIFEST).is_file():
-            if not (checkpoints / name).is_dir():
-                raise ConversionError(
-                    f"'{checkpoints / LATEST}' names '{name}', which does not exist; "
-                    "pass an iteration folder instead"
-                )
-            return resolve_checkpoint_dir(checkpoints / name)
     if (path / MANIFEST).is_file() and not path.name.endswith(".tmp"):
         return path
+    for checkpoints in (path, path / CHECKPOINTS):
+        if latest_name(checkpoints) is not None or iterations(checkpoints):
+            return newest_verifying(checkpoints)
     names = sorted(p.name for p in path.iterdir())
     if path.name.endswith(".tmp") or "model" in names or any(n.endswith(".distcp") for n in names):
         raise ConversionError(
             f"checkpoint '{path}' is half-written: it has no {MANIFEST}, which is written "
             "last; export an earlier, complete iteration"
         )
-    found = iterations(path)
-    hint = f" (pick an iteration folder, e.g. {found[-1]})" if found else ""
-    raise ConversionError(f"'{path}' is not a run checkpoint: no {MANIFEST} or {LATEST}{hint}")
+    raise ConversionError(f"'{path}' is not a run checkpoint: no {MANIFEST} or {LATEST}")
+
+
+def newest_verifying(checkpoints: Path) -> Path:
+    """The newest ``iter_*`` folder in ``checkpoints`` whose weights verify (the optimizer's
+    files do not matter to an export), as a resume would choose it."""
+    refused = []
+    for folder in reversed(iterations(checkpoints)):
+        try:
+            verify(folder, parts=WEIGHT_PARTS)
+        except CheckpointError as error:
+            refused.append(f"{folder.name}: {error}")
+            continue
+        if refused:
+            print(
+                f"note: exporting {folder.name}, the newest checkpoint in {checkpoints} whose "
+                f"weights verify; newer ones do not: {'; '.join(refused)}",
+                file=sys.stderr,
+            )
+        return folder
+    name = latest_name(checkpoints)
+    if not refused and name is not None:
+        raise ConversionError(
+            f"'{checkpoints / LATEST}' names '{name}', which does not exist; "
+            "pass an iteration folder instead"
+        )
+    raise ConversionError(
+        f"none of the {len(refused)} checkpoint(s) in {checkpoints} has weights that verify, "
+        "so nothing was exported: " + "; ".join(refused)
+    )
 
 
 def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, **options) -> Path:
     """Export a run's checkpoint (``run_dir/checkpoints/iter_XXXXXXX``, or the run's or
-    its ``checkpoints/`` folder for the latest one), saved under any TP/PP layout.
+    its ``checkpoints/`` folder for the newest one whose weights verify), saved under any
+    TP/PP layout.
 
     ``options`` are those of ``export_state_dict``; the iteration is taken from the
     folder name when not given.
     """
-    checkpoint_dir = Path(checkpoint_dir)
-    check_target(Path(out_dir), options.get("overwrite", False))
-    checkpoint_dir = resolve_checkpoint_dir(checkpoint_dir)
+    given = Path(checkpoint_dir)
+    check_target(Path(out_dir), options.get("overwrite", False), inputs=[given])
+    checkpoint_dir = resolve_checkpoint_dir(given)
     config_path = find_checkpoint_config(checkpoint_dir)
     try:
         config = load_config(config_path)
@@ -223,5 +259,6 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, **options
     if options.get("iteration") is None and checkpoint_dir.name.startswith("iter_"):
         suffix = checkpoint_dir.name[len("iter_") :]
         options["iteration"] = int(suffix) if suffix.isdigit() else None
+    options["inputs"] = [given, checkpoint_dir, config_path.parent]
     state = read_full_state_dict(checkpoint_dir, config, str(config_path))
     return export_state_dict(state, config, out_dir, **options)

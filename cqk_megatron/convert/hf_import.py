@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from cqk_megatron.checkpoint_files import weights_only_checkpoint
 from cqk_megatron.config import ConfigError, RunConfig, load_config, validate
 from cqk_megatron.convert.checkpoint_io import write_full_state_dict
 from cqk_megatron.convert.errors import ConversionError
@@ -113,7 +114,10 @@ def import_checkpoint(
 ) -> Path:
     """Write a Hugging Face folder as a run checkpoint that training resumes from."""
     checkpoint_dir = Path(checkpoint_dir)
-    check_target(checkpoint_dir, overwrite)
+    # only what an import writes may be replaced: never a run's checkpoint or the input
+    check_target(
+        checkpoint_dir, overwrite, inputs=[Path(hf_dir)], replaceable=weights_only_checkpoint
+    )
     state, config = import_hf_folder(hf_dir)
     write_full_state_dict(state, config, checkpoint_dir)
     return checkpoint_dir

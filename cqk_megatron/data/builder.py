@@ -32,6 +32,21 @@ from cqk_megatron.data.checks import (  # noqa: F401 - check_prefix, resolve_tok
     resolve_tokenizer,
 )
 from cqk_megatron.data.tokenizer import Tokenizer
+from cqk_megatron.run_folder import run_dir_of
+
+INDEX_CACHE = "index_cache"  # in the run folder, where data.cache_dir is unset
+
+
+def index_cache_dir(config: RunConfig) -> str | None:
+    """Where Megatron caches the datasets' sample indices: ``data.cache_dir``, else the run
+    folder's ``index_cache/``. Never Megatron's own default (a ``cache/`` folder under the
+    data prefix): a data folder is often read-only or shared by many runs. Mock data is
+    not cached (Megatron's default for it)."""
+    if config.data.cache_dir is not None:
+        return config.data.cache_dir
+    if config.data.mock:
+        return None
+    return str(run_dir_of(config) / INDEX_CACHE)
 
 
 def gpt_dataset_config(
@@ -51,7 +66,7 @@ def gpt_dataset_config(
         sequence_length=config.model.seq_length,
         blend=blend,
         split=data.split,
-        path_to_cache=data.cache_dir,
+        path_to_cache=index_cache_dir(config),
         tokenizer=tokenizer,
         reset_position_ids=False,
         reset_attention_mask=False,

@@ -4,9 +4,13 @@ the launcher runs these before it queues a job, ``build_datasets`` before it bui
 - a prefix names a ``.bin``/``.idx`` pair that exists, whose index reads (Megatron's
   ``MMIDIDX`` format, version 1, read here with numpy: the header, sequence lengths and
   pointers), and whose ``.bin`` size is what the index describes;
+- the index describes one contiguous ``.bin``: each document starts where the one before
+  it ends, and the last ends where the ``.bin`` does;
 - the index belongs to this ``.bin``: the counts (and, for datasets written since it was
   recorded, the ``.idx`` file's sha256) match ``P.meta.json``, and sampled documents end
-  with the EOD id where the index says they end (cqk-preprocess appends one to each);
+  with the EOD id where the index says they end (cqk-preprocess appends one to each).
+  Without a ``P.meta.json`` the tokenizer's EOD is used, for a dataset whose last token is
+  EOD (one written with an EOD after each document);
 - the tokenizer fits ``model.vocab_size`` and is the one the data was made with;
 - every split that is asked for samples holds documents, and at least one sample's worth
   of tokens (``model.seq_length + 1``), so that no sample repeats the corpus.
@@ -96,15 +100,19 @@ def index_fingerprint(prefix: str | Path) -> str:
     return file_sha256(idx_path(prefix))
 
 
+def _not_the_index(prefix: str) -> str:
+    return (
+        f"{idx_path(prefix)} does not belong to {bin_path(prefix)} (an index from another "
+        f"dataset of the same size?); {_REMAKE}"
+    )
+
+
 def _check_belongs(prefix: str, index: Index, meta: dict | None) -> None:
     """The index describes this dataset's documents, not another's of the same size."""
     if meta is None:
-        return
-    idx_file, bin_file = idx_path(prefix), bin_path(prefix)
-    another = (
-        f"{idx_file} does not belong to {bin_file} (an index from another dataset of the "
-        f"same size?); {_REMAKE}"
-    )
+        return  # check_ends_without_meta, once the tokenizer is known
+    idx_file = idx_path(prefix)
+    another = _not_the_index(prefix)
     recorded = meta.get("idx_sha256")
     if recorded is not None and recorded != index_fingerprint(prefix):
         raise DataError(
@@ -119,33 +127,79 @@ def _check_belongs(prefix: str, index: Index, meta: dict | None) -> None:
             f"{meta_path(prefix).name} {counts[0]} and {counts[1]}: {another}"
         )
     eod = meta.get("tokenizer", {}).get("eod")
-    if not meta.get("eod_appended") or eod is None or len(index.lengths) == 0:
+    if meta.get("eod_appended") and eod is not None:
+        _check_document_ends(prefix, index, int(eod), "as every document cqk-preprocess writes")
+
+
+def _check_document_ends(prefix: str, index: Index, eod: int, why: str) -> None:
+    """Sampled documents end with ``eod`` where the index says they end."""
+    if len(index.lengths) == 0:
         return
     picks = np.unique(np.linspace(0, len(index.lengths) - 1, EOD_SAMPLES).astype(np.int64))
-    tokens = np.memmap(bin_file, dtype=index.dtype, mode="r")
+    tokens = np.memmap(bin_path(prefix), dtype=index.dtype, mode="r")
     size = index.dtype.itemsize
     last = (index.pointers[picks] // size) + index.lengths[picks].astype(np.int64) - 1
-    wrong = picks[tokens[last] != int(eod)]
+    wrong = picks[tokens[last] != eod]
     if len(wrong):
         raise DataError(
             f"dataset '{prefix}': document {int(wrong[0])} (of {len(index.lengths)}) does not "
-            f"end with the EOD id {eod} where {idx_file} says it ends, as every document "
-            f"cqk-preprocess writes does: {another}"
+            f"end with the EOD id {eod} where {idx_path(prefix)} says it ends, {why} does: "
+            f"{_not_the_index(prefix)}"
+        )
+
+
+def check_ends_without_meta(prefix: str, eod: int) -> None:
+    """For a dataset without ``P.meta.json`` (made by another tool, or its meta file lost):
+    if its last token is ``eod`` (an EOD after each document), sampled documents end with
+    it where the index says; an index of another dataset of the same size does not."""
+    _check_ends_without_meta(prefix, eod, _stamp(prefix))
+
+
+@functools.lru_cache(maxsize=64)
+def _check_ends_without_meta(prefix: str, eod: int, stamp: tuple | None) -> None:
+    index = read_index(prefix)
+    if len(index.lengths) == 0 or read_meta(prefix) is not None:
+        return
+    tokens = np.memmap(bin_path(prefix), dtype=index.dtype, mode="r")
+    if len(tokens) and int(tokens[-1]) == eod:
+        meta = meta_path(prefix).name
+        why = f"as every document of a dataset that ends with EOD (it has no {meta})"
+        _check_document_ends(prefix, index, eod, why)
+
+
+def _check_contiguous(prefix: str, index: Index) -> None:
+    """Each document starts where the one before ends (Megatron's writers lay them out so),
+    so every offset lies within the ``.bin`` whose size the caller checked."""
+    lengths, pointers = index.lengths, index.pointers
+    ends = pointers[:-1] + lengths[:-1].astype(np.int64) * index.dtype.itemsize
+    starts_ok = np.concatenate(([pointers[0] == 0], pointers[1:] == ends))
+    bad = np.flatnonzero(~starts_ok | (lengths < 0))
+    if len(bad):
+        first = int(bad[0])
+        raise DataError(
+            f"dataset '{prefix}': {idx_path(prefix)} places document {first} (of "
+            f"{len(lengths)}) at byte {int(pointers[first])} with {int(lengths[first])} "
+            "tokens, not right after the document before it: not a readable index of "
+            f"{bin_path(prefix)}; {_REMAKE}"
         )
 
 
 def check_prefix(prefix: str) -> PrefixSize:
     """The .bin/.idx pair exists and belongs together; its size. A sweep checks the same
     prefix for each of its runs: files unchanged since the last check are not read again."""
+    return _check_prefix(prefix, _stamp(prefix))
+
+
+def _stamp(prefix: str) -> tuple | None:
+    """Sizes and times of the dataset's files: a cached check holds while they are equal."""
     try:
-        stamp = tuple(
+        return tuple(
             (p.stat().st_size, p.stat().st_mtime_ns)
             for p in (bin_path(prefix), idx_path(prefix), meta_path(prefix))
             if p.exists()
         )
     except OSError:
-        stamp = None
-    return _check_prefix(prefix, stamp)
+        return None
 
 
 @functools.lru_cache(maxsize=64)
@@ -177,6 +231,7 @@ def _check_prefix(prefix: str, stamp: tuple | None) -> PrefixSize:
         )
     if len(lengths) == 0:
         raise DataError(f"dataset '{prefix}' holds no documents; {_MAKE_IT} from non-empty input")
+    _check_contiguous(prefix, index)
     _check_belongs(prefix, index, read_meta(prefix))
     return PrefixSize(len(lengths), int(lengths.sum(dtype=np.int64)), lengths)
 
@@ -353,6 +408,7 @@ def check_tokenizer(config: RunConfig) -> Tokenizer:
     if not config.data.mock:
         for prefix in config.data.prefixes:
             check_meta_agrees(prefix, tokenizer, config)
+            check_ends_without_meta(prefix, tokenizer.eod)
     return tokenizer
 
 

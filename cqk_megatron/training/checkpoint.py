@@ -65,6 +65,7 @@ from cqk_megatron.checkpoint_files import (
     hash_share,
     iteration_dir,
     iteration_step,
+    latest_name,
     point_latest,
     retire,
     saved_config,
@@ -454,6 +455,38 @@ def _save_weights(engine: Engine, model, folder: Path) -> None:
         dist_checkpointing.save(sharded_state_dict(model), str(folder))
 
 
+def _non_finite_parameters(model) -> list[str]:
+    """This rank's parameters that hold inf or nan (ZeRO-3: its shard of each)."""
+    named = [(name, getattr(p, "ds_tensor", p)) for name, p in model.named_parameters()]
+    if not named:
+        return []
+    finite = torch.stack([torch.isfinite(t.detach()).all() for _, t in named]).cpu()
+    return [name for (name, _), ok in zip(named, finite.tolist(), strict=True) if not ok]
+
+
+def refuse_non_finite_weights(checkpoints: Path, model, step: int) -> None:
+    """Collective, before a save writes anything: raise ``CheckpointSaveError`` on every
+    rank if any rank's weights are not finite. Such a checkpoint would become ``latest``,
+    and every resume would start from weights that can never train again."""
+    gathered = gather_objects(_non_finite_parameters(model))
+    bad = [(rank, names) for rank, names in enumerate(gathered) if names]
+    if not bad:
+        return
+    rank, names = bad[0]
+    previous = latest_name(checkpoints)
+    kept = (
+        f"the previous checkpoint {previous} stays latest"
+        if previous
+        else "the run has no earlier checkpoint"
+    )
+    raise CheckpointSaveError(
+        f"not saving {iteration_dir(checkpoints, step).name}: the weights at step {step} are "
+        f"not finite ({len(names)} parameter(s) with inf or nan on rank {rank}, e.g. "
+        f"{names[0]}), so the run diverged; {kept}. Lower train.lr (or set train.clip_grad) "
+        "and resume from it"
+    )
+
+
 def save(
     checkpoints: Path,
     engine: Engine,
@@ -464,6 +497,8 @@ def save(
 ) -> Path:
     """Collective: every rank calls it. Returns the completed folder. ``lease`` (rank 0's
     ``run_lease.Lease``) is checked before the folder is committed."""
+    with engine.whole_weights():  # ZeRO-3: each rank's partition alone would be empty
+        refuse_non_finite_weights(checkpoints, model, state.step)
     rank = dist.get_rank()
     final = iteration_dir(checkpoints, state.step)
     staging = final.with_name(final.name + ".tmp")

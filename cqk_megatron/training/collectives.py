@@ -88,6 +88,15 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tenso
     return tensor
 
 
+def all_gather(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Every rank's ``tensor`` (the same shape on each) stacked in ``group``'s rank order:
+    a new first dimension of the group's size."""
+    _require_on_device(tensor, "all_gather")
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, tensor.contiguous(), group=group)
+    return torch.stack(gathered)
+
+
 def sum_numbers(values: Sequence[float], group=None) -> list[float]:
     """The sums over ``group`` of a few numbers (fp64 on the device: exact for integers
     below 2**53, such as parameter counts)."""

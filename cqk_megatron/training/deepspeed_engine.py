@@ -62,6 +62,8 @@ def deepspeed_config(config: RunConfig, gradient_accumulation_steps: int) -> dic
     }
     if t.precision == "bf16":
         ds.update(bf16_settings())
+    if t.overlap_grad_reduce:  # reduce in buckets during the backward (PP=1: validate)
+        ds["zero_optimization"]["overlap_comm"] = True
     if t.offload_optimizer:
         on_gpu = device().type == "cuda"
         ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}

@@ -31,7 +31,7 @@ from cqk_megatron.model import build_rank_model
 from cqk_megatron.perf.flops import flops_per_token, mfu, peak_flops
 from cqk_megatron.perf.plan import check_fits, gpu_memory_bytes
 from cqk_megatron.run_folder import CHECKPOINTS, SUMMARY, TRAIN, VALID, run_dir_of, write_config
-from cqk_megatron.training import checkpoint, collectives, faults, watchdog
+from cqk_megatron.training import checkpoint, collectives, faults, replicas, watchdog
 from cqk_megatron.training.async_save import Saver
 from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine
 from cqk_megatron.training.engine import Engine
@@ -231,6 +231,7 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
     engine = make_engine(model, config)
     if exact:
         state = checkpoint.load_exact(folder, engine)
+    replica_check = replicas.ReplicaCheck(model, config)
 
     t = config.train
     seq = config.model.seq_length
@@ -301,6 +302,9 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
                     f"(last loss {result.loss}); stopping at step {state.step}. Lower train.lr, "
                     "check the data, or resume from an earlier checkpoint."
                 )
+            if replica_check.due(state.step):  # before this step's weights are saved
+                with watchdog.phase("check_replicas"):
+                    replica_check.run(state.step)
             if state.step % t.eval_interval == 0 and state.step < t.train_steps:
                 log_validation(logger, engine, valid_data, config, state, dp_rank, dp)
             saver.poll(state.step)  # an asynchronous save is committed once written
@@ -322,6 +326,8 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
                         flush=True,
                     )
                 return EXIT_REQUEUE
+        with watchdog.phase("check_replicas"):
+            replica_check.at_end(state.step)
         log_validation(logger, engine, valid_data, config, state, dp_rank, dp, final=True)
         if last_saved != state.step:
             saver.save(state)
