@@ -91,7 +91,9 @@ def _rebuilt(original, items):
         rebuilt = type(original)(items)
     except TypeError:
         return original
-    rebuilt.__dict__.update(getattr(original, "__dict__", {}))
+    attributes = getattr(original, "__dict__", None)  # none on a torch.Size
+    if attributes:
+        rebuilt.__dict__.update(attributes)
     return rebuilt
 
 
@@ -294,13 +296,12 @@ def stage(
         lambda: checkpoint._save_weights(engine, model, staging / "model"),
         lambda: engine.save_state(staging / "engine"),
     ]
+    log = WriteLog()
     for part in parts:
-        error = None
-        try:
-            with staging_writes(staged):
-                part()
-        except FAILURES as caught:
-            error = caught
+        # guarded around the capture: a rank whose capture fails inside DeepSpeed's
+        # collective save must still reach its closing barrier before ``_agree``
+        with staging_writes(staged):
+            error = log.attempt(part)
         checkpoint._agree(error, staging, what)
     writer = Writer(staged, staging, config.train.checkpoint_hashes)
     writer.start()
