@@ -20,15 +20,18 @@ from __future__ import annotations
 
 import json
 import zipfile
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
+import torch
 from _async_save_workers import observed_run
 from _multiproc import run_ranks
 from _training import records
 
 from cqk_megatron.checkpoint_files import verify
 from cqk_megatron.exit_codes import EXIT_REQUEUE
+from cqk_megatron.training.async_save import host_copy
 
 BASE = [
     "train.train_steps=8",
@@ -161,3 +164,21 @@ def test_sigterm_during_the_write_waits_for_it_then_exits_75(runs):
     checkpoints = "checkpoints/iter_0000006"
     assert not same_files(runs / "sync" / checkpoints, runs / "stopped" / checkpoints)
     assert losses(runs, "stopped") == losses(runs, "sync")
+
+
+def test_host_copy_keeps_what_torch_save_writes_and_is_a_copy():
+    """``host_copy`` (staging): a ``torch.Size`` (in DeepSpeed's ``param_shapes``, rank 0
+    only: its failure there once left the other rank in DeepSpeed's barrier), a
+    ``state_dict``'s ``_metadata``, and storage shared between two views, kept; the
+    tensors are copies, which the next optimizer step does not change."""
+    weights = torch.arange(6.0)
+    state = OrderedDict(flat=weights, view=weights[2:4])
+    state._metadata = {"": {"version": 1}}
+    copied = host_copy({"shapes": OrderedDict(w=torch.Size([2, 3])), "state": state})
+    assert copied["shapes"]["w"] == torch.Size([2, 3])
+    assert copied["state"]._metadata == state._metadata
+    flat, view = copied["state"]["flat"], copied["state"]["view"]
+    assert view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    assert view.storage_offset() == 2
+    weights.add_(1.0)
+    assert flat.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
