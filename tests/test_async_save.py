@@ -182,3 +182,16 @@ def test_host_copy_keeps_what_torch_save_writes_and_is_a_copy():
     assert view.storage_offset() == 2
     weights.add_(1.0)
     assert flat.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_host_copy_pickles_to_the_same_bytes(tmp_path):
+    """``torch.save`` of the copy writes what it writes for the original: an object met
+    twice (DeepSpeed's ``betas`` tuple in each param group) is pickled once in both, and
+    a plain tensor's ``requires_grad`` (DeepSpeed's fp32 partitions) is kept."""
+    partition = torch.zeros(4, requires_grad=True)
+    betas = (0.9, 0.95)
+    state = {"groups": [{"betas": betas}, {"betas": betas}], "fp32": [partition]}
+    for name, saved in (("original", state), ("copy", host_copy(state))):
+        (tmp_path / name).mkdir()
+        torch.save(saved, tmp_path / name / "state.pt")  # the archive is named after the file
+    assert zip_records(tmp_path / "original/state.pt") == zip_records(tmp_path / "copy/state.pt")

@@ -72,15 +72,21 @@ def host_copy(value, memo: dict | None = None):
     memo = {} if memo is None else memo
     if isinstance(value, torch.Tensor):
         return _tensor_copy(value, memo)
+    if not isinstance(value, dict | list | tuple):
+        return value
+    if id(value) not in memo:  # met twice, copied once: pickle writes it once too
+        memo[id(value)] = _container_copy(value, memo)
+    return memo[id(value)]
+
+
+def _container_copy(value, memo: dict):
     if isinstance(value, dict):
         copied = {k: host_copy(v, memo) for k, v in value.items()}
         return copied if type(value) is dict else _rebuilt(value, copied.items())
-    if isinstance(value, list | tuple):
-        items = [host_copy(v, memo) for v in value]
-        if type(value) in (list, tuple):
-            return type(value)(items)
-        return type(value)(*items) if hasattr(value, "_fields") else _rebuilt(value, items)
-    return value
+    items = [host_copy(v, memo) for v in value]
+    if type(value) in (list, tuple):
+        return type(value)(items)
+    return type(value)(*items) if hasattr(value, "_fields") else _rebuilt(value, items)
 
 
 def _rebuilt(original, items):
@@ -108,6 +114,8 @@ def _tensor_copy(tensor: torch.Tensor, memo: dict) -> torch.Tensor:
     host.set_(memo[key], tensor.storage_offset(), tensor.size(), tensor.stride())
     if isinstance(tensor, torch.nn.Parameter):
         host = torch.nn.Parameter(host, requires_grad=tensor.requires_grad)
+    elif tensor.requires_grad:  # pickled with the tensor (DeepSpeed's fp32 partitions)
+        host.requires_grad_(True)
     memo[id(tensor)] = host
     return host
 
