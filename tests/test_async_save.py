@@ -155,6 +155,8 @@ def test_kill_during_the_write_keeps_the_previous_checkpoint(runs):
 def test_sigterm_during_the_write_waits_for_it_then_exits_75(runs):
     """SIGTERM while iter 6 is written: the stop saves step 7, and the exit (75) comes
     after both are committed and verify; the resume finishes as the reference does."""
+    signalled = observed(runs, "stopped")[7]  # SIGTERM came as step 7 fetched its data
+    assert "iter_0000006.tmp" in signalled["folders"], signalled  # iter 6 in flight then
     assert exit_codes(runs, "stopped") == [str(EXIT_REQUEUE), "0"]
     after_stop = json.loads((runs / "stopped.after-stop").read_text())
     assert {"iter_0000006", "iter_0000007", "latest"} <= set(after_stop)
