@@ -24,6 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from _elastic_workers import attempts_then_earlier_format
 from _multiproc import run_ranks
 from _training import attempts, records, train_attempts
 
@@ -39,6 +40,7 @@ ENGINES = {
 # the data-parallel changes also under ZeRO-3, whose universal load needs two repairs
 DP_ENGINES = {**ENGINES, "z3": ["train.engine=deepspeed", "train.zero_stage=3"]}
 TP2 = ["parallel.tensor_parallel=2"]
+PP2 = ["parallel.pipeline_parallel=2"]
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +59,16 @@ def runs(tmp_path_factory) -> Path:
         two_ranks += [(f"straight-{name}", run), (f"to1-{name}", [*run, *stop])]
     for name, engine in ENGINES.items():
         two_ranks.append((f"tp-{name}", [*same, *engine, *TP2, *stop]))
-    two_ranks.append(("straight-tp", [*same, *ENGINES["mg"], *TP2]))  # the TP=2 reference
-    run_ranks(train_attempts, 2, str(root), two_ranks)
+    two_ranks += [  # Megatron from PP=2 to PP=1 too, and the TP=2 and PP=2 references
+        ("pp-mg", [*same, *ENGINES["mg"], *PP2, *stop]),
+        ("straight-tp", [*same, *ENGINES["mg"], *TP2]),
+        ("straight-pp", [*same, *ENGINES["mg"], *PP2]),
+    ]
+    earlier = [
+        ("earlier-to1-mg", [*same, *ENGINES["mg"], *stop]),
+        ("earlier-tp-mg", [*same, *ENGINES["mg"], *TP2, *stop]),
+    ]
+    run_ranks(attempts_then_earlier_format, 2, str(root), two_ranks, earlier)
 
     one_rank = [("to1-mg", [*same, *ENGINES["mg"], "train.global_batch_size=16"])]  # refused
     for name, engine in DP_ENGINES.items():
@@ -66,6 +76,7 @@ def runs(tmp_path_factory) -> Path:
         one_rank += [(f"to1-{name}", run), (f"to2-{name}", [*run, *stop])]
     for name, engine in ENGINES.items():
         one_rank.append((f"tp-{name}", [*same, *engine]))
+    one_rank += [(name, [*same, *ENGINES["mg"]]) for name in ("pp-mg", *dict(earlier))]
     run_ranks(train_attempts, 1, str(root), one_rank)
 
     to2 = [(f"to2-{name}", [*same, *engine]) for name, engine in DP_ENGINES.items()]
@@ -109,11 +120,26 @@ def test_a_change_of_data_parallel_size_keeps_the_optimizer_state(runs, engine, 
     assert not list((runs / name / "checkpoints").glob("*.universal"))
 
 
-def test_megatron_keeps_the_optimizer_state_from_tp2_to_tp1(runs):
-    # fully_reshardable stores each parameter's state under its own sharded key
-    resumed = _resumed(runs, "tp-mg")
-    _assert_same_losses(_losses(runs, "tp-mg"), _losses(runs, "straight-tp"))
-    assert "(optimizer state resharded from TP=2 PP=1 DP=1 to TP=1 PP=1 DP=1)" in resumed["stdout"]
+@pytest.mark.parametrize(("change", "before"), [("tp", "TP=2 PP=1 DP=1"), ("pp", "TP=1 PP=2 DP=1")])
+def test_megatron_keeps_the_optimizer_state_from_tp2_or_pp2_to_one_rank(runs, change, before):
+    # fully_reshardable stores each parameter's state under the parameter's own sharded key
+    name = f"{change}-mg"
+    resumed = _resumed(runs, name)
+    _assert_same_losses(_losses(runs, name), _losses(runs, f"straight-{change}"))
+    assert f"(optimizer state resharded from {before} to TP=1 PP=1 DP=1)" in resumed["stdout"]
+
+
+def test_a_megatron_checkpoint_of_the_earlier_format_resumes_under_another_dp_size(runs):
+    # dp_reshardable (checkpoints saved before fully_reshardable) reshards over DP too
+    resumed = _resumed(runs, "earlier-to1-mg")
+    _assert_same_losses(_losses(runs, "earlier-to1-mg"), _losses(runs, "straight-mg"))
+    assert "(optimizer state resharded from TP=1 PP=1 DP=2 to TP=1 PP=1 DP=1)" in resumed["stdout"]
+
+
+def test_a_megatron_checkpoint_of_the_earlier_format_says_a_tp_change_restarts_adam(runs):
+    stderr = _resumed(runs, "earlier-tp-mg")["stderr"]
+    assert "warning: the optimizer restarts from zero moments at step 3" in stderr
+    assert "dp_reshardable format, which reshards over data-parallel ranks only" in stderr
 
 
 def test_deepspeed_says_before_the_first_step_that_a_tp_change_restarts_the_optimizer(runs):
