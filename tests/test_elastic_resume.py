@@ -4,19 +4,19 @@ reshards, and says before its first step when it cannot.
 
 Each run below trains STEPS steps of the tiny model in fp32; the ``to1``/``to2`` runs stop
 after step STOP (``train.exit_after_steps``) and resume under the other data-parallel
-size, under each engine: Megatron's distributed optimizer (its ``fully_reshardable``
-format) and DeepSpeed ZeRO-1 and ZeRO-3 (converted to DeepSpeed's universal checkpoint at
-resume).
-Their losses after the resume must equal an uninterrupted DP=2 run's to 1e-5 relative
-(the support matrix's tolerance between DP=2 and DP=1). Steps up to STOP + 1 would match
-with a fresh optimizer too (the loss of step STOP + 1 comes before its update); from
-STOP + 2 on a fresh Adam's first update (about ``lr`` per weight) shows: the TP=2 -> TP=1
-DeepSpeed run, whose optimizer restarts by design, is the control that this tolerance
-catches a reset.
+size, under each engine: Megatron's distributed optimizer in both checkpoint formats
+(``train.optimizer_checkpoint``), DeepSpeed ZeRO-1 and ZeRO-3 (converted to DeepSpeed's
+universal checkpoint at resume). Their losses after the resume must equal an
+uninterrupted DP=2 run's to 1e-5 relative (the support matrix's tolerance between DP=2
+and DP=1). The loss of step STOP + 1 comes before its update, so it would match with a
+fresh optimizer too; from STOP + 2 on a fresh Adam's first update (about ``lr`` per
+weight) shows: the TP=2 -> TP=1 DeepSpeed run, whose optimizer restarts by design, is the
+control that this tolerance catches a reset (on the code before elastic resume every
+resume below restarted the optimizer and missed by 4.7e-4 at step STOP + 2).
 
 Three spawns (starting processes is the slow part on 2 cores): two ranks (the references
-and the first halves of the DP=2 and TP=2 runs), one rank (their resumes, a refused change
-of global batch, the first halves of the DP=1 runs), two ranks (their resumes).
+and the first halves of the DP=2, TP=2 and PP=2 runs), one rank (their resumes, a refused
+change of global batch, the first halves of the DP=1 runs), two ranks (their resumes).
 """
 
 from __future__ import annotations
@@ -24,23 +24,34 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _elastic_workers import attempts_then_earlier_format
 from _multiproc import run_ranks
 from _training import attempts, records, train_attempts
 
+from cqk_megatron.config import ConfigError, load_config, validate
 from cqk_megatron.exit_codes import EXIT_REQUEUE
 
 STEPS = 6
 STOP = 3
 TOLERANCE = 1e-5  # relative: DP=2 and DP=1 give the same loss curve to this
-ENGINES = {
-    "mg": ["train.engine=megatron"],
-    "ds": ["train.engine=deepspeed", "train.zero_stage=1"],
+MEGATRON = ["train.engine=megatron"]
+FULLY = [*MEGATRON, "train.optimizer_checkpoint=fully_reshardable"]
+ZERO1 = ["train.engine=deepspeed", "train.zero_stage=1"]
+DP_ENGINES = {  # the data-parallel changes
+    "mg": MEGATRON,  # train.optimizer_checkpoint=dp_reshardable, the default
+    "mgfull": FULLY,
+    "ds": ZERO1,
+    "z3": ["train.engine=deepspeed", "train.zero_stage=3"],  # its universal load is repaired
 }
-# the data-parallel changes also under ZeRO-3, whose universal load needs two repairs
-DP_ENGINES = {**ENGINES, "z3": ["train.engine=deepspeed", "train.zero_stage=3"]}
-TP2 = ["parallel.tensor_parallel=2"]
-PP2 = ["parallel.pipeline_parallel=2"]
+MODEL_PARALLEL = {  # TP=2 or PP=2 on two ranks, resumed on one
+    "tp-mgfull": [*FULLY, "parallel.tensor_parallel=2"],
+    "pp-mgfull": [*FULLY, "parallel.pipeline_parallel=2"],
+    "tp-mg": [*MEGATRON, "parallel.tensor_parallel=2"],  # the optimizer restarts
+    "tp-ds": [*ZERO1, "parallel.tensor_parallel=2"],  # the optimizer restarts
+}
+REFERENCES = {  # the uninterrupted TP=2 and PP=2 runs
+    "straight-tp": [*MEGATRON, "parallel.tensor_parallel=2"],
+    "straight-pp": [*MEGATRON, "parallel.pipeline_parallel=2"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -53,30 +64,20 @@ def runs(tmp_path_factory) -> Path:
         "train.checkpoint_hashes=false",
     ]
     stop = [f"train.exit_after_steps={STOP}"]
-    two_ranks = []
+    two_ranks = [(name, [*same, *run]) for name, run in REFERENCES.items()]
     for name, engine in DP_ENGINES.items():
-        run = [*same, *engine]
-        two_ranks += [(f"straight-{name}", run), (f"to1-{name}", [*run, *stop])]
-    for name, engine in ENGINES.items():
-        two_ranks.append((f"tp-{name}", [*same, *engine, *TP2, *stop]))
-    two_ranks += [  # Megatron from PP=2 to PP=1 too, and the TP=2 and PP=2 references
-        ("pp-mg", [*same, *ENGINES["mg"], *PP2, *stop]),
-        ("straight-tp", [*same, *ENGINES["mg"], *TP2]),
-        ("straight-pp", [*same, *ENGINES["mg"], *PP2]),
-    ]
-    earlier = [
-        ("earlier-to1-mg", [*same, *ENGINES["mg"], *stop]),
-        ("earlier-tp-mg", [*same, *ENGINES["mg"], *TP2, *stop]),
-    ]
-    run_ranks(attempts_then_earlier_format, 2, str(root), two_ranks, earlier)
+        two_ranks += [
+            (f"straight-{name}", [*same, *engine]),
+            (f"to1-{name}", [*same, *engine, *stop]),
+        ]
+    two_ranks += [(name, [*same, *run, *stop]) for name, run in MODEL_PARALLEL.items()]
+    run_ranks(train_attempts, 2, str(root), two_ranks)
 
-    one_rank = [("to1-mg", [*same, *ENGINES["mg"], "train.global_batch_size=16"])]  # refused
+    one_rank = [("to1-mg", [*same, *MEGATRON, "train.global_batch_size=16"])]  # refused
     for name, engine in DP_ENGINES.items():
-        run = [*same, *engine]
-        one_rank += [(f"to1-{name}", run), (f"to2-{name}", [*run, *stop])]
-    for name, engine in ENGINES.items():
-        one_rank.append((f"tp-{name}", [*same, *engine]))
-    one_rank += [(name, [*same, *ENGINES["mg"]]) for name in ("pp-mg", *dict(earlier))]
+        one_rank += [(f"to1-{name}", [*same, *engine]), (f"to2-{name}", [*same, *engine, *stop])]
+    for name, run in MODEL_PARALLEL.items():
+        one_rank.append((name, [*same, *[o for o in run if not o.startswith("parallel.")]]))
     run_ranks(train_attempts, 1, str(root), one_rank)
 
     to2 = [(f"to2-{name}", [*same, *engine]) for name, engine in DP_ENGINES.items()]
@@ -120,26 +121,21 @@ def test_a_change_of_data_parallel_size_keeps_the_optimizer_state(runs, engine, 
     assert not list((runs / name / "checkpoints").glob("*.universal"))
 
 
-@pytest.mark.parametrize(("change", "before"), [("tp", "TP=2 PP=1 DP=1"), ("pp", "TP=1 PP=2 DP=1")])
-def test_megatron_keeps_the_optimizer_state_from_tp2_or_pp2_to_one_rank(runs, change, before):
-    # fully_reshardable stores each parameter's state under the parameter's own sharded key
-    name = f"{change}-mg"
+@pytest.mark.parametrize("change", ["tp", "pp"])
+def test_megatrons_fully_reshardable_format_keeps_the_optimizer_from_tp2_or_pp2(runs, change):
+    # each parameter's state is saved under the parameter's own sharded key
+    name = f"{change}-mgfull"
     resumed = _resumed(runs, name)
     _assert_same_losses(_losses(runs, name), _losses(runs, f"straight-{change}"))
+    before = "TP=2 PP=1 DP=1" if change == "tp" else "TP=1 PP=2 DP=1"
     assert f"(optimizer state resharded from {before} to TP=1 PP=1 DP=1)" in resumed["stdout"]
 
 
-def test_a_megatron_checkpoint_of_the_earlier_format_resumes_under_another_dp_size(runs):
-    # dp_reshardable (checkpoints saved before fully_reshardable) reshards over DP too
-    resumed = _resumed(runs, "earlier-to1-mg")
-    _assert_same_losses(_losses(runs, "earlier-to1-mg"), _losses(runs, "straight-mg"))
-    assert "(optimizer state resharded from TP=1 PP=1 DP=2 to TP=1 PP=1 DP=1)" in resumed["stdout"]
-
-
-def test_a_megatron_checkpoint_of_the_earlier_format_says_a_tp_change_restarts_adam(runs):
-    stderr = _resumed(runs, "earlier-tp-mg")["stderr"]
+def test_megatrons_default_format_says_a_tp_change_restarts_the_optimizer_and_the_fix(runs):
+    stderr = _resumed(runs, "tp-mg")["stderr"]
     assert "warning: the optimizer restarts from zero moments at step 3" in stderr
     assert "dp_reshardable format, which reshards over data-parallel ranks only" in stderr
+    assert "train.optimizer_checkpoint=fully_reshardable" in stderr
 
 
 def test_deepspeed_says_before_the_first_step_that_a_tp_change_restarts_the_optimizer(runs):
@@ -150,8 +146,8 @@ def test_deepspeed_says_before_the_first_step_that_a_tp_change_restarts_the_opti
     assert "tensor- or pipeline-parallel ranks" in stderr
     # said at the start: the resume line (stdout, before step 4's line) names it too
     assert stdout.index("weights only, fresh optimizer") < stdout.index("step      4")
-    # the control: a fresh Adam's first update moves the loss of the step after it far
-    # beyond the tolerance the resumes above are held to
+    # the control: a fresh Adam's first update moves the losses after it far beyond the
+    # tolerance the resumes above are held to
     losses, reference = _losses(runs, "tp-ds"), _losses(runs, "straight-tp")
     assert losses[:STOP] == pytest.approx(reference[:STOP], rel=TOLERANCE)
     after = [
@@ -169,3 +165,17 @@ def test_a_changed_global_batch_is_refused_with_the_fix(runs):
     assert "train.micro_batch_size" in message and "--resume none" in message
     # nothing moved: the next attempt (the right batch) resumed the same checkpoint
     assert "resumed from" in attempts(runs, "to1-mg")[2]["stdout"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["train.optimizer_checkpoint=fully"], "dp_reshardable"),  # the options are listed
+        (["train.engine=deepspeed", "train.optimizer_checkpoint=fully_reshardable"], "megatron"),
+    ],
+)
+def test_a_bad_optimizer_checkpoint_format_is_refused_naming_the_field(overrides, named):
+    with pytest.raises(ConfigError) as refused:
+        validate(load_config(None, overrides))
+    assert "train.optimizer_checkpoint" in str(refused.value)
+    assert named in str(refused.value)

@@ -17,15 +17,22 @@ Wired the way Megatron-LM's ``training.py`` wires them (``setup_model_and_optimi
 - A constant loss scale of 1 turns on Megatron's non-finite gradient check (multiplying
   by 1 changes no bit): a step with a NaN/inf gradient anywhere is skipped on every rank.
 
-Resume saves the optimizer's ``sharded_state_dict`` with ``dist_checkpointing`` in
-Megatron's ``fully_reshardable`` format: each parameter's fp32 master weight and Adam
-moments under the parameter's own sharded key, so the state loads under another
-tensor-, pipeline- or data-parallel size (each rank takes its slice). Saving gathers the
-data-parallel shards on data-parallel rank 0 of each model-parallel group over gloo
-(``distrib_optim_fully_reshardable_mem_efficient``: host memory, the same path on CPU and
-GPU; the default all-gathers through ``torch.cuda``), which then writes them. Checkpoints
-of the earlier format (``dp_reshardable``: one flat buffer per bucket and rank) still load,
-under another data-parallel size too; the weights come from the checkpoint's model folder.
+Resume saves the optimizer's ``sharded_state_dict`` with ``dist_checkpointing`` in the
+format ``train.optimizer_checkpoint`` names (Megatron's sharding types):
+
+- ``dp_reshardable`` (the default): each rank writes its own shard of each gradient
+  bucket, no gathering. It loads under another data-parallel size (each rank takes its
+  slice of every bucket), as long as the buckets are the same: one per buffer without
+  ``overlap_grad_reduce``, a fixed size with it (``BUCKET_SIZE``).
+- ``fully_reshardable``: each parameter's fp32 master weight and Adam moments under the
+  parameter's own sharded key, so the state loads under another tensor-, pipeline- or
+  data-parallel size. Saving gathers the data-parallel shards on data-parallel rank 0 of
+  each model-parallel group over gloo (``distrib_optim_fully_reshardable_mem_efficient``:
+  host memory, the same path on CPU and GPU; the default all-gathers through
+  ``torch.cuda``), which then writes them all: several times slower than the default.
+
+A load reads the format the checkpoint was saved in; the weights come from the
+checkpoint's model folder.
 """
 
 from __future__ import annotations
@@ -50,9 +57,11 @@ from cqk_megatron.parallel_plan import Layout
 from cqk_megatron.training.engine import Batch, Engine, StepResult
 from cqk_megatron.training.step_loss import global_mean_loss, schedule_loss_sum
 
-# The format saves write, and the earlier one that loads still read (see the module's doc).
-OPTIMIZER_FORMAT = "fully_reshardable"
-EARLIER_FORMAT = "dp_reshardable"
+FULLY_RESHARDABLE = "fully_reshardable"
+# Megatron's default bucket size with overlap_grad_reduce is max(40M, 1M x DP) elements: a
+# size that grows with DP beyond 40 ranks would change the buckets, and dp_reshardable
+# checkpoints would no longer load under another data-parallel size there.
+BUCKET_SIZE = 40_000_000
 
 
 def _sharding(optimizer_format: str) -> dict:
@@ -78,10 +87,11 @@ def optimizer_restart_reason(saved: Layout, current: Layout, folder: Path) -> st
     if (saved.tp, saved.pp) == (current.tp, current.pp):
         return None  # both formats reshard over data-parallel ranks
     found = saved_optimizer_format(folder)
-    if found == EARLIER_FORMAT:
+    if found != FULLY_RESHARDABLE:
         return (
-            f"it was saved in Megatron's {EARLIER_FORMAT} format, which reshards over "
-            "data-parallel ranks only (checkpoints saved from now on reshard over TP and PP too)"
+            f"it was saved in Megatron's {found} format, which reshards over data-parallel "
+            f"ranks only (train.optimizer_checkpoint={FULLY_RESHARDABLE} saves checkpoints "
+            "that follow TP and PP changes too)"
         )
     return None
 
@@ -123,6 +133,7 @@ class MegatronEngine(Engine):
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=overlap,
+            bucket_size=BUCKET_SIZE,  # used with overlap only
             use_distributed_optimizer=True,
             check_for_nan_in_grad=False,  # it raises; the optimizer's check skips instead
         )
@@ -192,7 +203,9 @@ class MegatronEngine(Engine):
         groups) as a distributed checkpoint in ``folder``, each rank writing its shard."""
         folder.mkdir(parents=True, exist_ok=True)
         state = self.optimizer.sharded_state_dict(
-            sharded_state_dict(self.model), is_loading=False, metadata=_sharding(OPTIMIZER_FORMAT)
+            sharded_state_dict(self.model),
+            is_loading=False,
+            metadata=_sharding(self.config.train.optimizer_checkpoint),
         )
         dist_checkpointing.save({"optimizer": state}, str(folder))
 
@@ -218,7 +231,7 @@ class MegatronEngine(Engine):
             part.load_state_dict(state)  # the param groups and step count
             for adam in torch_adams:
                 _drop_step_counts(adam)
-            if found == OPTIMIZER_FORMAT:
+            if found == FULLY_RESHARDABLE:
                 part.load_parameter_state_from_fully_reshardable(param_state)
             else:
                 part.load_parameter_state_from_dp_reshardable(param_state)
