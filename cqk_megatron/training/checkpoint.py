@@ -316,7 +316,10 @@ def resume_plan(folder: Path, config: RunConfig, weights_only: bool = False) -> 
         from cqk_megatron.training.megatron_engine import optimizer_restart_reason
     else:
         from cqk_megatron.training.deepspeed_engine import optimizer_restart_reason
-    why = optimizer_restart_reason(saved, current, folder / "engine")
+    try:
+        why = optimizer_restart_reason(saved, current, folder / "engine")
+    except Exception as error:  # rank 0 decides for all: a damaged file must not stall them
+        why = f"its optimizer state could not be read ({type(error).__name__}: {error})"
     if why is None:
         return ResumePlan(saved, current, True)
     change = (
