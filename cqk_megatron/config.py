@@ -217,6 +217,12 @@ class TrainConfig:
     # DDP overlap_grad_reduce (train.engine=megatron) or DeepSpeed ZeRO's overlap_comm
     # (false leaves DeepSpeed's default: on for ZeRO-3 only); the cluster configs turn it on
     overlap_grad_reduce: bool = False
+    # train.engine=megatron: the distributed optimizer's checkpoint format. dp_reshardable:
+    # each rank writes its own shard; a resume under another data-parallel size keeps the
+    # optimizer state. fully_reshardable: saved per parameter after a gather on one rank per
+    # model-parallel group (slower saves), so a resume under another TP or PP size keeps it
+    # too (docs/checkpoints.md). Either format loads whatever this says.
+    optimizer_checkpoint: str = "dp_reshardable"
     # activation recompute: none | selective (the core attention: scores, softmax and
     # context recomputed from q, k, v in the backward) | full (whole layers from their
     # inputs). full: recompute_method uniform (units of recompute_num_layers layers, default
@@ -260,6 +266,10 @@ class TrainConfig:
     save_timeout_s: float = 600.0
     heartbeat_interval_s: float = 5.0
     heartbeat_timeout_s: float = 30.0
+
+
+# train.optimizer_checkpoint: Megatron's DistributedOptimizer sharding types (the default first)
+OPTIMIZER_CHECKPOINTS = ("dp_reshardable", "fully_reshardable")
 
 
 @dataclass
@@ -600,6 +610,7 @@ def _check_names(config: RunConfig, check: _Checks) -> None:
     check.choice(config.backend, ("local", "transformer_engine"), "backend")
     check.choice(t.lr_schedule, ("cosine", "wsd", "constant"), "train.lr_schedule")
     check.choice(t.engine, ("deepspeed", "megatron"), "train.engine")
+    check.choice(t.optimizer_checkpoint, OPTIMIZER_CHECKPOINTS, "train.optimizer_checkpoint")
     check.choice(t.recompute, RECOMPUTE, "train.recompute")
     check.choice(t.recompute_method, RECOMPUTE_METHODS, "train.recompute_method")
     check.choice(config.log.wandb_mode, ("offline", "online", "disabled"), "log.wandb_mode")
@@ -807,6 +818,11 @@ def _check_engine(t: TrainConfig, pp: int, check: _Checks) -> None:
         "ZeRO-1 in bf16 as its BF16_Optimizer, which reduces after the backward; use "
         "train.zero_stage=2 (gradients reduce-scattered during the backward), or "
         "train.engine=megatron, or set train.overlap_grad_reduce=false",
+    )
+    check(
+        t.optimizer_checkpoint == OPTIMIZER_CHECKPOINTS[0] or t.engine == "megatron",
+        f"train.optimizer_checkpoint={t.optimizer_checkpoint} applies to train.engine=megatron "
+        f"only (DeepSpeed saves ZeRO's own format); set it to {OPTIMIZER_CHECKPOINTS[0]}",
     )
 
 

@@ -1,6 +1,7 @@
 """A run's parallel layout, torch-free: how its ranks split the model and who shards the
 optimizer. The planner (``perf/plan.py``) proposes layouts; a checkpoint records the one
-it was saved under (``layout.json``), so that a resume in the same layout loads it exactly.
+it was saved under (``layout.json``), so that a resume in the same layout loads it exactly,
+and one in another layout knows what it resharded from (``training/checkpoint.resume_plan``).
 
 ``engine`` names the data-parallel engine as the planner does: ``zero1``/``zero2``/``zero3``
 (DeepSpeed ZeRO, ``train.engine=deepspeed``), ``distopt`` (Megatron's distributed
@@ -46,6 +47,10 @@ class Layout:
             f"TP={self.tp} PP={self.pp}{vp} DP={self.dp}{sp} {self.engine} "
             f"recompute={self.recompute_label()}"
         )
+
+    def describe_sizes(self) -> str:
+        """The parallel sizes alone, as a resume that changes them reports them."""
+        return f"TP={self.tp} PP={self.pp} DP={self.dp}"
 
     def recompute_label(self) -> str:
         if self.recompute != "full":

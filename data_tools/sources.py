@@ -453,7 +453,7 @@ def _check_mostly_utf8(path: Path, replaced: int, size: int, limit: float) -> No
         )
 
 
-def _fraction(text: str) -> float:
+def fraction(text: str) -> float:
     value = float(text)
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"{text} is not a fraction between 0 and 1")
@@ -486,7 +486,7 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-invalid-utf8",
-        type=_fraction,
+        type=fraction,
         default=MAX_INVALID_UTF8,
         metavar="FRACTION",
         help="refuse a text/JSONL file with more than this fraction of its bytes in invalid "

@@ -56,24 +56,6 @@ def _perturbing(perturbation: Perturbation | None):
         loop.make_engine = original
 
 
-@contextlib.contextmanager
-def _cuda_call_is_a_no_op_on_cpu():
-    """Megatron builds the last stage's copy of a tied embedding with ``weight.data.cuda()``
-    (``language_module.py``), which a CPU-only torch refuses; here, in these test ranks
-    only, that call keeps the tensor where it is (on CPU there is nowhere else)."""
-    import torch
-
-    if torch.cuda.is_available():
-        yield
-        return
-    original = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
-    try:
-        yield
-    finally:
-        torch.Tensor.cuda = original
-
-
 def perturbed_train_attempts(rank, world_size, port, root, runs) -> None:
     """``_training.train_attempts`` of each ``(name, overrides, perturbation)``: a
     ``Perturbation``, None, or a fault of ``_gpu_path_workers`` by name (``unsummed``: the
@@ -84,5 +66,5 @@ def perturbed_train_attempts(rank, world_size, port, root, runs) -> None:
     for name, overrides, perturbation in runs:
         fault = perturbation if isinstance(perturbation, str) else "none"
         off = perturbation if isinstance(perturbation, Perturbation) else None
-        with _perturbing(off), _fault(fault), _cuda_call_is_a_no_op_on_cpu():
+        with _perturbing(off), _fault(fault):
             train_attempts(rank, world_size, port, root, [(name, overrides)])

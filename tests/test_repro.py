@@ -201,3 +201,33 @@ def test_raw_corpus_is_tokenized_once(tmp_path):
     changed = resolve_data(str(text), None, preset, tmp_path / "out")
     assert "tokenized now" in changed.description
     assert read_meta(changed.prefix)["documents"] == 200
+
+
+def test_a_mostly_invalid_text_is_refused_unless_max_invalid_utf8_allows_it(tmp_path):
+    """The data tools' refusal names ``--max-invalid-utf8``; cqk-repro takes it too."""
+    import random
+
+    from cqk_megatron.repro.cli import build_parser
+    from cqk_megatron.repro.data import CorpusOptions, resolve_data
+    from data_tools.sources import MAX_INVALID_UTF8
+
+    generator = random.Random(0)
+    text = tmp_path / "noise.txt"
+    words = [
+        f"Paragraph {i}: the query and the key evolve together for {i % 7 + 1} steps, "
+        f"then attention scores them; standard attention keeps them fixed ({i * 37 % 101})."
+        for i in range(400)
+    ]
+    noise = bytes(generator.randrange(0x80, 0xC0) for _ in range(20000))  # lone continuations
+    text.write_bytes("\n\n".join(words).encode() + b"\n\n" + noise + b"\n")
+    preset = dataclasses.replace(PRESETS["cpu-tiny"], tokenizer_vocab=400)
+    with pytest.raises(Exception, match="--max-invalid-utf8"):
+        resolve_data(str(text), None, preset, tmp_path / "refused")
+    argv = ["--preset", "cpu-tiny", "--data", str(text), "--max-invalid-utf8", "1"]
+    args = build_parser().parse_args(argv)
+    reading = CorpusOptions(args.text_unit, args.text_field, args.input_format, 1.0)
+    assert args.max_invalid_utf8 == 1.0
+    assert CorpusOptions().as_kwargs().get("max_invalid_utf8") is None  # same fingerprints
+    assert CorpusOptions().max_invalid_utf8 == MAX_INVALID_UTF8
+    allowed = resolve_data(str(text), None, preset, tmp_path / "allowed", reading)
+    assert allowed.prefix.with_suffix(".bin").is_file()

@@ -26,7 +26,7 @@ from cqk_megatron.repro.presets import (
     parse_tokens,
     parse_variants,
 )
-from data_tools.sources import FORMATS, TEXT_UNITS
+from data_tools.sources import FORMATS, MAX_INVALID_UTF8, TEXT_UNITS, fraction
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,6 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     corpus.add_argument("--text-field", default="text", help="JSONL/Parquet field of the text")
     corpus.add_argument("--input-format", choices=FORMATS, help="override the file extension")
+    corpus.add_argument(
+        "--max-invalid-utf8",
+        type=fraction,
+        default=MAX_INVALID_UTF8,
+        metavar="FRACTION",
+        help="refuse a text/JSONL file with more than this fraction of its bytes in invalid "
+        "UTF-8 sequences (default: %(default)s)",
+    )
     parser.add_argument("--tokens", help="training tokens per run, e.g. 80M (default: preset's)")
     parser.add_argument(
         "--variants",
@@ -111,7 +119,9 @@ def run(argv: list[str] | None = None) -> int:
             "and is very slow; cpu-tiny is the CPU-sized comparison",
             file=sys.stderr,
         )
-    reading = CorpusOptions(args.text_unit, args.text_field, args.input_format)
+    reading = CorpusOptions(
+        args.text_unit, args.text_field, args.input_format, args.max_invalid_utf8
+    )
     data = resolve_data(args.data, args.tokenizer, preset, out, reading)
     plan = build_plan(
         preset, variants, seeds, tokens, data, out, args.nproc, args.overrides, cuda, args.family

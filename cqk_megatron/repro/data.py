@@ -20,6 +20,7 @@ from pathlib import Path
 from cqk_megatron.data.errors import DataError
 from cqk_megatron.data.metadata import bin_path, idx_path, read_meta
 from cqk_megatron.repro.presets import Preset, ReproError
+from data_tools.sources import MAX_INVALID_UTF8
 
 CORPUS_PREFIX = "corpus_text_document"
 
@@ -31,13 +32,17 @@ class CorpusOptions:
     text_unit: str = "paragraph"
     text_field: str = "text"
     input_format: str | None = None
+    max_invalid_utf8: float = MAX_INVALID_UTF8  # --max-invalid-utf8
 
     def as_kwargs(self) -> dict:
-        return {
+        kwargs = {
             "text_unit": self.text_unit,
             "text_field": self.text_field,
             "input_format": self.input_format,
         }
+        if self.max_invalid_utf8 != MAX_INVALID_UTF8:  # keeps the default's fingerprints
+            kwargs["max_invalid_utf8"] = self.max_invalid_utf8
+        return kwargs
 
 
 @dataclass

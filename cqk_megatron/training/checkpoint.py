@@ -94,12 +94,15 @@ __all__ = [
     "LATEST",
     "MANIFEST",
     "CheckpointError",
+    "ResumePlan",
+    "check_same_global_batch",
     "TrainerState",
     "find_resumable",
     "iteration_dir",
     "load_exact",
     "load_model_weights",
     "load_trainer_state",
+    "resume_plan",
     "same_layout",
     "save",
     "save_weights",
@@ -555,9 +558,79 @@ def load_model_weights(folder: Path, model, config: RunConfig | None = None, fix
         raise _mismatch(folder, config, error, fix) from error
 
 
+def saved_layout(folder: Path) -> Layout:
+    """The layout checkpoint ``folder`` was saved under (its ``layout.json``)."""
+    return Layout.from_checkpoint_record(json.loads((folder / "layout.json").read_text()))
+
+
 def same_layout(folder: Path, config: RunConfig) -> bool:
-    saved = Layout.from_checkpoint_record(json.loads((folder / "layout.json").read_text()))
-    return saved == current_layout(config)
+    return saved_layout(folder) == current_layout(config)
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """How a checkpoint is read into this run, decided before the model is built.
+
+    ``keeps_optimizer``: the engine loads its state (fp32 master weights, Adam moments,
+    step counts), resharded when ``saved`` and ``current`` differ; otherwise the weights
+    and trainer state are loaded and the optimizer starts fresh, for ``reason``."""
+
+    saved: Layout
+    current: Layout
+    keeps_optimizer: bool
+    reason: str = ""  # why the optimizer restarts (keeps_optimizer False)
+
+    @property
+    def exact(self) -> bool:
+        return self.keeps_optimizer and self.saved == self.current
+
+    def describe(self) -> str:
+        """How the run resumes, for the line that says where it starts."""
+        if self.exact:
+            return "exactly"
+        if self.keeps_optimizer:
+            before, after = self.saved.describe_sizes(), self.current.describe_sizes()
+            return f"optimizer state resharded from {before} to {after}"
+        return f"weights only, fresh optimizer: {self.reason}"
+
+
+def resume_plan(folder: Path, config: RunConfig, weights_only: bool = False) -> ResumePlan:
+    """Whether the optimizer state of checkpoint ``folder`` comes back in this run's
+    layout (each engine says where its format reshards), or why it restarts."""
+    saved, current = saved_layout(folder), current_layout(config)
+    if weights_only:
+        return ResumePlan(saved, current, False, "as asked (--resume weights:PATH)")
+    if saved == current:
+        return ResumePlan(saved, current, True)
+    if config.train.engine == "megatron":
+        from cqk_megatron.training.megatron_engine import optimizer_restart_reason
+    else:
+        from cqk_megatron.training.deepspeed_engine import optimizer_restart_reason
+    try:
+        why = optimizer_restart_reason(saved, current, folder / "engine")
+    except Exception as error:  # rank 0 decides for all: a damaged file must not stall them
+        why = f"its optimizer state could not be read ({type(error).__name__}: {error})"
+    if why is None:
+        return ResumePlan(saved, current, True)
+    change = (
+        f"{saved.describe_sizes()} {saved.engine} -> {current.describe_sizes()} {current.engine}"
+    )
+    return ResumePlan(saved, current, False, f"the optimizer state cannot follow {change}: {why}")
+
+
+def check_same_global_batch(folder: Path, config: RunConfig) -> None:
+    """Refuse a resume whose global batch differs from the checkpoint's: the step count,
+    the data position (consumed samples) and the optimizer's moments all assume it."""
+    saved = saved_config(folder)
+    if saved is None or saved.train.global_batch_size == config.train.global_batch_size:
+        return
+    old, new = saved.train.global_batch_size, config.train.global_batch_size
+    raise CheckpointError(
+        f"checkpoint {folder} was trained with train.global_batch_size={old}, this config "
+        f"has {new}: a resume keeps the global batch, whatever the data-parallel size. "
+        f"Set train.global_batch_size={old} (train.micro_batch_size x data-parallel size "
+        "must divide it), or start a new run (another name=..., or --resume none)"
+    )
 
 
 def load_trainer_state(folder: Path, rank: int = 0) -> tuple[TrainerState, dict]:
@@ -567,11 +640,36 @@ def load_trainer_state(folder: Path, rank: int = 0) -> tuple[TrainerState, dict]
     return TrainerState(**payload["state"]), payload["rng"]
 
 
-def load_exact(folder: Path, engine: Engine) -> TrainerState:
-    """Collective, same layout: weights, optimizer, RNG and trainer state, bit for bit."""
+def _saved_rank(saved: Layout) -> int | None:
+    """The rank of the saved layout whose RNG this rank continues: the one at the same
+    tensor- and pipeline-parallel position (data-parallel ranks beyond the saved size
+    wrap around; their generators hold the same state unless dropout drew from them).
+    None when TP or PP changed: no saved rank ran this rank's part of the model.
+    Megatron's rank order (``tp-cp-ep-dp-pp``): rank = tp + TP * (dp + DP * pp)."""
+    if (saved.tp, saved.pp) != (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
+    ):
+        return None
+    tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    dp = ps.get_data_parallel_rank() % saved.dp
+    return tp + saved.tp * (dp + saved.dp * pp)
+
+
+def load_exact(folder: Path, engine: Engine, plan: ResumePlan | None = None) -> TrainerState:
+    """Collective: weights, optimizer, RNG and trainer state. In the saved layout bit for
+    bit; in another (``plan`` keeps the optimizer) the engine reshards its state, and the
+    RNG comes from the saved rank at the same model-parallel position where there is one
+    (``_saved_rank``; otherwise this rank keeps its seeded generators)."""
     engine.load_state(folder / "engine", folder / "model")
-    state, rng = load_trainer_state(folder, dist.get_rank())
-    _set_rng_state(rng)
+    if plan is None or plan.exact:
+        state, rng = load_trainer_state(folder, dist.get_rank())
+        _set_rng_state(rng)
+        return state
+    state, _ = load_trainer_state(folder)  # step and data position: the same on every rank
+    source = _saved_rank(plan.saved)
+    if source is not None:
+        _set_rng_state(load_trainer_state(folder, source)[1])
     return state
 
 

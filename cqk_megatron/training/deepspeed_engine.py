@@ -25,6 +25,8 @@ never called here; the two sums it does beyond data parallelism are done by
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import sys
 from argparse import Namespace
 from contextlib import AbstractContextManager
@@ -38,7 +40,9 @@ from cqk_megatron.attention.tp_grads import left_to_finalize_model_grads, sum_gr
 from cqk_megatron.config import RunConfig
 from cqk_megatron.device import device
 from cqk_megatron.model import model_chunks
+from cqk_megatron.parallel_plan import Layout
 from cqk_megatron.training import collectives
+from cqk_megatron.training.collectives import gather_objects
 from cqk_megatron.training.engine import Batch, Engine, StepResult
 from cqk_megatron.training.mpu import MegatronMpu
 from cqk_megatron.training.step_loss import (
@@ -228,6 +232,105 @@ def tied_embedding_copy(model: torch.nn.Module) -> torch.nn.Parameter | None:
     return None
 
 
+# -- resuming under another data-parallel size ---------------------------------------------
+# A ZeRO checkpoint holds each data-parallel rank's flat partition of the fp32 master
+# weights and Adam moments; DeepSpeed loads it only under the same data-parallel size.
+# Its universal checkpoint (``deepspeed.checkpoint.ds_to_universal``) reassembles every
+# parameter's fp32 weight and moments from all ranks' partitions, and ``load_universal``
+# re-partitions them for the ranks that load it.
+
+DS_TAG = "ds"  # the tag of each stage's DeepSpeed checkpoint (``engine/pp<stage>/ds``)
+
+
+def saved_data_parallel_size(folder: Path) -> int:
+    """The data-parallel size a stage's DeepSpeed checkpoint ``folder`` was saved under:
+    the number of ranks that wrote optimizer files there (``[bf16_]zero_pp_rank_<dp>_
+    mp_rank_<tp>_optim_states.pt``; the model-states file records it too, but beside the
+    whole stage's weights)."""
+    ranks = {
+        match.group(1)
+        for path in folder.glob("*zero_pp_rank_*_optim_states.pt")
+        if (match := re.search(r"zero_pp_rank_(\d+)_mp_rank_", path.name))
+    }
+    if not ranks:
+        raise FileNotFoundError(f"no DeepSpeed optimizer files in {folder}")
+    return len(ranks)
+
+
+def optimizer_restart_reason(saved: Layout, current: Layout, folder: Path) -> str | None:
+    """Why the ZeRO state in ``folder`` (saved under ``saved``) cannot be loaded under
+    ``current``, or None when it can: the same ZeRO stage and model-parallel layout, any
+    data-parallel size."""
+    if saved.engine != current.engine:
+        return f"it was saved by another engine ({saved.engine}; this run: {current.engine})"
+    if (saved.tp, saved.pp) != (current.tp, current.pp):
+        return (
+            "DeepSpeed's universal checkpoint reshards ZeRO's state over data-parallel ranks, "
+            "but over tensor- or pipeline-parallel ranks only for models that describe how "
+            "their parameters are split (Megatron-DeepSpeed's), which these Megatron-Core "
+            "layers do not"
+        )
+    return None
+
+
+def to_universal(source: Path, target: Path) -> None:
+    """DeepSpeed's ``ds_to_universal`` of one stage's checkpoint ``source`` into ``target``.
+
+    ZeRO-3 goes through its ``main``. For ZeRO-1/2 (and ``BF16_Optimizer``) these are the
+    steps of its ``main`` without the one that writes an fp32 file for each model-state
+    entry that has no optimizer state: it calls ``.float()`` on Megatron's
+    ``_extra_state`` entries, which are None. Here every parameter trains, so each has its
+    optimizer state; that is checked instead.
+    """
+    from deepspeed.checkpoint import ds_to_universal as uc
+
+    shutil.rmtree(target.parent, ignore_errors=True)
+    args = Namespace(
+        input_folder=str(source),
+        output_folder=str(target),
+        num_extract_workers=1,  # in this process: a training rank forks no pool
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,  # our checkpoints carry no universal-checkpoint info
+    )
+    optim_files = uc._get_optim_files(args.input_folder)
+    if uc._get_zero_stage(optim_files) > 2:
+        uc.main(args)
+        return
+    checkpoint = uc.DeepSpeedCheckpoint(args.input_folder)
+    uc._inject_missing_state(checkpoint)
+    slice_shapes_by_tp, _, _ = uc._aggregate_autoep_zero12_metadata(checkpoint.model_state_metadata)
+    slice_shapes = uc._group_per_tp_shapes(
+        slice_shapes_by_tp, checkpoint.pp_degree, checkpoint.tp_degree
+    )
+    temp = str(target / "tmp")
+    uc._extract_zero_shard_files(args, checkpoint, temp)
+    uc._merge_tp_slice_files(
+        args,
+        checkpoint.get_checkpoint_info(uc.UNIVERSAL_CHECKPOINT_INFO),
+        checkpoint.tp_degree,
+        slice_shapes,
+        temp,
+    )
+    uc._save_optimizer_state(args, checkpoint)
+    shutil.rmtree(temp, ignore_errors=True)
+    missing = [name for name in slice_shapes if not (target / "zero" / name / "fp32.pt").is_file()]
+    if missing:
+        raise RuntimeError(f"{source} holds no optimizer state for {', '.join(sorted(missing))}")
+    for model_states in checkpoint.mp_rank_files:
+        shutil.copy2(model_states, target)
+
+
+def _raise_on_every_rank(error: BaseException | None, what: str) -> None:
+    """Collective: raise on every rank if any rank failed (with the first failure's text)."""
+    gathered = gather_objects(None if error is None else f"{type(error).__name__}: {error}")
+    failures = [(rank, text) for rank, text in enumerate(gathered) if text is not None]
+    if failures:
+        rank, text = failures[0]
+        raise RuntimeError(f"{what} failed on rank {rank}: {text}") from error
+
+
 class DeepSpeedEngine(Engine):
     def __init__(self, model: torch.nn.Module, config: RunConfig) -> None:
         os.environ.setdefault("DS_ACCELERATOR", device().type)
@@ -299,15 +402,68 @@ class DeepSpeedEngine(Engine):
         """Collective: DeepSpeed's engine state (weights, ZeRO optimizer) under ``folder``,
         one DeepSpeed checkpoint per pipeline stage."""
         stage = ps.get_pipeline_model_parallel_rank()
-        self.engine.save_checkpoint(str(folder / f"pp{stage}"), tag="ds", save_latest=False)
+        self.engine.save_checkpoint(str(folder / f"pp{stage}"), tag=DS_TAG, save_latest=False)
 
     def load_state(self, folder: Path, model_folder: Path) -> None:
-        """Collective, same layout. DeepSpeed's checkpoint holds the weights too, so
-        ``model_folder`` (the layout-free weights) is not read."""
+        """Collective. DeepSpeed's checkpoint holds the weights too, so ``model_folder``
+        (the layout-free weights) is not read. Saved under another data-parallel size
+        (``optimizer_restart_reason`` allows no other change), each stage's checkpoint is
+        converted to DeepSpeed's universal format first and loaded from there."""
         stage = ps.get_pipeline_model_parallel_rank()
-        self.engine.load_checkpoint(
-            str(folder / f"pp{stage}"), tag="ds", load_lr_scheduler_states=False
-        )
+        saved = folder / f"pp{stage}"
+        if saved_data_parallel_size(saved / DS_TAG) == self.dp_size:
+            self.engine.load_checkpoint(str(saved), tag=DS_TAG, load_lr_scheduler_states=False)
+            return
+        universal = folder.parent.with_name(f"{folder.parent.name}.universal") / f"pp{stage}"
+        converter = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+        error = None
+        if converter:  # one conversion per pipeline stage, of all its TP ranks' files
+            try:
+                to_universal(saved / DS_TAG, universal / DS_TAG)
+            except Exception as caught:  # every rank raises, below
+                error = caught
+        _raise_on_every_rank(error, f"converting {saved} to DeepSpeed's universal format")
+        try:
+            self._load_universal(universal)
+        except Exception as caught:
+            error = caught
+        _raise_on_every_rank(error, f"loading the universal checkpoint {universal}")
+        if converter:
+            shutil.rmtree(universal, ignore_errors=True)
+            if not any(universal.parent.iterdir()):
+                universal.parent.rmdir()
+
+    def _load_universal(self, folder: Path) -> None:
+        """``load_checkpoint`` with DeepSpeed's ``checkpoint.load_universal`` on (the
+        engine reads the setting at each call): each rank takes its data-parallel slice of
+        every parameter's fp32 weight and Adam moments, then copies the fp32 weights into
+        the model's own."""
+        settings = self.engine._config  # DeepSpeed has no public setter for it
+        settings.load_universal_checkpoint = True
+        try:
+            self.engine.load_checkpoint(str(folder), tag=DS_TAG, load_lr_scheduler_states=False)
+        finally:
+            settings.load_universal_checkpoint = False
+        if self.engine.zero_optimization_partition_weights():
+            self._repair_zero3_universal_load(folder / DS_TAG / "zero" / "optimizer_state.pt")
+
+    def _repair_zero3_universal_load(self, optimizer_state: Path) -> None:
+        """Two repairs after DeepSpeed 0.19.8's universal load under ZeRO-3, which
+
+        - gives every param group the first group's settings: the vectors' group (no
+          weight decay) would decay. Each group's own settings (the universal checkpoint
+          keeps them all) are put back;
+        - gives every sub-group's state one shared ``step`` tensor, which torch's AdamW
+          advances in place once per sub-group: the bias correction would run ahead.
+          Each state gets its own copy.
+        """
+        saved = torch.load(optimizer_state, map_location="cpu", weights_only=False)
+        adam = self.engine.optimizer.optimizer
+        for group, settings in zip(adam.param_groups, saved["param_groups"], strict=True):
+            group.update({key: value for key, value in settings.items() if key != "params"})
+        for state in adam.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
 
     # -- evaluation --------------------------------------------------------------------
 

@@ -174,19 +174,25 @@ RESUME_SHAPE_FIX = (
 
 def _choose_start(
     checkpoints: Path, resume: str, config: RunConfig
-) -> checkpoint_files.ResumeChoice:
-    """Collective: rank 0 decides where the run starts, verifying the checkpoints once,
-    their hashing split across every rank (``checkpoint.rank0_with_hash_helpers``)."""
+) -> tuple[checkpoint_files.ResumeChoice, checkpoint.ResumePlan | None]:
+    """Collective: rank 0 verifies the checkpoints once, their hashing split across every
+    rank (``checkpoint.rank0_with_hash_helpers``), and decides where the run starts, and
+    how (``checkpoint.resume_plan``: whether the optimizer state follows a change of
+    layout). A checkpoint of another model shape or global batch is refused."""
 
-    def choose(hash_check) -> checkpoint_files.ResumeChoice:
+    def choose(hash_check):
         choice = checkpoint_files.choose_resume(
             checkpoints, resume, config.train.checkpoint_hashes, hash_check
         )
+        plan = None
         if choice.folder is not None:
             checkpoint_files.check_same_shape(choice.folder, config, RESUME_SHAPE_FIX)
-        return choice
+            checkpoint.check_same_global_batch(choice.folder, config)
+            plan = checkpoint.resume_plan(choice.folder, config, choice.weights_only)
+        return choice, plan
 
-    choice, error = checkpoint.rank0_with_hash_helpers(choose)
+    chosen, error = checkpoint.rank0_with_hash_helpers(choose)
+    choice, plan = chosen if chosen is not None else (None, None)
     refusal = None
     if isinstance(error, checkpoint_files.CheckpointError):
         refusal = str(error)
@@ -194,16 +200,16 @@ def _choose_start(
         refusal = f"cannot read {checkpoints}: {error}"
     elif error is not None:
         raise error
-    choice, refusal = collectives.from_rank0((choice, refusal))
+    choice, plan, refusal = collectives.from_rank0((choice, plan, refusal))
     if refusal is not None:
         raise checkpoint_files.CheckpointError(refusal)
-    return choice
+    return choice, plan
 
 
 def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_start) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     checkpoints = run_dir / CHECKPOINTS
-    choice = _choose_start(checkpoints, resume, config)
+    choice, plan = _choose_start(checkpoints, resume, config)
     folder = choice.folder
 
     gpu_memory = gpu_memory_bytes()
@@ -212,12 +218,10 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
     seed_everything(config.seed)
     model = build_rank_model(config)
     state = checkpoint.TrainerState()
-    exact = (
-        folder is not None and not choice.weights_only and checkpoint.same_layout(folder, config)
-    )
+    keeps_optimizer = plan is not None and plan.keeps_optimizer
     # Weights that do not come through the engine are loaded before it exists: ZeRO
     # copies them into its fp32 master weights when it is built.
-    if folder is not None and not exact:
+    if folder is not None and not keeps_optimizer:
         checkpoint.load_model_weights(folder, model, config, RESUME_SHAPE_FIX)
         state, _ = checkpoint.load_trainer_state(folder)
     elif folder is None and config.train.init_from:
@@ -229,8 +233,8 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
         checkpoint.load_model_weights(init_from, model, config, fix)
     params_total, params_non_embedding = count_model_parameters(model)
     engine = make_engine(model, config)
-    if exact:
-        state = checkpoint.load_exact(folder, engine)
+    if keeps_optimizer:
+        state = checkpoint.load_exact(folder, engine, plan)
     replica_check = replicas.ReplicaCheck(model, config)
 
     t = config.train
@@ -245,7 +249,7 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
     opened = {}
 
     def start() -> None:
-        _start_run(run_dir, config, choice, folder, state, exact)
+        _start_run(run_dir, config, choice, plan, state)
         if on_start is not None:
             on_start()
         opened["logger"] = MetricsLogger(run_dir, config, enabled=True)
@@ -351,9 +355,12 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
         logger.close()
 
 
-def _start_run(run_dir: Path, config: RunConfig, choice, folder, state, exact: bool) -> None:
-    """Rank 0, once the run is certain to start: set superseded files aside, say where it
-    starts, warn of a changed schedule, and record the config it runs with."""
+def _start_run(run_dir: Path, config: RunConfig, choice, plan, state) -> None:
+    """Rank 0, once the run is certain to start (before its first step): set superseded
+    files aside, say where it starts and whether the optimizer state came with it (a
+    warning when a change of layout restarts it), warn of a changed schedule, and record
+    the config it runs with."""
+    folder = choice.folder
     for reason in choice.refused:
         print(f"skipping checkpoint: {reason}", file=sys.stderr)
     (run_dir / CHECKPOINTS).mkdir(parents=True, exist_ok=True)
@@ -361,13 +368,19 @@ def _start_run(run_dir: Path, config: RunConfig, choice, folder, state, exact: b
     if moved:
         print(moved, file=sys.stderr, flush=True)
     if folder is not None:
-        if exact:
-            how = "exactly"
-        elif choice.weights_only:
+        if choice.weights_only:
             how = "weights and trainer state only, as asked: fresh optimizer"
         else:
-            how = "weights only: the parallel layout changed, fresh optimizer"
+            how = plan.describe()
         print(f"resumed from {folder} at step {state.step} ({how})", flush=True)
+        if not plan.keeps_optimizer and not choice.weights_only:
+            print(
+                f"warning: the optimizer restarts from zero moments at step {state.step}: "
+                f"{plan.reason}. To keep it, resume in the saved layout "
+                f"({plan.saved.describe_sizes()} {plan.saved.engine})",
+                file=sys.stderr,
+                flush=True,
+            )
         warning = checkpoint_files.schedule_warning(folder, config, state.step)
         if warning:
             print(warning, file=sys.stderr, flush=True)

@@ -17,8 +17,21 @@ Wired the way Megatron-LM's ``training.py`` wires them (``setup_model_and_optimi
 - A constant loss scale of 1 turns on Megatron's non-finite gradient check (multiplying
   by 1 changes no bit): a step with a NaN/inf gradient anywhere is skipped on every rank.
 
-Exact resume saves the optimizer's ``sharded_state_dict`` (``dp_reshardable``: each rank
-writes its own shard, no gathering) with ``dist_checkpointing``; the weights come from the
+Resume saves the optimizer's ``sharded_state_dict`` with ``dist_checkpointing`` in the
+format ``train.optimizer_checkpoint`` names (Megatron's sharding types):
+
+- ``dp_reshardable`` (the default): each rank writes its own shard of each gradient
+  bucket, no gathering. It loads under another data-parallel size (each rank takes its
+  slice of every bucket), as long as the buckets are the same: one per buffer without
+  ``overlap_grad_reduce``, a fixed size with it (``BUCKET_SIZE``).
+- ``fully_reshardable``: each parameter's fp32 master weight and Adam moments under the
+  parameter's own sharded key, so the state loads under another tensor-, pipeline- or
+  data-parallel size. Saving gathers the data-parallel shards on data-parallel rank 0 of
+  each model-parallel group over gloo (``distrib_optim_fully_reshardable_mem_efficient``:
+  host memory, the same path on CPU and GPU; the default all-gathers through
+  ``torch.cuda``), which then writes them all: several times slower than the default.
+
+A load reads the format the checkpoint was saved in; the weights come from the
 checkpoint's model folder.
 """
 
@@ -40,10 +53,47 @@ from megatron.core.optimizer_param_scheduler import ParamGroupOverride
 
 from cqk_megatron.config import RunConfig
 from cqk_megatron.model import load_sharded_state, model_chunks, sharded_state_dict
+from cqk_megatron.parallel_plan import Layout
 from cqk_megatron.training.engine import Batch, Engine, StepResult
 from cqk_megatron.training.step_loss import global_mean_loss, schedule_loss_sum
 
-OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
+FULLY_RESHARDABLE = "fully_reshardable"
+# Megatron's default bucket size with overlap_grad_reduce is max(40M, 1M x DP) elements: a
+# size that grows with DP beyond 40 ranks would change the buckets, and dp_reshardable
+# checkpoints would no longer load under another data-parallel size there.
+BUCKET_SIZE = 40_000_000
+
+
+def _sharding(optimizer_format: str) -> dict:
+    """``DistributedOptimizer.sharded_state_dict``'s metadata for ``optimizer_format``."""
+    return {
+        "distrib_optim_sharding_type": optimizer_format,
+        "distrib_optim_fully_reshardable_mem_efficient": True,
+    }
+
+
+def saved_optimizer_format(folder: Path) -> str:
+    """The format the optimizer in ``folder`` (a checkpoint's ``engine/``) was saved in:
+    ``DistributedOptimizer`` records it in the checkpoint's common (rank 0) state."""
+    common = dist_checkpointing.load_common_state_dict(str(folder))
+    return common["optimizer"]["param_state_sharding_type"]
+
+
+def optimizer_restart_reason(saved: Layout, current: Layout, folder: Path) -> str | None:
+    """Why the optimizer state in ``folder`` (saved under ``saved``) cannot be loaded under
+    ``current``, or None when it can (the same engine, and a format that reshards there)."""
+    if saved.engine != current.engine:
+        return f"it was saved by another engine ({saved.engine}; this run: {current.engine})"
+    if (saved.tp, saved.pp) == (current.tp, current.pp):
+        return None  # both formats reshard over data-parallel ranks
+    found = saved_optimizer_format(folder)
+    if found != FULLY_RESHARDABLE:
+        return (
+            f"it was saved in Megatron's {found} format, which reshards over data-parallel "
+            f"ranks only (train.optimizer_checkpoint={FULLY_RESHARDABLE} saves checkpoints "
+            "that follow TP and PP changes too)"
+        )
+    return None
 
 
 def optimizer_config(config: RunConfig) -> OptimizerConfig:
@@ -83,6 +133,7 @@ class MegatronEngine(Engine):
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=overlap,
+            bucket_size=BUCKET_SIZE,  # used with overlap only
             use_distributed_optimizer=True,
             check_for_nan_in_grad=False,  # it raises; the optimizer's check skips instead
         )
@@ -152,30 +203,44 @@ class MegatronEngine(Engine):
         groups) as a distributed checkpoint in ``folder``, each rank writing its shard."""
         folder.mkdir(parents=True, exist_ok=True)
         state = self.optimizer.sharded_state_dict(
-            sharded_state_dict(self.model), is_loading=False, metadata=OPTIMIZER_SHARDING
+            sharded_state_dict(self.model),
+            is_loading=False,
+            metadata=_sharding(self.config.train.optimizer_checkpoint),
         )
         dist_checkpointing.save({"optimizer": state}, str(folder))
 
     @torch.no_grad()  # with fp32 weights the master shards are views of the parameters
     def load_state(self, folder: Path, model_folder: Path) -> None:
-        """Collective, same layout: weights from ``model_folder``, then the optimizer from
-        ``folder`` (its fp32 master weights replace those made from the loaded weights)."""
+        """Collective: weights from ``model_folder``, then the optimizer from ``folder``
+        (its fp32 master weights replace those made from the loaded weights), resharded to
+        this layout where ``optimizer_restart_reason`` allows it."""
         weights = dist_checkpointing.load(sharded_state_dict(self.model), str(model_folder))
         load_sharded_state(self.model, weights)
         torch_adams = _torch_adams(self.optimizer)
         for adam in torch_adams:
             _allocate_adam_state(adam)
         sharded = self.optimizer.sharded_state_dict(
-            sharded_state_dict(self.model), is_loading=True, metadata=OPTIMIZER_SHARDING
+            sharded_state_dict(self.model),
+            is_loading=True,
+            metadata=_sharding(saved_optimizer_format(folder)),
         )
         loaded = dist_checkpointing.load({"optimizer": sharded}, str(folder))
-        self.optimizer.load_state_dict(loaded["optimizer"])
+        for part, state in _distributed_parts(self.optimizer, loaded["optimizer"]):
+            param_state = state.pop("param_state")
+            found = state.pop("param_state_sharding_type")
+            part.load_state_dict(state)  # the param groups and step count
+            for adam in torch_adams:
+                _drop_step_counts(adam)
+            if found == FULLY_RESHARDABLE:
+                part.load_parameter_state_from_fully_reshardable(param_state)
+            else:
+                part.load_parameter_state_from_dp_reshardable(param_state)
         for adam in torch_adams:
             _restore_step_counts(adam)
 
 
 # Megatron's distributed optimizer over torch's AdamW (its fallback without Transformer
-# Engine or Apex) needs two repairs to load a checkpoint into a fresh optimizer:
+# Engine or Apex) needs three repairs to load a checkpoint into a fresh optimizer:
 
 
 def _torch_adams(optimizer) -> list[torch.optim.AdamW]:
@@ -198,6 +263,25 @@ def _allocate_adam_state(adam: torch.optim.AdamW) -> None:
                     "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
                     "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
                 }
+
+
+def _distributed_parts(optimizer, state_dict) -> list[tuple]:
+    """Each ``DistributedOptimizer`` inside Megatron's (possibly chained) optimizer, with
+    its part of a loaded ``state_dict`` (``ChainedOptimizer``'s layout: the state itself
+    for one part, ``{index: state}`` for several)."""
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(parts) == 1:
+        return [(parts[0], state_dict)]
+    return list(zip(parts, (state for _, state in sorted(state_dict.items())), strict=True))
+
+
+def _drop_step_counts(adam: torch.optim.AdamW) -> None:
+    """Before the parameter state is copied in: ``DistributedOptimizer`` copies every key
+    of a parameter's optimizer state from the checkpoint, and its fully reshardable format
+    has no per-parameter step (Apex's and TE's Adam keep none); ``_restore_step_counts``
+    makes them again from the param groups."""
+    for state in adam.state.values():
+        state.pop("step", None)
 
 
 def _restore_step_counts(adam: torch.optim.AdamW) -> None:
