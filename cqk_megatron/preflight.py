@@ -7,7 +7,7 @@ before it starts training; each refusal is one ``PreflightError`` line (exit 2).
 2. the run folder: a live holder of its lease; its recorded ``config.yaml`` against this
    config (changes are listed; a shape change is refused unless the run starts over,
    ``--resume none``); its checkpoints (refused if some exist and none verifies; the
-   launcher verifies by sha256, as the job will, and names the one the run resumes from);
+   launcher verifies by hash, as the job will, and names the one the run resumes from);
 3. the disk: room for one checkpoint, estimated from the model's parameter count
    (``perf.memory.total_parameters``) and the precision.
 
@@ -109,7 +109,7 @@ def _check_checkpoints(checkpoints: Path, resume: str, hashes: bool) -> list[str
         raise PreflightError(str(error)) from error
     notes = [f"note: skipping checkpoint: {reason}" for reason in choice.refused]
     if choice.refused and choice.folder is not None:
-        checked = "verified by sha256" if hashes else "sizes checked"
+        checked = "verified by hash" if hashes else "sizes checked"
         notes.append(
             f"note: resuming from {choice.folder.name} (the newest that verifies, {checked}); "
             f"the job moves the newer one(s) to {checkpoints.parent / SUPERSEDED}/"
@@ -120,7 +120,7 @@ def _check_checkpoints(checkpoints: Path, resume: str, hashes: bool) -> list[str
 def preflight(config: RunConfig, resume: str = "auto", hash_checkpoints: bool = False) -> list[str]:
     """Refuse (``PreflightError``) a run that cannot start; else notes to print.
 
-    ``hash_checkpoints``: verify the checkpoint the run would resume from by its sha256s
+    ``hash_checkpoints``: verify the checkpoint the run would resume from by its hashes
     (``train.checkpoint_hashes``), as the job does, so that a damaged one is named here
     (the run resumes from the newest that verifies, or is refused when none does) rather
     than after the job waited in the queue. The launcher asks for it: it reads the

@@ -52,7 +52,7 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu", "PYTHONWA
 TIMEOUT_S = 420  # a shared 2-core machine; nothing here asserts on time
 RUN = "base"  # the prepared run's name
 # The prepared run: 8 steps asked, stopped after 4 (exit 75, as a requeue would), with
-# checkpoints at 2 and 4 verified by sha256. A case that runs it again with this config
+# checkpoints at 2 and 4 verified by hash. A case that runs it again with this config
 # resumes it (it is not finished) and changes no setting of it.
 SETTINGS = [
     "train.train_steps=8",
@@ -534,7 +534,7 @@ def _flip_every_optimizer(run_dir: Path) -> None:
         _flip_byte(folder, OPTIMIZER)
 
 
-# (damage, exit code, first line, also said): the launcher's pre-flight verifies by sha256
+# (damage, exit code, first line, also said): the launcher's pre-flight verifies by hash
 # as the job's resume does; a dry run says what the job would do and queues nothing.
 RESUME_CASES = {
     "flipped byte in the newest": (

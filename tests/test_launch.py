@@ -654,7 +654,8 @@ def test_the_same_job_through_the_local_executor(reference):
     assert f"finished   yes: {STEPS} steps" in report
 
 
-def test_requeues_are_bounded(tmp_path):
+def test_requeues_are_bounded(tmp_path, monkeypatch):
+    import launch.local_job
     from cqk_megatron.exit_codes import EXIT_REQUEUE
     from launch.job import TrainingJob
 
@@ -662,6 +663,10 @@ def test_requeues_are_bounded(tmp_path):
     outcome, code = job._requeue(SimpleNamespace(cluster="slurm"), attempt=3)
     assert outcome == "refused: requeued 2 times already (max_requeues)" and code == EXIT_REQUEUE
     local = SimpleNamespace(cluster="local", job_id="4321", paths=SimpleNamespace(folder=tmp_path))
+    # this test's process is not a local controller: the task would be an orphan
+    outcome, code = job._requeue(local, attempt=2)
+    assert outcome.startswith("not requeued: the job's controller (job 4321) is gone")
+    monkeypatch.setattr(launch.local_job, "is_controller", lambda pid: True)
     outcome, code = job._requeue(local, attempt=2)
     assert outcome == "requeued" and code == 144  # submitit's local controller restarts it
     (tmp_path / "4321.cancelled").touch()  # launch.local_job's controller was cancelled

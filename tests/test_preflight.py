@@ -192,7 +192,7 @@ def _flip_a_byte(checkpoint: Path) -> Path:
 def test_a_damaged_checkpoint_is_named_before_queueing_and_the_run_takes_one_that_verifies(
     tmp_path,
 ):
-    """The launcher's pre-flight verifies by sha256 as the job's resume does: with the
+    """The launcher's pre-flight verifies by hash as the job's resume does: with the
     newest checkpoint damaged it names the one the run resumes from (and the job does
     resume from it); with every checkpoint damaged it refuses before queueing (exit 2),
     where it used to queue a job that then refused (the launcher's exit 1)."""
@@ -208,11 +208,11 @@ def test_a_damaged_checkpoint_is_named_before_queueing_and_the_run_takes_one_tha
     assert out.returncode == 0, out.stdout + out.stderr
     assert (
         f"flipped: note: skipping checkpoint: {damaged}: contents do not match the "
-        "manifest's sha256" in out.stderr
+        "manifest's xxh3_128" in out.stderr
     ), out.stderr
     assert (
         "flipped: note: resuming from iter_0000010 (the newest that verifies, verified by "
-        f"sha256); the job moves the newer one(s) to {run_dir}/superseded/" in out.stderr
+        f"hash); the job moves the newer one(s) to {run_dir}/superseded/" in out.stderr
     ), out.stderr
     logs = "".join(p.read_text() for p in (run_dir / "submitit").glob("*_0_log.out"))
     assert f"resumed from {checkpoints}/iter_0000010 at step 10 (exactly)" in logs
