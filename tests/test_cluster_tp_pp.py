@@ -38,6 +38,9 @@ LAYOUTS = {
     "tp2sp": ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"],
     "pp2": ["parallel.pipeline_parallel=2"],
 }
+# the 1B run's DeepSpeed settings (configs/runs/1b_4x8.yaml): ZeRO-2, its gradient
+# reduce-scatter overlapped with the backward (overlap_comm), after the TP sums of the hooks
+ZERO2_OVERLAP = ["train.zero_stage=2", "train.overlap_grad_reduce=true"]
 CLIP = 0.3  # below every step's gradient norm here (checked): clipping binds throughout
 # Relative differences allowed between a layout and the one-rank run, and between the two
 # engines on one layout, over the whole curve: fp32, where the layouts only reorder sums
@@ -99,6 +102,9 @@ def runs(tmp_path_factory) -> Path:
         two_ranks.append(
             (f"{engine}-interleaved-fp32", [*four, *ENGINE_OVERRIDES[engine], *INTERLEAVED])
         )
+    for p in PRECISIONS:
+        zero2 = [*_common(r, p), *LAYOUTS["tp2sp"], *ZERO2_OVERLAP]
+        two_ranks.append((f"ds-tp2sp-zero2-{p}", zero2))
     run_ranks(train_and_dump, 2, r, [], two_ranks)
     return root
 
@@ -219,3 +225,10 @@ def test_the_cpu_bridge_takes_megatrons_cuda_copy_only_in_the_tied_setup():
     assert hasattr(LanguageModule.setup_embeddings_and_output_layer, "_cpu_bridge_original")
     with pytest.raises((RuntimeError, AssertionError), match="CUDA"):
         torch.zeros(1).cuda()
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_the_1b_runs_zero2_with_overlap_gives_the_one_rank_run(runs, precision):
+    """TP=2 + SP under ZeRO-2 with overlap_comm, as the 1B config trains: the same curve
+    as one rank (the replica check, on in every run here, keeps the biases equal)."""
+    _agree(runs, f"ds-tp2sp-zero2-{precision}", f"ref-ds-{precision}", precision)
