@@ -110,7 +110,7 @@ def _tensor_copy(tensor: torch.Tensor, memo: dict) -> torch.Tensor:
     key = ("storage", storage.data_ptr(), storage.device)
     if key not in memo:
         memo[key] = storage.cpu() if storage.device.type != "cpu" else storage.clone()
-    host = torch.empty(0, dtype=tensor.dtype)
+    host = torch.empty(0, dtype=tensor.dtype, device="cpu")  # the host copy, by design
     host.set_(memo[key], tensor.storage_offset(), tensor.size(), tensor.stride())
     if isinstance(tensor, torch.nn.Parameter):
         host = torch.nn.Parameter(host, requires_grad=tensor.requires_grad)
