@@ -235,7 +235,7 @@ class TrainConfig:
     eval_iters: int = 4  # global batches of the validation split per evaluation
     save_interval: int = 100
     keep_last: int = 3
-    checkpoint_hashes: bool = True  # sha256 of every file in the manifest (else sizes only)
+    checkpoint_hashes: bool = True  # each file's xxh3-128 in the manifest (else sizes only)
     # a save stages the state in host memory and training goes on while a background
     # thread writes it; committed (manifest, rename, latest) only once every rank's write
     # has finished (docs/checkpoints.md). null (the default): on on GPU, off on CPU

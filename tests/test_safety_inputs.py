@@ -225,16 +225,19 @@ def test_a_layout_refusal_comes_before_megatron_is_imported(tmp_path):
 QUIET = ["train.eval_interval=100", "train.checkpoint_hashes=true"]
 
 
+DIVERGING = 2  # the attempts of train_then_diverge whose weights turn NaN
+
+
 def train_then_diverge(rank, world_size, port, root, runs) -> None:
-    """``train_attempts``, the last attempt with every optimizer step followed by a NaN in
-    one weight: a stand-in for an update that overflows. (A config cannot do it here any
+    """``train_attempts``, the last ``DIVERGING`` attempts with every optimizer step followed
+    by a NaN in one weight: a stand-in for an update that overflows. (A config cannot do it here any
     more: lr=.inf is refused now, at lr=1e30 fp32 AdamW leaves the weights finite near
     1e30 and only the gradients overflow, and torch refuses an lr beyond fp32's range.)"""
     import torch
 
     from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine
 
-    train_attempts(rank, world_size, port, root, runs[:-1])
+    train_attempts(rank, world_size, port, root, runs[:-DIVERGING])
     original = DeepSpeedEngine.train_step
 
     def diverging_step(self, micro_batches):
@@ -244,7 +247,7 @@ def train_then_diverge(rank, world_size, port, root, runs) -> None:
         return result
 
     DeepSpeedEngine.train_step = diverging_step
-    train_attempts(rank, world_size, port, root, runs[-1:])
+    train_attempts(rank, world_size, port, root, runs[-DIVERGING:])
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +259,11 @@ def trained(tmp_path_factory) -> Path:
     runs = [
         ("export", [*QUIET, "train.train_steps=4", "train.save_interval=2"]),
         ("diverged", [*every_step, "train.train_steps=2"]),
+        # the asynchronous save starts the same way: no staged copy of NaN weights either
+        ("diverged-async", [*every_step, "train.train_steps=2", "train.async_save=true"]),
+        # the last DIVERGING attempts diverge
         ("diverged", [*every_step, "train.train_steps=6"]),
+        ("diverged-async", [*every_step, "train.train_steps=6", "train.async_save=true"]),
     ]
     run_ranks(train_then_diverge, 1, str(root), runs)
     return root
@@ -278,14 +285,15 @@ def _convert(argv: list[str], capsys) -> tuple[int, str]:
     return code, out + err
 
 
-def test_a_run_that_diverges_saves_no_checkpoint_of_non_finite_weights(trained):
-    good, diverged = attempts(trained, "diverged")
+@pytest.mark.parametrize("name", ["diverged", "diverged-async"])
+def test_a_run_that_diverges_saves_no_checkpoint_of_non_finite_weights(trained, name):
+    good, diverged = attempts(trained, name)
     assert good["exit"] == 0, good
     assert diverged.get("error") == "CheckpointSaveError", diverged
     message = diverged["message"]
     assert message.startswith("not saving iter_0000003: the weights at step 3 are not finite")
     assert "the previous checkpoint iter_0000002 stays latest" in message
-    checkpoints = trained / "diverged" / "checkpoints"
+    checkpoints = trained / name / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == [
         "iter_0000001",
         "iter_0000002",

@@ -33,14 +33,13 @@ import queue
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from cqk_megatron import file_hash
 from cqk_megatron.config import RunConfig
 from cqk_megatron.device import device
 from cqk_megatron.training import checkpoint, collectives, watchdog
@@ -194,11 +193,7 @@ class Writer(threading.Thread):
                 log.paths.append(path)
             self.staged.files.clear()  # the host copies are no longer needed
             if self.with_hashes:
-                names = checkpoint._own_files(self.staging, log, dist.get_rank())
-                algorithm = file_hash.CHECKPOINT_HASH
-                self.digests = {
-                    n: file_hash.file_digest(self.staging / n, algorithm) for n in names
-                }
+                self.digests = checkpoint.own_digests(self.staging, log)
         except FAILURES as caught:
             self.error = caught
 
@@ -292,14 +287,12 @@ def stage(
 ) -> PendingSave:
     """Collective: stage a save of ``state`` (see the module's docstring) and start this
     rank's background write. Any failure while staging raises on every rank."""
-    final = checkpoint.iteration_dir(checkpoints, state.step)
-    staging = final.with_name(final.name + ".tmp")
+    final, staging = checkpoint.open_staging(checkpoints, engine, model, state.step)
     what = checkpoint.save_description(final)
-    checkpoint._agree(checkpoint._make_staging(staging, "model", "trainer"), staging, what)
     staged = Staged()
-    trainer = {"state": asdict(state), "rng": checkpoint._rng_state()}
+    trainer = host_copy(checkpoint.trainer_record(state))
     trainer_file = staging / "trainer" / f"rank{dist.get_rank()}.pt"
-    staged.files.append((trainer_file, host_copy(trainer), {"args": (), "kwargs": {}}))
+    staged.files.append((trainer_file, trainer, {"args": (), "kwargs": {}}))
     parts: list[Callable[[], object]] = [
         lambda: checkpoint._save_weights(engine, model, staging / "model"),
         lambda: engine.save_state(staging / "engine"),

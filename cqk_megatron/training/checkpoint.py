@@ -300,6 +300,13 @@ def _own_files(staging: Path, log: WriteLog, rank: int) -> list[str]:
     return sorted(n for n in names if (staging / n).is_file())
 
 
+def own_digests(staging: Path, log: WriteLog) -> dict[str, str]:
+    """This rank's digests of the files it wrote, by name within ``staging``."""
+    names = _own_files(staging, log, dist.get_rank())
+    algorithm = file_hash.CHECKPOINT_HASH
+    return {n: file_hash.file_digest(staging / n, algorithm) for n in names}
+
+
 def _hash_own_files(
     staging: Path, log: WriteLog, with_hashes: bool
 ) -> tuple[dict[str, str], BaseException | None]:
@@ -307,9 +314,7 @@ def _hash_own_files(
     if not with_hashes:
         return {}, None
     try:
-        names = _own_files(staging, log, dist.get_rank())
-        algorithm = file_hash.CHECKPOINT_HASH
-        return {n: file_hash.file_digest(staging / n, algorithm) for n in names}, None
+        return own_digests(staging, log), None
     except FAILURES as caught:
         return {}, caught
 
@@ -500,20 +505,31 @@ def save(
 ) -> Path:
     """Collective: every rank calls it. Returns the completed folder. ``lease`` (rank 0's
     ``run_lease.Lease``) is checked before the folder is committed."""
-    with engine.whole_weights():  # ZeRO-3: each rank's partition alone would be empty
-        refuse_non_finite_weights(checkpoints, model, state.step)
-    rank = dist.get_rank()
-    final = iteration_dir(checkpoints, state.step)
-    staging = final.with_name(final.name + ".tmp")
-    _agree(_make_staging(staging, "model", "trainer"), staging, f"checkpoint {final}")
-    trainer_file = staging / "trainer" / f"rank{rank}.pt"
+    final, staging = open_staging(checkpoints, engine, model, state.step)
+    trainer_file = staging / "trainer" / f"rank{dist.get_rank()}.pt"
     writes = [
         lambda: _save_weights(engine, model, staging / "model"),
         lambda: engine.save_state(staging / "engine"),
-        lambda: torch.save({"state": asdict(state), "rng": _rng_state()}, trainer_file),
+        lambda: torch.save(trainer_record(state), trainer_file),
     ]
     _write_and_commit(staging, final, config, state.step, writes, lease)
     return final
+
+
+def open_staging(checkpoints: Path, engine: Engine, model, step: int) -> tuple[Path, Path]:
+    """Collective, the start of every save, synchronous or not: refuse weights that are not
+    finite, then an empty staging folder. Returns (the final folder, its staging folder)."""
+    with engine.whole_weights():  # ZeRO-3: each rank's partition alone would be empty
+        refuse_non_finite_weights(checkpoints, model, step)
+    final = iteration_dir(checkpoints, step)
+    staging = final.with_name(final.name + ".tmp")
+    _agree(_make_staging(staging, "model", "trainer"), staging, save_description(final))
+    return final, staging
+
+
+def trainer_record(state: TrainerState) -> dict:
+    """What ``trainer/rank<r>.pt`` holds: the trainer state and this rank's RNG states."""
+    return {"state": asdict(state), "rng": _rng_state()}
 
 
 # -- load ------------------------------------------------------------------------------
