@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from cqk_megatron.device import device
+from cqk_megatron.parallel.device import device
 
 # DeepSpeed picks its accelerator when it is first imported: the one of this process's
 # device, as training does (deepspeed_engine), unless the caller names one (.ci/run: cpu).

@@ -44,9 +44,9 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "cqk-params=cqk_megatron.params:main",
+            "cqk-params=cqk_megatron.model.params:main",
             "cqk-train=cqk_megatron.train:main",
-            "cqk-torchrun=cqk_megatron.torchrun:main",
+            "cqk-torchrun=cqk_megatron.parallel.torchrun:main",
             "cqk-plan=cqk_megatron.perf.plan:main",
             "cqk-bench=cqk_megatron.perf.bench:main",
             "cqk-convert=cqk_megatron.convert.cli:main",

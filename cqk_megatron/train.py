@@ -1,9 +1,9 @@
 """The main job: ``python -m cqk_megatron.train --config RUN.yaml [section.key=value ...]``.
 
-Runs under torchrun, ``srun`` or submitit (see ``cqk_megatron.distributed``), on CPU
+Runs under torchrun, ``srun`` or submitit (see ``cqk_megatron.parallel.process_groups``), on CPU
 (gloo, fp32) or GPU (NCCL, bf16). Before a process group is built it runs the pre-flight
-checks (``cqk_megatron.preflight``: data, tokenizer, run folder and its lease, checkpoints,
-disk). Exit codes (``cqk_megatron/exit_codes.py``): 0 finished, 75 stopped by a signal or
+checks (``cqk_megatron.run.preflight``: data, tokenizer, run folder and its lease, checkpoints,
+disk). Exit codes (``cqk_megatron/errors.py``): 0 finished, 75 stopped by a signal or
 the wall-clock budget after saving a checkpoint (requeue and run again with ``--resume
 auto``), 76 the watchdog ended it (a rank was lost: relaunch), 2 refused before training (a
 bad config, data, run folder or checkpoints; one line says why) or at a save onto a full
@@ -17,13 +17,12 @@ import argparse
 import os
 import sys
 
-from cqk_megatron.checkpoint_files import RESUME_HELP, CheckpointSaveError
 from cqk_megatron.config import ConfigError, load_config, validate
 from cqk_megatron.data.errors import DataError
-from cqk_megatron.exit_codes import EXIT_REFUSED
-from cqk_megatron.refusals import is_refusal
-from cqk_megatron.run_folder import NoSpaceError
-from cqk_megatron.run_lease import LeaseLost
+from cqk_megatron.errors import EXIT_REFUSED, is_refusal
+from cqk_megatron.run.checkpoint_files import RESUME_HELP, CheckpointSaveError
+from cqk_megatron.run.folder import NoSpaceError
+from cqk_megatron.run.lease import LeaseLost
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = validate(load_config(args.config, args.overrides), _launch_world_size())
         if not args.skip_preflight:
-            from cqk_megatron.preflight import preflight
+            from cqk_megatron.run.preflight import preflight
 
             for note in preflight(config, args.resume):
                 if _rank0():
@@ -80,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as error:
         _say(str(error))
         return EXIT_REFUSED
-    from cqk_megatron.torchrun import record_exit
+    from cqk_megatron.parallel.torchrun import record_exit
 
     try:
         code = _train(config, args.resume)

@@ -33,7 +33,7 @@ from typing import Any
 
 from cqk_megatron.data.errors import DataError
 from cqk_megatron.data.metadata import write_json
-from cqk_megatron.file_hash import file_sha256
+from cqk_megatron.run.file_hash import file_sha256
 from data_tools.cli import friendly_errors
 from data_tools.outputs import commit_file, partial_paths
 from data_tools.preprocess import preprocess

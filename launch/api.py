@@ -29,7 +29,7 @@ from pathlib import Path
 from submitit.core.utils import JobPaths
 
 from cqk_megatron.config import ConfigError, RunConfig
-from cqk_megatron.exit_codes import EXIT_REQUEUE
+from cqk_megatron.errors import EXIT_REQUEUE
 from launch import run_dir as runs
 from launch.local_job import CANCEL_GRACE_S
 from launch.plan import RunPlan, resolve

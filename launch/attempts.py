@@ -38,8 +38,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cqk_megatron.exit_codes import EXIT_REFUSED, EXIT_REQUEUE, EXIT_WATCHDOG
-from cqk_megatron.run_folder import FAULTS, METRICS, TRAIN, append_event, events, read_jsonl
+from cqk_megatron.errors import EXIT_REFUSED, EXIT_REQUEUE, EXIT_WATCHDOG
+from cqk_megatron.run.folder import FAULTS, METRICS, TRAIN, append_event, events, read_jsonl
 from launch import run_dir as runs
 
 LOCAL_REQUEUE = 144  # submitit's local requeue code (rank 0 asks for a restart)

@@ -24,8 +24,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from cqk_megatron import run_lease
-from cqk_megatron.run_folder import LEASE
+from cqk_megatron.run import lease as run_lease
+from cqk_megatron.run.folder import LEASE
 from launch import run_dir as runs
 from launch import slurm_state
 

@@ -3,7 +3,7 @@
 Every task of a job runs ``TrainingJob()`` (submitit unpickles it from the job folder).
 It reads its rank from ``submitit.JobEnvironment`` and exports the torchrun variables
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` = the first node, ``MASTER_PORT``
-= 20000 + job id mod 12000, as ``cqk_megatron.distributed`` derives it under plain
+= 20000 + job id mod 12000, as ``cqk_megatron.parallel.process_groups`` derives it under plain
 ``srun``; a local job's port is chosen free by the launcher), then calls the training
 loop in-process.
 
@@ -42,8 +42,8 @@ import submitit
 from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE
 
 from cqk_megatron.config import RunConfig, from_dict
-from cqk_megatron.exit_codes import EXIT_REFUSED, EXIT_REQUEUE
-from cqk_megatron.ports import PORT_BASE, PORT_SPAN, port_is_free, rendezvous_port
+from cqk_megatron.errors import EXIT_REFUSED, EXIT_REQUEUE
+from cqk_megatron.parallel.ports import PORT_BASE, PORT_SPAN, port_is_free, rendezvous_port
 from launch import run_dir as runs
 from launch import slurm_state
 
@@ -177,8 +177,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
         """The training loop's exit code; a run it refuses to start (its folder held by
         another job, checkpoints that do not verify, bad data), or a save refused for a
         full disk, ends this job with exit 2 and a ``refused`` record, without a requeue."""
-        from cqk_megatron.checkpoint_files import CheckpointSaveError
-        from cqk_megatron.refusals import is_refusal
+        from cqk_megatron.errors import is_refusal
+        from cqk_megatron.run.checkpoint_files import CheckpointSaveError
         from cqk_megatron.training.loop import train  # heavy: Megatron, DeepSpeed
 
         resume = self._resume_now(env, run_dir)

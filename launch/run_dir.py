@@ -1,5 +1,5 @@
 """A run folder as the launcher sees it: the run contract's files
-(``cqk_megatron.run_folder``: ``config.yaml``, ``jobs.jsonl``, ``lease.json``,
+(``cqk_megatron.run.folder``: ``config.yaml``, ``jobs.jsonl``, ``lease.json``,
 ``metrics.jsonl``, ``checkpoints/``, ``submitit/``) read for the launcher and
 ``submit.py status``.
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cqk_megatron import checkpoint_files
-from cqk_megatron.run_folder import (
+from cqk_megatron.run import checkpoint_files
+from cqk_megatron.run.folder import (
     CHECKPOINTS,
     METRICS,
     SUMMARY,

@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cqk_megatron import run_lease
-from cqk_megatron.run_folder import free_bytes, human_bytes, run_status
+from cqk_megatron.run import lease as run_lease
+from cqk_megatron.run.folder import free_bytes, human_bytes, run_status
 from launch import attempts, slurm_state
 from launch import run_dir as runs
 

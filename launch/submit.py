@@ -11,7 +11,7 @@ Trailing ``section.key=value`` arguments override the run config (every run of a
 ``--dry-run`` prints the resolved config, the parallel layout and the sbatch script, and
 submits nothing. Runs that finished are skipped; runs with a job still queued or running,
 or whose folder another live process holds (``lease.json``), are skipped; the others are
-checked before anything is written or queued (``cqk_megatron.preflight``: data, tokenizer,
+checked before anything is written or queued (``cqk_megatron.run.preflight``: data, tokenizer,
 sequence length, the run folder's recorded config and checkpoints, free disk; a refusal
 is one line and exit 2), then submitted, and resume from their newest complete checkpoint
 (``--resume`` says otherwise, for the first attempt only). Waiting on its jobs, the launcher
@@ -38,10 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import yaml  # noqa: E402
 
-from cqk_megatron.checkpoint_files import RESUME_HELP  # noqa: E402
 from cqk_megatron.config import ConfigError, to_dict  # noqa: E402
-from cqk_megatron.exit_codes import EXIT_REFUSED  # noqa: E402
-from cqk_megatron.run_folder import CONFIG, SUBMITIT, write_config  # noqa: E402
+from cqk_megatron.errors import EXIT_REFUSED  # noqa: E402
+from cqk_megatron.run.checkpoint_files import RESUME_HELP  # noqa: E402
+from cqk_megatron.run.folder import CONFIG, SUBMITIT, write_config  # noqa: E402
 from launch import run_dir as runs  # noqa: E402
 from launch import slurm_state  # noqa: E402
 from launch.plan import RunPlan, plan_run, plan_sweep  # noqa: E402
@@ -225,7 +225,7 @@ def triage(plan: RunPlan) -> str | None:
 def held_by(plan: RunPlan) -> str | None:
     """Why not now, if a live process holds the run's lease (a job the launcher does not
     know of, a plain cqk-train, or a cancelled job's ranks still saving)."""
-    from cqk_megatron import run_lease
+    from cqk_megatron.run import lease as run_lease
 
     holder = run_lease.live_holder(plan.run_dir)
     return None if holder is None else f"in use by {holder.describe()}"
@@ -234,7 +234,7 @@ def held_by(plan: RunPlan) -> str | None:
 def preflight_refusal(plans: list[RunPlan], resume: str, dry_run: bool = False) -> str | None:
     """The first run that would fail, as one line (``None``: all can start); notes are
     printed. Reads only: nothing is written or queued before this passes."""
-    from cqk_megatron.preflight import PreflightError, preflight
+    from cqk_megatron.run.preflight import PreflightError, preflight
 
     for plan in plans:
         try:

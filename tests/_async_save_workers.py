@@ -12,7 +12,7 @@ from pathlib import Path
 
 from _training import config_for, set_rank_env, synthetic_datasets
 
-from cqk_megatron.checkpoint_files import LATEST
+from cqk_megatron.run.checkpoint_files import LATEST
 
 
 class Observed:

@@ -10,7 +10,7 @@ loop, engines, preemption, checkpoint, sampler, collectives) and evaluation
    device (``device=device()``, or ``device="cpu"`` where a host tensor is meant).
 2. ``collective``: no ``torch.distributed`` function that communicates is called outside
    ``training/collectives.py``, whichever way ``torch.distributed`` was imported.
-3. ``placement``: tensors move only through ``cqk_megatron.device.to_device``: no
+3. ``placement``: tensors move only through ``cqk_megatron.parallel.device.to_device``: no
    ``.cuda()``, no ``.to(<device>)`` other than ``.to("cpu")``; batches are collated only in
    ``training/sampler.py``, whose ``fetch`` returns ``to_device(...)``.
 """

@@ -17,9 +17,9 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from cqk_megatron.config import RunConfig, load_config
-from cqk_megatron.distributed import DistEnv, init_model_parallel, init_process_group
-from cqk_megatron.model import build_model
-from cqk_megatron.parallel_layout import global_name, load_full_state, local_shard
+from cqk_megatron.model.gpt import build_model
+from cqk_megatron.parallel.process_groups import DistEnv, init_model_parallel, init_process_group
+from cqk_megatron.parallel.sharding import global_name, load_full_state, local_shard
 
 SEED = 1234
 STEPS = 3
@@ -171,7 +171,7 @@ def worker(
                 variant, tp, pp, overrides, reference, SEQUENCE_PARALLEL
             )
     if control is not None:
-        from cqk_megatron.attention import coupled, differential
+        from cqk_megatron.model.attention import coupled, differential
 
         coupled.sum_partial_grads_across_tp = differential.sum_partial_grads_across_tp = (
             lambda module, group: None

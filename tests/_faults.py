@@ -18,7 +18,7 @@ from pathlib import Path
 
 from _multiproc import free_port
 
-from cqk_megatron.exit_codes import EXIT_WATCHDOG
+from cqk_megatron.errors import EXIT_WATCHDOG
 
 REPO = Path(__file__).resolve().parent.parent
 # Watchdog bounds for tests: seconds, not the defaults' minutes. Start-up stays generous

@@ -17,7 +17,7 @@ def _fault(name: str):
     """``unsummed``: the norms' partial gradients are not summed across TP ranks (the bug
     the hook fixes). ``marked``: the norms' parameters are also marked ``sequence_parallel``,
     as Megatron's own norms are, so that ``finalize_model_grads`` adds the sums again."""
-    import cqk_megatron.norm as norm
+    import cqk_megatron.model.norm as norm
 
     original = norm.sum_partial_grads_across_tp
 
@@ -39,7 +39,7 @@ def audited_train_runs(rank, world_size, port, root, inits, runs) -> None:
     ``(name, overrides, fault[, resume])``; rank ``r`` writes the collectives it saw to
     ``root/audit-<world>-rank<r>.json`` and the exit codes to ``root/name.exit``."""
     set_rank_env(rank, world_size, port)
-    from cqk_megatron.device import device
+    from cqk_megatron.parallel.device import device
     from cqk_megatron.training.loop import train
 
     counts: Counter = Counter()
@@ -67,8 +67,8 @@ def _save_initial_weights(root, name, overrides) -> None:
     """The TP=1 model from the seed as a weights-only checkpoint (every layout's start)."""
     import torch
 
-    from cqk_megatron.distributed import init_model_parallel, init_process_group
-    from cqk_megatron.model import build_model
+    from cqk_megatron.model.gpt import build_model
+    from cqk_megatron.parallel.process_groups import init_model_parallel, init_process_group
     from cqk_megatron.training import checkpoint
 
     init_process_group()

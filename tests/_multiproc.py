@@ -34,7 +34,7 @@ def free_port() -> int:
 # Ranks fork from one server process that has imported torch, Megatron and the training
 # loop once (importing them costs each spawned rank about 6 CPU-s here). The server only
 # imports: no torch op has run in it, so no thread pool is forked half-initialised.
-PRELOAD = ["torch", "megatron.core", "cqk_megatron.model", "cqk_megatron.training.loop"]
+PRELOAD = ["torch", "megatron.core", "cqk_megatron.model.gpt", "cqk_megatron.training.loop"]
 mp.set_forkserver_preload(PRELOAD)
 
 

@@ -86,8 +86,8 @@ def save_initial_weights(rank, world_size, port, root, inits) -> None:
     set_rank_env(rank, world_size, port)
     import torch
 
-    from cqk_megatron.distributed import init_model_parallel, init_process_group
-    from cqk_megatron.model import build_model
+    from cqk_megatron.model.gpt import build_model
+    from cqk_megatron.parallel.process_groups import init_model_parallel, init_process_group
     from cqk_megatron.training import checkpoint
 
     init_process_group()

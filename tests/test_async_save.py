@@ -29,8 +29,8 @@ from _async_save_workers import observed_run
 from _multiproc import run_ranks
 from _training import records
 
-from cqk_megatron.checkpoint_files import verify
-from cqk_megatron.exit_codes import EXIT_REQUEUE
+from cqk_megatron.errors import EXIT_REQUEUE
+from cqk_megatron.run.checkpoint_files import verify
 from cqk_megatron.training.async_save import host_copy
 
 BASE = [

@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
 from cqk_megatron.analysis.plots import save  # noqa: E402
-from cqk_megatron.atomic import atomic_path, write_text_atomically  # noqa: E402
+from cqk_megatron.run.atomic import atomic_path, write_text_atomically  # noqa: E402
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ splits the files across the ranks; a flipped byte in any rank's file is refused,
 retention never counts a folder whose bytes do not match its manifest.
 
 Which rank hashed which file is observed, not inferred: each rank's
-``cqk_megatron.file_hash.file_digest`` is wrapped to log every path it hashes.
+``cqk_megatron.run.file_hash.file_digest`` is wrapped to log every path it hashes.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 from _multiproc import run_ranks
 from _training import attempts, train_attempts
 
-from cqk_megatron import checkpoint_files
-from cqk_megatron.checkpoint_files import CheckpointError, retire, verify, write_manifest
+from cqk_megatron.run import checkpoint_files
+from cqk_megatron.run.checkpoint_files import CheckpointError, retire, verify, write_manifest
 
 RUN = "h"
 COMMON = [
@@ -46,7 +46,7 @@ def hashing_attempts(rank, world_size, port, root, plan) -> None:
     each entry)."""
     import torch.distributed as dist
 
-    from cqk_megatron import file_hash
+    from cqk_megatron.run import file_hash
 
     log = Path(root, f"hashed.rank{rank}.txt")
     original = file_hash.file_digest

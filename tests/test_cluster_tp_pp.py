@@ -26,8 +26,8 @@ from _cluster_tp_pp_workers import dump_path, train_and_dump
 from _multiproc import run_ranks
 from _training import exits, records
 
-from cqk_megatron import cpu_bridge
 from cqk_megatron.config import family_overrides
+from cqk_megatron.parallel import cpu_bridge
 
 STEPS = 10
 PRECISIONS = ("fp32", "bf16")

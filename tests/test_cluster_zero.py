@@ -36,7 +36,7 @@ from _multiproc import run_ranks
 from _training import TINY, exits, records, train_runs
 
 from cqk_megatron.config import load_config
-from cqk_megatron.exit_codes import EXIT_REQUEUE
+from cqk_megatron.errors import EXIT_REQUEUE
 
 STEPS = 10
 # 16 sequences a step, one a micro-batch: 8 micro-batches on each of 2 data-parallel ranks
@@ -218,8 +218,8 @@ def test_bf16_deepspeed_accumulates_and_reduces_in_fp32(stage, optimizer, monkey
     # In this process (a world of one), the real engine: which optimizer DeepSpeed chose.
     # Before: DeepSpeedZeroOptimizer at stage 1 too, accumulating and reducing in bf16.
     monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed requires it (torchrun, srun set it)
-    from cqk_megatron.distributed import init_single_process
-    from cqk_megatron.model import build_model
+    from cqk_megatron.model.gpt import build_model
+    from cqk_megatron.parallel.process_groups import init_single_process
     from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine
 
     init_single_process()

@@ -760,7 +760,7 @@ def test_hardware_checks_take_the_machine_as_stated_facts():
 
 
 def test_validate_reads_the_machine_only_where_a_check_needs_it(monkeypatch):
-    import cqk_megatron.config as config_module
+    import cqk_megatron.config.checks as config_module
 
     def unread():
         raise AssertionError("the machine was read for a config that does not depend on it")

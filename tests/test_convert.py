@@ -39,9 +39,9 @@ from cqk_megatron.convert.layout import (
     megatron_param_shapes,
     split_qkv,
 )
-from cqk_megatron.distributed import init_single_process
-from cqk_megatron.model import build_model
-from cqk_megatron.parallel_layout import load_full_state
+from cqk_megatron.model.gpt import build_model
+from cqk_megatron.parallel.process_groups import init_single_process
+from cqk_megatron.parallel.sharding import load_full_state
 
 transformers = pytest.importorskip("transformers")
 sentencepiece = pytest.importorskip("sentencepiece")
@@ -721,7 +721,11 @@ def _save_under_tp2_and_pp2(rank: int, world_size: int, port: int, root: str) ->
     """Worker: the same full weights saved by the engine under TP=2 and under PP=2."""
     from megatron.core import parallel_state
 
-    from cqk_megatron.distributed import DistEnv, init_model_parallel, init_process_group
+    from cqk_megatron.parallel.process_groups import (
+        DistEnv,
+        init_model_parallel,
+        init_process_group,
+    )
     from cqk_megatron.training.checkpoint import save_weights
 
     init_process_group(DistEnv(rank, rank, world_size, "127.0.0.1", port))

@@ -1,4 +1,4 @@
-"""Independent tests of ``cqk_megatron.coupling`` against the design-doc specification.
+"""Independent tests of ``cqk_megatron.variants.plain_math`` against the design-doc specification.
 
 Every reference in this file is written from the specification, not from the module:
 grouped-query bookkeeping is done with explicit per-head loops (query head ``h`` reads key
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cqk_megatron import coupling as C
 from cqk_megatron import variants as V
+from cqk_megatron.variants import plain_math as C
 
 # ---------------------------------------------------------------------------------------
 # helpers (independent of the module under test)

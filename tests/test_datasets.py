@@ -19,7 +19,7 @@ from cqk_megatron.config import ConfigError, load_config
 from cqk_megatron.data import DataError, build_datasets, load_tokenizer
 from cqk_megatron.data.builder import blend_counts, resolve_tokenizer
 from cqk_megatron.data.tokenizer import IdsOnlyTokenizer
-from cqk_megatron.distributed import init_single_process
+from cqk_megatron.parallel.process_groups import init_single_process
 from data_tools.preprocess import preprocess
 from data_tools.tokenizer import TokenizerRecipe, train_tokenizer
 

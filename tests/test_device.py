@@ -5,7 +5,7 @@ static check of the training and evaluation modules for the bug class that refus
 A CPU has one device, so a batch never moved or a flag made without ``device=`` runs here
 and fails on the first GPU node. Three things stand in for the GPU: the ``meta`` device as
 ``device()`` (it is neither the host nor a GPU: whatever is not placed through
-``cqk_megatron.device`` stays behind on the host and is caught), the ``cuda:gloo`` group,
+``cqk_megatron.parallel.device`` stays behind on the host and is caught), the ``cuda:gloo`` group,
 and the source check (``tests/_device_rules.py``). The two-rank audit of a real run is in
 ``tests/test_gpu_path.py``.
 """
@@ -22,7 +22,7 @@ import pytest
 import torch
 from _device_rules import OWNER, SAMPLER, scan, scan_source
 
-import cqk_megatron.device as placement
+import cqk_megatron.parallel.device as placement
 from cqk_megatron.training import collectives
 from cqk_megatron.training.sampler import collate, fetch
 from cqk_megatron.training.step_loss import global_mean_loss
@@ -122,7 +122,9 @@ def test_fetch_puts_the_batch_on_the_device(monkeypatch):
 
 def test_collectives_refuse_a_tensor_off_the_device_and_name_the_fix(monkeypatch):
     monkeypatch.setattr(collectives, "device", lambda: META)
-    with pytest.raises(collectives.CollectiveDeviceError, match="device=cqk_megatron.device"):
+    with pytest.raises(
+        collectives.CollectiveDeviceError, match="device=cqk_megatron.parallel.device"
+    ):
         collectives.all_reduce(torch.zeros(1))
     with pytest.raises(collectives.CollectiveDeviceError, match="on cpu"):
         global_mean_loss(torch.zeros(()), 1)  # the loss sum a CPU-only engine would hand in
@@ -184,7 +186,7 @@ def test_a_factory_without_a_device_is_caught(source):
 def test_factories_that_name_a_device_pass():
     source = """
     import torch
-    from cqk_megatron.device import device
+    from cqk_megatron.parallel.device import device
     a = torch.zeros(2, device=device())
     b = torch.tensor(0.0, device="cpu")
     c = torch.zeros_like(a)
@@ -244,7 +246,7 @@ def test_a_sampler_whose_fetch_does_not_place_its_batch_is_caught():
     """
     new = """
     from torch.utils.data import default_collate
-    from cqk_megatron.device import to_device
+    from cqk_megatron.parallel.device import to_device
     def collate(dataset, indices):
         return default_collate([dataset[i] for i in indices])
     def fetch(dataset, indices):

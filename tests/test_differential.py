@@ -19,19 +19,19 @@ import torch.nn.functional as F
 from _tiny import tiny_config
 from megatron.core.transformer.enums import AttnMaskType
 
-from cqk_megatron.attention import differential
-from cqk_megatron.attention.differential import (
+from cqk_megatron.config import COUPLINGS, ConfigError, validate
+from cqk_megatron.model.attention import differential
+from cqk_megatron.model.attention.differential import (
     DifferentialCoreAttention,
     choose_kernel,
     fused_normalize,
     paired_maps,
 )
-from cqk_megatron.attention.sdpa import sdpa_backend
-from cqk_megatron.config import COUPLINGS, ConfigError, validate
-from cqk_megatron.coupling import DifferentialScoring
-from cqk_megatron.distributed import init_single_process
-from cqk_megatron.model import build_model
+from cqk_megatron.model.attention.sdpa import sdpa_backend
+from cqk_megatron.model.gpt import build_model
+from cqk_megatron.parallel.process_groups import init_single_process
 from cqk_megatron.perf import bench
+from cqk_megatron.variants.plain_math import DifferentialScoring
 
 SEQ, BATCH, HIDDEN, HEADS = 12, 2, 64, 8
 KV_LAYOUTS = {"mha": 8, "gqa": 4, "gqa4": 2}

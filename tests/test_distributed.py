@@ -16,7 +16,7 @@ SCRIPT = textwrap.dedent(
     """
     import os
     from cqk_megatron.config import RunConfig
-    from cqk_megatron.distributed import init_single_process
+    from cqk_megatron.parallel.process_groups import init_single_process
 
     def threads():
         return len(os.listdir("/proc/self/task"))

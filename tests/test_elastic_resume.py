@@ -28,7 +28,7 @@ from _multiproc import run_ranks
 from _training import attempts, records, train_attempts
 
 from cqk_megatron.config import ConfigError, load_config, validate
-from cqk_megatron.exit_codes import EXIT_REQUEUE
+from cqk_megatron.errors import EXIT_REQUEUE
 
 STEPS = 6
 STOP = 3

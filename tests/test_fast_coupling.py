@@ -1,6 +1,6 @@
 """The fused, compiled and recomputed couplings against the reference of ``coupling.py``.
 
-``cqk_megatron.attention.fast_coupling`` rearranges the math (group means before the
+``cqk_megatron.model.attention.fast_coupling`` rearranges the math (group means before the
 output layer, shared leapfrog kicks, broadcasts instead of copies); every path must give
 the reference modules' outputs and gradients (fp32, 1e-5). ``torch.compile`` is slow
 on a small CPU, so the compiled path is checked on two integrators and one model; the
@@ -13,10 +13,10 @@ import pytest
 import torch
 from _tiny import tiny_config
 
-from cqk_megatron.attention import fast_coupling
-from cqk_megatron.attention.fast_coupling import fused_coupling, run_coupling
-from cqk_megatron.distributed import init_single_process
-from cqk_megatron.model import build_model
+from cqk_megatron.model.attention import fast_coupling
+from cqk_megatron.model.attention.fast_coupling import fused_coupling, run_coupling
+from cqk_megatron.model.gpt import build_model
+from cqk_megatron.parallel.process_groups import init_single_process
 from cqk_megatron.perf import bench
 from cqk_megatron.perf.measure import saved_activation_bytes
 from cqk_megatron.variants import build_coupling

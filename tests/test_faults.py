@@ -53,7 +53,7 @@ from _faults import (
     watchdog_lines,
 )
 
-from cqk_megatron.exit_codes import EXIT_REQUEUE, EXIT_WATCHDOG
+from cqk_megatron.errors import EXIT_REQUEUE, EXIT_WATCHDOG
 
 HOST = socket.gethostname()
 HEARTBEAT_TIMEOUT_S, STEP_TIMEOUT_S, RENDEZVOUS_S = 5.0, 15.0, 10.0
@@ -355,7 +355,7 @@ def test_the_same_crash_every_attempt_stops_early_naming_the_step(launched):
     assert "the last 2 attempts failed the same way" in failed[-1]["why"]
     assert "in phase step of step 15" in out.stderr  # the summary names the step
     # the run contract calls it failed, in the launcher's words (launch status says it)
-    from cqk_megatron.run_folder import run_status
+    from cqk_megatron.run.folder import run_status
 
     status = run_status(run)
     assert (status.state, status.why) == ("failed", failed[-1]["why"])
@@ -377,7 +377,7 @@ def test_a_preempted_torchrun_job_exits_75(tmp_path):
     command = [
         sys.executable,
         "-m",
-        "cqk_megatron.torchrun",
+        "cqk_megatron.parallel.torchrun",
         "--nproc-per-node",
         "1",
         "--master-port",
@@ -528,12 +528,12 @@ def test_in_a_partition_the_side_that_reaches_the_store_names_the_lost_rank(tmp_
 
 
 def test_refusals_are_one_list_that_a_failed_save_is_not_on():
-    from cqk_megatron.checkpoint_files import CheckpointError, CheckpointSaveError
     from cqk_megatron.config import ConfigError
     from cqk_megatron.data.errors import DataError
-    from cqk_megatron.refusals import is_refusal
-    from cqk_megatron.run_folder import NoSpaceError
-    from cqk_megatron.run_lease import LeaseHeld, LeaseLost
+    from cqk_megatron.errors import is_refusal
+    from cqk_megatron.run.checkpoint_files import CheckpointError, CheckpointSaveError
+    from cqk_megatron.run.folder import NoSpaceError
+    from cqk_megatron.run.lease import LeaseHeld, LeaseLost
 
     for error in (LeaseHeld("x"), CheckpointError("x"), DataError("x"), ConfigError("x")):
         assert is_refusal(error), error

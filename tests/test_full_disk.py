@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from _faults import FAST, REPO, events, faults_records, kill_group
 
-from cqk_megatron import checkpoint_files
-from cqk_megatron.exit_codes import EXIT_REFUSED
+from cqk_megatron.errors import EXIT_REFUSED
+from cqk_megatron.run import checkpoint_files
 
 SUBMIT = [
     sys.executable,
@@ -123,8 +123,8 @@ def test_a_full_disk_at_a_save_refuses_the_job_on_every_rank_and_keeps_the_last_
 
 
 def test_a_save_failed_for_a_full_disk_is_a_refusal_and_other_failed_saves_are_not():
-    from cqk_megatron.checkpoint_files import CheckpointSaveError
-    from cqk_megatron.refusals import is_refusal
+    from cqk_megatron.errors import is_refusal
+    from cqk_megatron.run.checkpoint_files import CheckpointSaveError
 
     assert is_refusal(CheckpointSaveError("no space left on device ...", disk_full=True))
     assert not is_refusal(CheckpointSaveError("RuntimeError: ..."))

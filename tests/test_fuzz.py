@@ -41,9 +41,9 @@ import numpy as np
 import psutil
 import pytest
 
-from cqk_megatron import checkpoint_files
-from cqk_megatron.exit_codes import EXIT_REFUSED, EXIT_REQUEUE
-from cqk_megatron.file_hash import file_sha256
+from cqk_megatron.errors import EXIT_REFUSED, EXIT_REQUEUE
+from cqk_megatron.run import checkpoint_files
+from cqk_megatron.run.file_hash import file_sha256
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = str(REPO / "configs" / "runs" / "tiny_cpu.yaml")

@@ -26,7 +26,7 @@ from _gpu_path_workers import audited_train_runs
 from _multiproc import run_ranks
 from _training import exits, records
 
-import cqk_megatron.config as config_module
+import cqk_megatron.config.checks as config_module
 from cqk_megatron.config import CONFIGS_DIR, ConfigError, load_config, validate
 from cqk_megatron.perf.flops import peak_flops
 
@@ -42,7 +42,7 @@ FULL_BLOCK = [
 ]
 FULL_UNIFORM = ["train.recompute=full", "train.recompute_method=uniform"]
 LOSS_TOLERANCE, NORM_TOLERANCE = 1e-5, 1e-4  # relative, a layout against the 1-rank run
-OWNERS = {"cqk_megatron/training/collectives.py", "cqk_megatron/attention/tp_grads.py"}
+OWNERS = {"cqk_megatron/training/collectives.py", "cqk_megatron/model/attention/tp_grads.py"}
 
 
 @pytest.fixture(scope="module")

@@ -656,7 +656,7 @@ def test_the_same_job_through_the_local_executor(reference):
 
 def test_requeues_are_bounded(tmp_path, monkeypatch):
     import launch.local_job
-    from cqk_megatron.exit_codes import EXIT_REQUEUE
+    from cqk_megatron.errors import EXIT_REQUEUE
     from launch.job import TrainingJob
 
     job = TrainingJob(config={}, max_requeues=2)
@@ -675,7 +675,7 @@ def test_requeues_are_bounded(tmp_path, monkeypatch):
 
 
 def test_time_syntax_agrees_with_slurm_and_ports_stay_below_the_ephemeral_range():
-    from cqk_megatron.ports import rendezvous_port
+    from cqk_megatron.parallel.ports import rendezvous_port
     from launch.resources import time_minutes
 
     assert [time_minutes(t) for t in ("90", "1:30", "01:30:00", "2-00:00:00", "1-2")] == [
@@ -691,8 +691,8 @@ def test_time_syntax_agrees_with_slurm_and_ports_stay_below_the_ephemeral_range(
 
 
 def test_plain_srun_derives_the_same_port_as_the_launcher():
-    from cqk_megatron.distributed import discover
-    from cqk_megatron.ports import rendezvous_port
+    from cqk_megatron.parallel.ports import rendezvous_port
+    from cqk_megatron.parallel.process_groups import discover
 
     env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "31337"}
     found = discover({**env, "SLURM_JOB_NODELIST": "node[3-4]"})

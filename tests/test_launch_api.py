@@ -9,8 +9,8 @@ import pytest
 from submitit.local.local import LocalJob
 
 from cqk_megatron.config import ConfigError, load_config
-from cqk_megatron.exit_codes import EXIT_REQUEUE
-from cqk_megatron.run_folder import append_event
+from cqk_megatron.errors import EXIT_REQUEUE
+from cqk_megatron.run.folder import append_event
 from launch.api import LocalSubmission, outcome, submit_local
 from launch.plan import RunPlan
 from launch.resources import Resources

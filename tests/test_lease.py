@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 try:
-    from cqk_megatron import run_lease
+    from cqk_megatron.run import lease as run_lease
 except ImportError:  # the code before the lease: the tests below fail, not the module
     run_lease = None
 
@@ -144,7 +144,7 @@ def test_a_plain_cqk_train_on_a_held_run_is_refused_before_it_starts(tmp_path):
 
 
 def test_a_single_process_picks_a_free_port_and_a_busy_one_says_how_to_set_another():
-    from cqk_megatron.distributed import discover
+    from cqk_megatron.parallel.process_groups import discover
 
     ports = {discover({}).master_port for _ in range(5)}
     assert all(20000 <= port < 32000 for port in ports) and len(ports) > 1
@@ -154,7 +154,7 @@ def test_a_single_process_picks_a_free_port_and_a_busy_one_says_how_to_set_anoth
         busy.listen()
         port = busy.getsockname()[1]
         code = (
-            "from cqk_megatron.distributed import init_process_group, discover\n"
+            "from cqk_megatron.parallel.process_groups import init_process_group, discover\n"
             f"init_process_group(discover({{'MASTER_PORT': '{port}'}}))\n"
         )
         out = subprocess.run(

@@ -20,9 +20,9 @@ from _multiproc import run_ranks
 from _training import TINY, exits, records, synthetic_datasets, train_runs
 
 from cqk_megatron.config import ConfigError, load_config, validate
-from cqk_megatron.distributed import init_single_process
-from cqk_megatron.exit_codes import EXIT_REQUEUE
-from cqk_megatron.model import build_model
+from cqk_megatron.errors import EXIT_REQUEUE
+from cqk_megatron.model.gpt import build_model
+from cqk_megatron.parallel.process_groups import init_single_process
 from cqk_megatron.training.megatron_engine import MegatronEngine
 from cqk_megatron.training.sampler import fetch, micro_batch_indices
 

@@ -10,18 +10,22 @@ import pytest
 import torch
 from _tiny import tiny_config
 
-from cqk_megatron import cpu_bridge
-from cqk_megatron.attention import DifferentialCoreAttention, QKSelfAttention, SDPACoreAttention
 from cqk_megatron.config import CONFIGS_DIR, COUPLINGS, SCORINGS, VARIANTS, load_config
-from cqk_megatron.coupling import (
+from cqk_megatron.model.attention import (
+    DifferentialCoreAttention,
+    QKSelfAttention,
+    SDPACoreAttention,
+)
+from cqk_megatron.model.gpt import build_model
+from cqk_megatron.model.params import format_table, overhead_table
+from cqk_megatron.parallel import cpu_bridge
+from cqk_megatron.parallel.process_groups import init_single_process
+from cqk_megatron.variants.plain_math import (
     EulerCoupling,
     HamiltonianCoupling,
     InvertibleCoupling,
     MLPOnlyCoupling,
 )
-from cqk_megatron.distributed import init_single_process
-from cqk_megatron.model import build_model
-from cqk_megatron.params import format_table, overhead_table
 
 # The classes each shipped name must build, written out here (not read from the registry).
 COUPLING_CLASSES = {
@@ -272,7 +276,7 @@ P2P_RULE = [
 
 @pytest.mark.parametrize(("pp", "vp", "device_type", "batch", "overlap"), P2P_RULE)
 def test_the_p2p_rule_for_each_layout_and_device(pp, vp, device_type, batch, overlap):
-    from cqk_megatron.model import p2p_options
+    from cqk_megatron.model.gpt import p2p_options
 
     options = p2p_options(pp, vp, device_type)
     assert options == {"batch_p2p_comm": batch, "overlap_p2p_comm": overlap}
@@ -283,7 +287,7 @@ def test_the_p2p_rule_for_each_layout_and_device(pp, vp, device_type, batch, ove
 def test_megatrons_config_takes_the_p2p_rule_for_interleaved_1f1b(monkeypatch, device_type):
     """Megatron's own TransformerConfig accepts what the rule gives (on CPU for this build:
     only the device the rule reads is said to be CUDA)."""
-    import cqk_megatron.model as model
+    import cqk_megatron.model.gpt as model
 
     monkeypatch.setattr(model, "device", lambda: torch.device(device_type))
     config = tiny_config(

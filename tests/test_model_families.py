@@ -21,7 +21,7 @@ from test_parallel_equivalence import TINY, failures, run_layout
 
 from cqk_megatron.config import ConfigError, load_config, to_dict, validate
 from cqk_megatron.convert import import_hf_folder
-from cqk_megatron.distributed import init_single_process
+from cqk_megatron.parallel.process_groups import init_single_process
 
 GPT2 = [*TINY, "model.family=gpt2", "model.num_attention_heads=4"]
 
@@ -69,7 +69,7 @@ def test_bad_family_settings_name_the_field_and_fix(overrides, message):
 
 def test_gpt2_model_files_are_gpt2_family():
     from cqk_megatron.config import CONFIGS_DIR
-    from cqk_megatron.params import count_variant_parameters
+    from cqk_megatron.model.params import count_variant_parameters
 
     counts = {}
     for size in ("60m", "150m", "350m"):
@@ -188,7 +188,7 @@ def test_gpt2_flops_and_stage_parameters_match_the_built_model(variant):
 
     from test_perf import MODEL_FLOPS_SDPA, counted_flops_per_token, tiny
 
-    from cqk_megatron.model import build_model, count_parameters
+    from cqk_megatron.model.gpt import build_model, count_parameters
     from cqk_megatron.perf.flops import flops_per_token
     from cqk_megatron.perf.memory import stage_parameters
 

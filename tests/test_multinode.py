@@ -32,7 +32,7 @@ import pytest
 import torch
 from _faults import FAST, REPO, events, fault_times, faults_records, kill_group, measured
 
-from cqk_megatron.exit_codes import EXIT_REQUEUE, EXIT_WATCHDOG
+from cqk_megatron.errors import EXIT_REQUEUE, EXIT_WATCHDOG
 
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "ip", "unshare", "nsenter")
 DIR = os.environ.get("CQK_SLURM_MULTINODE_DIR", "/tmp/cqk-slurm-2nodes")

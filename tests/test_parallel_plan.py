@@ -1,4 +1,4 @@
-"""The one parallel layout (``cqk_megatron.parallel_plan.Layout``): the planner's and the
+"""The one parallel layout (``cqk_megatron.parallel.layout.Layout``): the planner's and the
 checkpoint's, and the ``layout.json`` that every checkpoint written so far carries."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cqk_megatron.config import load_config
-from cqk_megatron.parallel_plan import ENGINE_SETTINGS, Layout, engine_name
+from cqk_megatron.parallel.layout import ENGINE_SETTINGS, Layout, engine_name
 from cqk_megatron.perf import plan
 
 # layout.json as the code before parallel_plan wrote it (json.dumps of the checkpoint's own
@@ -54,7 +54,7 @@ def test_the_planner_and_training_agree_on_engine_names():
 
 
 def test_same_layout_reads_an_old_checkpoints_layout_json(tmp_path):
-    from cqk_megatron.distributed import init_single_process
+    from cqk_megatron.parallel.process_groups import init_single_process
     from cqk_megatron.training import checkpoint
 
     init_single_process()  # TP = PP = DP = 1
@@ -72,7 +72,7 @@ def test_same_layout_reads_an_old_checkpoints_layout_json(tmp_path):
 def test_the_layout_and_the_config_checks_import_no_torch():
     code = (
         "import sys\n"
-        "import cqk_megatron.parallel_plan, cqk_megatron.config as c\n"
+        "import cqk_megatron.parallel.layout, cqk_megatron.config as c\n"
         "c.validate(c.load_config(None, ['parallel.pipeline_parallel=2']), 2)\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )

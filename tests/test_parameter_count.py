@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from cqk_megatron.config import CONFIGS_DIR, VARIANTS, family_overrides, load_config
-from cqk_megatron.distributed import init_single_process
-from cqk_megatron.model import build_model, count_parameters
+from cqk_megatron.model.gpt import build_model, count_parameters
+from cqk_megatron.parallel.process_groups import init_single_process
 
 TINY = {"vocab": 100, "heads": 4, "kv_heads": None, "seq": 32}
 # (name, overrides): GQA with tied embeddings on the default (Llama-style) model, for every

@@ -19,11 +19,12 @@ from _multiproc import run_ranks
 from _tiny import tiny_config
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from cqk_megatron.attention.fast_coupling import run_coupling
 from cqk_megatron.config import CONFIGS_DIR, VARIANTS, load_config
-from cqk_megatron.distributed import init_single_process
-from cqk_megatron.model import build_model, count_parameters
-from cqk_megatron.params import count_variant_parameters
+from cqk_megatron.model.attention.fast_coupling import run_coupling
+from cqk_megatron.model.gpt import build_model, count_parameters
+from cqk_megatron.model.params import count_variant_parameters
+from cqk_megatron.model.specs import coupling_spec
+from cqk_megatron.parallel.process_groups import init_single_process
 from cqk_megatron.perf import bench, plan
 from cqk_megatron.perf.flops import (
     coupling_flops,
@@ -40,7 +41,6 @@ from cqk_megatron.perf.memory import (
     total_parameters,
 )
 from cqk_megatron.planner.parameters import variant_config
-from cqk_megatron.specs import coupling_spec
 
 SEQ, BATCH, VOCAB = 32, 2, 256
 REPO = Path(__file__).resolve().parent.parent
@@ -212,7 +212,7 @@ def _tp_worker(rank, world_size, port, out_dir):
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
-    from cqk_megatron.distributed import init_model_parallel, init_process_group
+    from cqk_megatron.parallel.process_groups import init_model_parallel, init_process_group
 
     init_process_group()
     counts = {}

@@ -89,9 +89,9 @@ def test_the_planner_sits_below_launch_analysis_and_training():
                 "launch",
                 "cqk_megatron.analysis",
                 "cqk_megatron.training",
-                "cqk_megatron.distributed",
-                "cqk_megatron.model",
-                "cqk_megatron.params",
+                "cqk_megatron.parallel.process_groups",
+                "cqk_megatron.model.gpt",
+                "cqk_megatron.model.params",
                 "cqk_megatron.repro",
             )
         )

@@ -25,8 +25,8 @@ from cqk_megatron.config import (
     load_config,
     validate,
 )
-from cqk_megatron.distributed import init_single_process
-from cqk_megatron.model import build_model
+from cqk_megatron.model.gpt import build_model
+from cqk_megatron.parallel.process_groups import init_single_process
 from cqk_megatron.perf import memory, plan
 
 TINY = [

@@ -1,4 +1,4 @@
-"""The run contract (``cqk_megatron.run_folder`` and the one-concern modules beside it).
+"""The run contract (``cqk_megatron.run.folder`` and the one-concern modules beside it).
 
 - a finished, a partial and a failed run folder, written the way training and the
   launcher write them (through the contract's writers: ``write_config``,
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import pytest
 
-from cqk_megatron.atomic import atomic_path, write_text_atomically
 from cqk_megatron.config import RunConfig, from_dict
-from cqk_megatron.exit_codes import EXIT_REQUEUE
-from cqk_megatron.run_folder import (
+from cqk_megatron.errors import EXIT_REQUEUE
+from cqk_megatron.run.atomic import atomic_path, write_text_atomically
+from cqk_megatron.run.folder import (
     CHECKPOINTS,
     FAULTS,
     METRICS,
@@ -249,7 +249,7 @@ def test_a_twin_refused_while_another_job_holds_the_run_is_not_the_runs_failure(
     """Just after a twin submission was refused (exit 2, decision stop) and before the job
     that holds the run logs its next step, status said "finished no: failed"; the run
     trains on under that job. Once nobody holds the run, the refusal is its last word."""
-    from cqk_megatron import run_lease
+    from cqk_megatron.run import lease as run_lease
 
     folder = folders["partial"]  # job-7 trained 2 steps and goes on
     monkeypatch.setenv("SUBMITIT_LOCAL_JOB_ID", "job-7")
@@ -330,8 +330,9 @@ def test_an_atomic_write_is_never_seen_half_written(tmp_path):
 def test_the_contract_imports_no_torch():
     code = (
         "import sys\n"
-        "import cqk_megatron.run_folder, cqk_megatron.checkpoint_files, cqk_megatron.ports\n"
-        "import cqk_megatron.exit_codes, cqk_megatron.atomic\n"
+        "import cqk_megatron.run.folder, cqk_megatron.run.checkpoint_files\n"
+        "import cqk_megatron.parallel.ports\n"
+        "import cqk_megatron.errors, cqk_megatron.run.atomic\n"
         "import launch.run_dir, launch.status, cqk_megatron.repro.runner\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
@@ -349,16 +350,16 @@ SOURCES = sorted(
 )
 # Each name of the run folder, and the module that defines it.
 NAMES = {
-    "config.yaml": "cqk_megatron/run_folder.py",
-    "metrics.jsonl": "cqk_megatron/run_folder.py",
-    "jobs.jsonl": "cqk_megatron/run_folder.py",
-    "faults.jsonl": "cqk_megatron/run_folder.py",
-    "lease.json": "cqk_megatron/run_folder.py",
-    "checkpoints": "cqk_megatron/run_folder.py",
-    "superseded": "cqk_megatron/run_folder.py",
-    "submitit": "cqk_megatron/run_folder.py",
-    "manifest.json": "cqk_megatron/checkpoint_files.py",
-    "latest": "cqk_megatron/checkpoint_files.py",
+    "config.yaml": "cqk_megatron/run/folder.py",
+    "metrics.jsonl": "cqk_megatron/run/folder.py",
+    "jobs.jsonl": "cqk_megatron/run/folder.py",
+    "faults.jsonl": "cqk_megatron/run/folder.py",
+    "lease.json": "cqk_megatron/run/folder.py",
+    "checkpoints": "cqk_megatron/run/folder.py",
+    "superseded": "cqk_megatron/run/folder.py",
+    "submitit": "cqk_megatron/run/folder.py",
+    "manifest.json": "cqk_megatron/run/checkpoint_files.py",
+    "latest": "cqk_megatron/run/checkpoint_files.py",
 }
 # Same string, another file: the demo corpus's own record of what it built (no checkpoint).
 OTHER_FILES = {("manifest.json", "data_tools/demo_corpus.py")}
@@ -369,23 +370,23 @@ OTHER_KINDS = {("summary", "cqk_megatron/analysis/wandb_runs.py")}
 ALIASED = {"MANIFEST", "LATEST", "FAULTS", "METRICS", "CONFIG", "JOBS", "LEASE", "EXIT_REQUEUE"}
 # Functions of the contract and their one home.
 HOMES = {
-    "run_status": "cqk_megatron/run_folder.py",
-    "read_metrics": "cqk_megatron/run_folder.py",
-    "read_jsonl": "cqk_megatron/run_folder.py",
-    "append_event": "cqk_megatron/run_folder.py",
-    "summary_record": "cqk_megatron/run_folder.py",
-    "latest_name": "cqk_megatron/checkpoint_files.py",
-    "rendezvous_port": "cqk_megatron/ports.py",
-    "free_port": "cqk_megatron/ports.py",
+    "run_status": "cqk_megatron/run/folder.py",
+    "read_metrics": "cqk_megatron/run/folder.py",
+    "read_jsonl": "cqk_megatron/run/folder.py",
+    "append_event": "cqk_megatron/run/folder.py",
+    "summary_record": "cqk_megatron/run/folder.py",
+    "latest_name": "cqk_megatron/run/checkpoint_files.py",
+    "rendezvous_port": "cqk_megatron/parallel/ports.py",
+    "free_port": "cqk_megatron/parallel/ports.py",
 }
 # analysis keeps a reader of its own on top of the contract's: it drops records that lack
 # the fields its table needs (calling ``run_folder.read_metrics``).
 OTHER_FUNCTIONS = {("read_metrics", "cqk_megatron/analysis/ingest.py")}
 # Where a rename over a file stays, and why it is not an atomic write of one file:
 RENAMES = {
-    "cqk_megatron/atomic.py": "the one atomic writer",
-    "cqk_megatron/run_folder.py": "supersede: moves files aside, writes nothing",
-    "cqk_megatron/run_lease.py": "the lease's compare-and-swap: the temporary is checked "
+    "cqk_megatron/run/atomic.py": "the one atomic writer",
+    "cqk_megatron/run/folder.py": "supersede: moves files aside, writes nothing",
+    "cqk_megatron/run/lease.py": "the lease's compare-and-swap: the temporary is checked "
     "under a mutex before it replaces the lease",
     "data_tools/outputs.py": "datasets streamed into partial files by builders, then "
     "committed bin, meta and idx in order",
@@ -436,21 +437,23 @@ def _violations() -> list[str]:
         source = path.read_text()
         tree = ast.parse(source)
         docs = _docstrings(tree)
-        contract = where == "cqk_megatron/run_folder.py"
+        contract = where == "cqk_megatron/run/folder.py"
         for node, names in _module_assignments(tree):
             at = f"{where}:{node.lineno}"
             value = node.value
-            if where != "cqk_megatron/exit_codes.py":
+            if where != "cqk_megatron/errors.py":
                 if any(n.startswith("EXIT_") for n in names):
-                    out.append(f"{at}: {names} defined again (cqk_megatron/exit_codes.py)")
+                    out.append(f"{at}: {names} defined again (cqk_megatron/errors.py)")
                 elif isinstance(value, ast.Constant) and value.value in (75, 76):
-                    out.append(f"{at}: exit code {value.value} (cqk_megatron/exit_codes.py)")
+                    out.append(f"{at}: exit code {value.value} (cqk_megatron/errors.py)")
             parts = value.elts if isinstance(value, ast.Tuple) else [value]
             if all(isinstance(n, ast.Name) and n.id in ALIASED for n in parts):
                 out.append(f"{at}: an alias of the contract's {ast.unparse(value)}")
-            if where != "cqk_megatron/ports.py" and any("PORT" in n.upper() for n in names):
+            if where != "cqk_megatron/parallel/ports.py" and any(
+                "PORT" in n.upper() for n in names
+            ):
                 if value is not None and any(i >= 1024 for i in _ints(value)):
-                    out.append(f"{at}: a port range {names} (cqk_megatron/ports.py)")
+                    out.append(f"{at}: a port range {names} (cqk_megatron/parallel/ports.py)")
         for node in ast.walk(tree):
             at = f"{where}:{getattr(node, 'lineno', '?')}"
             if isinstance(node, ast.Constant) and id(node) not in docs:
@@ -464,7 +467,9 @@ def _violations() -> list[str]:
                     out.append(f"{at}: {value!r} (defined in {NAMES[value]})")
             elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
                 if isinstance(node.right, ast.Constant) and node.right.value == 12000:
-                    out.append(f"{at}: the rendezvous-port rule again (cqk_megatron/ports.py)")
+                    out.append(
+                        f"{at}: the rendezvous-port rule again (cqk_megatron/parallel/ports.py)"
+                    )
             elif isinstance(node, ast.FunctionDef) and node.name in HOMES:
                 if where != HOMES[node.name] and (node.name, where) not in OTHER_FUNCTIONS:
                     out.append(f"{at}: def {node.name} again ({HOMES[node.name]})")
@@ -489,9 +494,9 @@ def _violations() -> list[str]:
                     func.attr in ("replace", "rename") and len(node.args) == 1 and not node.keywords
                 )
                 if renames and where not in RENAMES:
-                    out.append(f"{at}: a hand-rolled rename (use cqk_megatron.atomic)")
-                if func.attr == "mkstemp" and where != "cqk_megatron/atomic.py":
-                    out.append(f"{at}: mkstemp makes 0600 files (use cqk_megatron.atomic)")
+                    out.append(f"{at}: a hand-rolled rename (use cqk_megatron.run.atomic)")
+                if func.attr == "mkstemp" and where != "cqk_megatron/run/atomic.py":
+                    out.append(f"{at}: mkstemp makes 0600 files (use cqk_megatron.run.atomic)")
     return out
 
 

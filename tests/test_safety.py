@@ -266,7 +266,7 @@ def test_a_crash_and_resume_logs_every_step_once_and_readers_agree(tmp_path):
     assert len(valid) == len(set(valid)) and valid == sorted(valid)
     # the readers: one reader, the same answer
     from cqk_megatron.analysis.ingest import read_metrics as ingest_read
-    from cqk_megatron.run_folder import run_status
+    from cqk_megatron.run.folder import run_status
     from launch import run_dir as runs
 
     lines, problems = ingest_read(run_dir / "metrics.jsonl")
@@ -279,7 +279,7 @@ def test_a_crash_and_resume_logs_every_step_once_and_readers_agree(tmp_path):
 
 def test_the_reader_supersedes_records_a_resumed_attempt_logged_again(tmp_path):
     """Files written before the writer superseded records (or by two writers at once)."""
-    from cqk_megatron.run_folder import read_metrics
+    from cqk_megatron.run.folder import read_metrics
 
     path = tmp_path / "metrics.jsonl"
     records = [
@@ -301,7 +301,7 @@ def test_the_reader_supersedes_records_a_resumed_attempt_logged_again(tmp_path):
 
 
 def test_retention_keeps_the_fresh_save_and_counts_only_verified_folders(tmp_path):
-    from cqk_megatron import checkpoint_files
+    from cqk_megatron.run import checkpoint_files
 
     checkpoints = tmp_path / "checkpoints"
 
@@ -369,7 +369,7 @@ def test_a_full_disk_says_no_space_and_keeps_the_previous_checkpoint(tmpfs):
     assert not (checkpoints / "iter_0000004.tmp").exists()  # removed to make room
     # and the pre-flight of cqk-train / the launcher refuses to start it on this disk
     from cqk_megatron.config import load_config
-    from cqk_megatron.preflight import PreflightError, check_disk
+    from cqk_megatron.run.preflight import PreflightError, check_disk
 
     config = load_config(
         None,

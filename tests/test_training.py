@@ -23,7 +23,7 @@ from _multiproc import free_port, run_ranks
 from _training import exits, records, save_initial_weights, train_runs
 
 from cqk_megatron.config import VARIANTS
-from cqk_megatron.exit_codes import EXIT_REQUEUE
+from cqk_megatron.errors import EXIT_REQUEUE
 from cqk_megatron.training import checkpoint
 from data_tools.demo_corpus import DemoSettings, build_demo
 

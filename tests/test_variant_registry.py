@@ -20,12 +20,11 @@ from _multiproc import run_ranks
 from cqk_megatron.config import COUPLINGS, SCORINGS, ConfigError, RunConfig, load_config, validate
 from cqk_megatron.convert import ConversionError, export_state_dict
 from cqk_megatron.convert.hf_config import check_exportable, run_config_from_cqk
-from cqk_megatron.coupling import PositiveStep, QKCoupling
-from cqk_megatron.distributed import init_single_process
-from cqk_megatron.model import build_model, count_parameters
+from cqk_megatron.model.gpt import build_model, count_parameters
+from cqk_megatron.model.specs import coupling_spec, layer_spec_from_config
+from cqk_megatron.parallel.process_groups import init_single_process
 from cqk_megatron.perf.flops import flops_breakdown, flops_per_token
 from cqk_megatron.perf.memory import activation_estimate, coupling_parameters, total_parameters
-from cqk_megatron.specs import coupling_spec, layer_spec_from_config
 from cqk_megatron.variants import (
     CouplingCost,
     CouplingVariant,
@@ -34,6 +33,7 @@ from cqk_megatron.variants import (
     registered,
     unknown_message,
 )
+from cqk_megatron.variants.plain_math import PositiveStep, QKCoupling
 
 VOCAB, SEQ, BATCH, LAYERS, HEADS, KV_HEADS, HIDDEN = 100, 16, 2, 2, 8, 4, 64
 TINY = [

@@ -21,7 +21,7 @@ import pandas as pd
 
 from cqk_megatron.analysis import compare
 from cqk_megatron.analysis.ingest import humanize_count, ingest
-from cqk_megatron.atomic import atomic_path
+from cqk_megatron.run.atomic import atomic_path
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:

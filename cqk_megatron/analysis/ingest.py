@@ -30,7 +30,7 @@ from cqk_megatron.analysis import wandb_runs
 from cqk_megatron.analysis.step_time import run_step_time
 from cqk_megatron.config import ConfigError, RunConfig, from_dict, load_config
 from cqk_megatron.planner.parameters import count_parameters
-from cqk_megatron.run_folder import (
+from cqk_megatron.run.folder import (
     CONFIG,
     METRICS,
     STEP_KINDS,
@@ -39,7 +39,7 @@ from cqk_megatron.run_folder import (
     VALID,
     run_status,
 )
-from cqk_megatron.run_folder import read_metrics as read_metrics_file
+from cqk_megatron.run.folder import read_metrics as read_metrics_file
 
 REQUIRED = {TRAIN: ("step", "tokens", "loss"), VALID: ("step", "tokens", "val_loss")}
 COLUMNS = [

@@ -18,8 +18,8 @@ import pandas as pd  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 from cqk_megatron.analysis.ingest import humanize_count  # noqa: E402
-from cqk_megatron.atomic import atomic_path  # noqa: E402
 from cqk_megatron.config import VARIANTS  # noqa: E402
+from cqk_megatron.run.atomic import atomic_path  # noqa: E402
 
 _PALETTE = plt.get_cmap("tab10").colors
 VARIANT_COLORS = {name: _PALETTE[i % len(_PALETTE)] for i, name in enumerate(VARIANTS)}

@@ -26,7 +26,7 @@ from cqk_megatron.analysis.fits import (
 )
 from cqk_megatron.analysis.ingest import Ingested, fit_points, humanize_count, run_summary
 from cqk_megatron.analysis.step_time import CPU_CLOCK, format_ratio, step_time_ratios
-from cqk_megatron.atomic import atomic_path, write_text_atomically
+from cqk_megatron.run.atomic import atomic_path, write_text_atomically
 
 LADDER_SIZES = (60e6, 150e6, 350e6, 1e9, 3e9, 7e9)
 MAX_BUDGETS = 6  # compute budgets in the compute-optimal table

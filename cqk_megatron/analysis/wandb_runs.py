@@ -18,7 +18,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from cqk_megatron.run_folder import SUMMARY, TRAIN, VALID
+from cqk_megatron.run.folder import SUMMARY, TRAIN, VALID
 
 HEADER = b":W&B"
 FILE_HEADER_LEN = 7

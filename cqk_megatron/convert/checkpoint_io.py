@@ -30,8 +30,8 @@ def single_process_config(config: RunConfig) -> RunConfig:
 
 
 def _whole_model(config: RunConfig):
-    from cqk_megatron.distributed import init_single_process
-    from cqk_megatron.model import build_model
+    from cqk_megatron.model.gpt import build_model
+    from cqk_megatron.parallel.process_groups import init_single_process
 
     single = single_process_config(config)
     init_single_process(single)
@@ -74,7 +74,7 @@ def write_full_state_dict(
 ) -> None:
     """A weights-only checkpoint in ``checkpoint_dir`` that training starts from
     (``train.init_from``), under any layout."""
-    from cqk_megatron.parallel_layout import load_full_state
+    from cqk_megatron.parallel.sharding import load_full_state
 
     checkpoint = _engine_checkpoint()
     model = _whole_model(config)

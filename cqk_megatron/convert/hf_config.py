@@ -20,7 +20,7 @@ import torch
 from cqk_megatron.config import COUPLINGS, SCORINGS, RunConfig
 from cqk_megatron.convert.errors import ConversionError
 from cqk_megatron.convert.remote_source import export_fields, variant_source
-from cqk_megatron.specs import coupling_spec
+from cqk_megatron.model.specs import coupling_spec
 from cqk_megatron.variants import COUPLING_POSITIONS, UnknownVariantError, coupling, scoring
 
 LLAMA = "llama"

@@ -9,7 +9,7 @@ The folder holds ``config.json``, ``generation_config.json``, the weights as
 safetensors (sharded above ``max_shard_size``), the tokenizer, ``README.md`` and
 ``cqk_run_config.yaml`` (the full ``RunConfig``, which the importer reads back); a
 non-Llama variant adds ``configuration_cqk.py``, ``modeling_cqk.py``, a verbatim copy
-of ``cqk_megatron/coupling.py`` and ``cqk_variant.py``, the variant's classes
+of ``cqk_megatron/variants/plain_math.py`` and ``cqk_variant.py``, the variant's classes
 (``remote_source``). Standard attention exports to a native class where one is exact:
 ``LlamaForCausalLM`` (Llama family) or ``GPT2LMHeadModel`` (GPT-2 family).
 """
@@ -24,16 +24,6 @@ from pathlib import Path
 
 import torch
 
-from cqk_megatron import coupling as coupling_module
-from cqk_megatron.checkpoint_files import (
-    LATEST,
-    MANIFEST,
-    WEIGHT_PARTS,
-    CheckpointError,
-    iterations,
-    latest_name,
-    verify,
-)
 from cqk_megatron.config import ConfigError, RunConfig, load_config, save_config, validate
 from cqk_megatron.convert.checkpoint_io import read_full_state_dict
 from cqk_megatron.convert.errors import ConversionError
@@ -51,7 +41,17 @@ from cqk_megatron.convert.output_dir import check_target, staged_folder
 from cqk_megatron.convert.remote_source import MATH_FILE, VARIANT_FILE, variant_source
 from cqk_megatron.convert.safetensors_io import DEFAULT_MAX_SHARD, parse_size, save_weights
 from cqk_megatron.convert.tokenizer import check_tokenizer, save_tokenizer, special_token_ids
-from cqk_megatron.run_folder import CHECKPOINTS, CONFIG
+from cqk_megatron.run.checkpoint_files import (
+    LATEST,
+    MANIFEST,
+    WEIGHT_PARTS,
+    CheckpointError,
+    iterations,
+    latest_name,
+    verify,
+)
+from cqk_megatron.run.folder import CHECKPOINTS, CONFIG
+from cqk_megatron.variants import plain_math as coupling_module
 
 RUN_CONFIG_FILE = "cqk_run_config.yaml"
 COUPLING_FILE = MATH_FILE

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from cqk_megatron.checkpoint_files import weights_only_checkpoint
 from cqk_megatron.config import ConfigError, RunConfig, load_config, validate
 from cqk_megatron.convert.checkpoint_io import write_full_state_dict
 from cqk_megatron.convert.errors import ConversionError
@@ -33,6 +32,7 @@ from cqk_megatron.convert.layout import ModelLayout, check_megatron_state, hf_to
 from cqk_megatron.convert.output_dir import check_target
 from cqk_megatron.convert.safetensors_io import has_weights, load_weights
 from cqk_megatron.convert.tokenizer import SENTENCEPIECE_FILE
+from cqk_megatron.run.checkpoint_files import weights_only_checkpoint
 
 IMPORTABLE_MODEL_TYPES = (LLAMA, GPT2, CQK)
 

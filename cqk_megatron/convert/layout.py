@@ -24,7 +24,7 @@ import torch
 
 from cqk_megatron.config import RunConfig
 from cqk_megatron.convert.errors import ConversionError
-from cqk_megatron.specs import coupling_spec
+from cqk_megatron.model.specs import coupling_spec
 from cqk_megatron.variants import scoring as registered_scoring
 
 MEGATRON_LAYER = "decoder.layers.{}."

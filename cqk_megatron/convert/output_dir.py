@@ -17,9 +17,9 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from cqk_megatron.checkpoint_files import checkpoint_file
 from cqk_megatron.convert.errors import ConversionError
-from cqk_megatron.run_folder import run_folder_file
+from cqk_megatron.run.checkpoint_files import checkpoint_file
+from cqk_megatron.run.folder import run_folder_file
 
 
 def check_target(

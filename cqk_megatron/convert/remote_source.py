@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cqk_megatron import coupling as coupling_module
 from cqk_megatron.config import RunConfig
 from cqk_megatron.convert.errors import ConversionError
 from cqk_megatron.variants import COUPLINGS, SCORINGS, coupling, scoring
+from cqk_megatron.variants import plain_math as coupling_module
 
 MATH_FILE = "coupling.py"
 VARIANT_FILE = "cqk_variant.py"

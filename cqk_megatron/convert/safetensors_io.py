@@ -15,8 +15,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from cqk_megatron.atomic import atomic_path, write_text_atomically
 from cqk_megatron.convert.errors import ConversionError
+from cqk_megatron.run.atomic import atomic_path, write_text_atomically
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -32,7 +32,7 @@ from cqk_megatron.data.checks import (  # noqa: F401 - check_prefix, resolve_tok
     resolve_tokenizer,
 )
 from cqk_megatron.data.tokenizer import Tokenizer
-from cqk_megatron.run_folder import run_dir_of
+from cqk_megatron.run.folder import run_dir_of
 
 INDEX_CACHE = "index_cache"  # in the run folder, where data.cache_dir is unset
 

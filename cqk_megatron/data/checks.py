@@ -35,7 +35,7 @@ from cqk_megatron.data.tokenizer import (
     check_vocab_fits,
     load_tokenizer,
 )
-from cqk_megatron.file_hash import file_sha256
+from cqk_megatron.run.file_hash import file_sha256
 
 _INDEX_HEADER = b"MMIDIDX\x00\x00"  # megatron.core.datasets.indexed_dataset's
 _DTYPES = {  # megatron.core.datasets.indexed_dataset.DType codes

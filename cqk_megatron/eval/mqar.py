@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 
-from cqk_megatron.atomic import atomic_path, write_text_atomically
 from cqk_megatron.config import MODEL_FAMILIES, VARIANTS
 from cqk_megatron.eval.mqar_data import (  # noqa: F401  (the task's public names)
     DEFAULT_SETTINGS,
@@ -50,6 +49,7 @@ from cqk_megatron.eval.mqar_train import (  # noqa: F401
     model_config,
     train_run,
 )
+from cqk_megatron.run.atomic import atomic_path, write_text_atomically
 
 POSITIONS = ("pre_rope", "post_rope")
 THRESHOLDS = (0.5, 0.9)

@@ -45,10 +45,10 @@ from pathlib import Path
 
 import torch
 
-from cqk_megatron.atomic import write_text_atomically
 from cqk_megatron.eval.mqar_data import MQARSetting
 from cqk_megatron.eval.mqar_train import TrainOptions, train_run
 from cqk_megatron.eval.plain_model import PROJECT_FIELDS
+from cqk_megatron.run.atomic import write_text_atomically
 
 SETTING = MQARSetting(128, 8)
 BASE = dict(

@@ -25,8 +25,8 @@ from cqk_megatron.eval.plain_model import PlainConfig, PlainLM
 
 def build_megatron(config: RunConfig) -> torch.nn.Module:
     """The project's model for ``config`` on one process (sets up Megatron's state)."""
-    from cqk_megatron.distributed import init_single_process
-    from cqk_megatron.model import build_model
+    from cqk_megatron.model.gpt import build_model
+    from cqk_megatron.parallel.process_groups import init_single_process
 
     init_single_process(config)
     return build_model(config)

@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from cqk_megatron.config import VARIANTS, RunConfig, load_config, validate
-from cqk_megatron.device import device, to_device
 from cqk_megatron.eval.mqar_data import IGNORE_INDEX, MQARSetting, generate
 from cqk_megatron.eval.mqar_models import (
     REINIT_PARTS,
@@ -29,6 +28,7 @@ from cqk_megatron.eval.mqar_models import (
     reinit_like_torch,
 )
 from cqk_megatron.eval.plain_model import PlainConfig, PlainLM
+from cqk_megatron.parallel.device import device, to_device
 
 MODELS = ("megatron", "plain")
 SCHEDULES = ("wsd", "onecycle", "constant")

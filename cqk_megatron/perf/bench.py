@@ -51,13 +51,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cqk_megatron.atomic import write_text_atomically
-from cqk_megatron.attention.fast_coupling import RUN_IMPLS
 from cqk_megatron.config import VARIANTS, ConfigError, RunConfig, load_config
+from cqk_megatron.model.attention.fast_coupling import RUN_IMPLS
 from cqk_megatron.perf.flops import flops_breakdown, flops_per_token, mfu, peak_flops
 from cqk_megatron.perf.measure import saved_activation_bytes
 from cqk_megatron.perf.memory import activation_estimate
 from cqk_megatron.planner.runs import plan_config
+from cqk_megatron.run.atomic import write_text_atomically
 from cqk_megatron.variants import DIFFERENTIAL_KERNELS, pair
 
 # Small enough for a 2-core CPU, with the real models' head_dim of 64.
@@ -129,8 +129,8 @@ def variant_of(config: RunConfig, variant: str) -> RunConfig:
 def init_world(config: RunConfig) -> torch.device:
     """A world of one as the tools have it (NCCL on GPU, gloo on CPU, Megatron groups,
     the CUDA RNG tracker seeded); returns this process's device."""
-    from cqk_megatron.device import device
-    from cqk_megatron.distributed import init_single_process
+    from cqk_megatron.parallel.device import device
+    from cqk_megatron.parallel.process_groups import init_single_process
 
     init_single_process(config)
     return device()
@@ -198,8 +198,8 @@ def build_workload(
     attention_only: bool = False,
     optimizer: str = "none",
 ) -> Workload:
-    from cqk_megatron.device import to_device
-    from cqk_megatron.model import build_model
+    from cqk_megatron.model.gpt import build_model
+    from cqk_megatron.parallel.device import to_device
 
     config = variant_of(config, variant)
     seq, hidden = config.model.seq_length, config.model.hidden_size

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from cqk_megatron import file_hash
-from cqk_megatron.checkpoint_files import write_manifest
 from cqk_megatron.perf.memory import model_state_bytes
+from cqk_megatron.run import file_hash
+from cqk_megatron.run.checkpoint_files import write_manifest
 from cqk_megatron.training.async_save import host_copy
 
 # Assumptions of the cluster estimate (stated in the output):

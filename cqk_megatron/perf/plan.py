@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, field
 
 from cqk_megatron.config import VARIANTS, ConfigError, RunConfig, load_config, validate
-from cqk_megatron.parallel_plan import ENGINE_SETTINGS, Layout, engine_name
+from cqk_megatron.parallel.layout import ENGINE_SETTINGS, Layout, engine_name
 from cqk_megatron.perf.memory import (
     BYTES,
     ENGINES,
@@ -381,7 +381,7 @@ def gpu_memory_bytes() -> int | None:
     """Total memory of the current CUDA device, None without one."""
     import torch
 
-    from cqk_megatron.device import device
+    from cqk_megatron.parallel.device import device
 
     here = device()
     if here.type != "cuda":
@@ -548,7 +548,7 @@ def load_plan_config(path: str, variant: str | None, overrides: list[str]) -> Ru
 def _check_against_built_model(config: RunConfig) -> None:
     """Build the model on the meta device (seconds, no memory) and compare the totals
     (``cqk-params``' check)."""
-    from cqk_megatron.params import built_differences
+    from cqk_megatron.model.params import built_differences
 
     variant = config.attention.variant
     if variant not in VARIANTS:

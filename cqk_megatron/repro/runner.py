@@ -15,11 +15,11 @@ from __future__ import annotations
 import os
 
 from cqk_megatron.config import ConfigError, load_config, to_dict
-from cqk_megatron.config_changes import flatten
-from cqk_megatron.exit_codes import EXIT_REQUEUE
+from cqk_megatron.config.changes import flatten
+from cqk_megatron.errors import EXIT_REQUEUE
 from cqk_megatron.repro.plan import Plan, PlannedRun
 from cqk_megatron.repro.presets import ReproError
-from cqk_megatron.run_folder import CHECKPOINTS, CONFIG, run_status
+from cqk_megatron.run.folder import CHECKPOINTS, CONFIG, run_status
 
 TRAIN_LOG = "train.log"  # rank 0's output, copied from the job's submitit logs
 TIME_LIMIT = "3-00:00:00"  # a run's job time limit: it then stops with a checkpoint

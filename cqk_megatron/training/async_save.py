@@ -41,7 +41,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from cqk_megatron.config import RunConfig
-from cqk_megatron.device import device
+from cqk_megatron.parallel.device import device
 from cqk_megatron.training import checkpoint, collectives, watchdog
 from cqk_megatron.training.checkpoint import FAILURES, TrainerState, WriteLog
 from cqk_megatron.training.engine import Engine

@@ -18,7 +18,7 @@ way (``rank0_with_hash_helpers``). A
 folder without a valid manifest, or whose files disagree with it, is refused with the
 reason, and ``find_resumable`` falls back to the previous complete checkpoint. The file
 rules (verification, ``latest``, retention, where a run starts) live torch-free in
-``cqk_megatron.checkpoint_files``; this module writes and reads the tensors.
+``cqk_megatron.run.checkpoint_files``; this module writes and reads the tensors.
 
 A save is collective and fails on every rank together: each rank's error is gathered
 after each part (the weights, the engine's state, the trainer state) and before the
@@ -50,9 +50,14 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from torch.distributed.checkpoint.api import CheckpointException
 
-from cqk_megatron import file_hash
-from cqk_megatron.atomic import write_text_atomically
-from cqk_megatron.checkpoint_files import (
+from cqk_megatron.config import RunConfig, save_config
+from cqk_megatron.config.changes import changes, listed
+from cqk_megatron.model.gpt import load_sharded_state, sharded_state_dict
+from cqk_megatron.parallel.device import device
+from cqk_megatron.parallel.layout import Layout, engine_name
+from cqk_megatron.run import file_hash
+from cqk_megatron.run.atomic import write_text_atomically
+from cqk_megatron.run.checkpoint_files import (
     LATEST,
     MANIFEST,
     WEIGHT_PARTS,
@@ -72,12 +77,7 @@ from cqk_megatron.checkpoint_files import (
     verify,
     write_manifest,
 )
-from cqk_megatron.config import RunConfig, save_config
-from cqk_megatron.config_changes import changes, listed
-from cqk_megatron.device import device
-from cqk_megatron.model import load_sharded_state, sharded_state_dict
-from cqk_megatron.parallel_plan import Layout, engine_name
-from cqk_megatron.run_folder import CONFIG, is_no_space, no_space_error
+from cqk_megatron.run.folder import CONFIG, is_no_space, no_space_error
 from cqk_megatron.training.collectives import (
     from_rank0,
     gather_objects,

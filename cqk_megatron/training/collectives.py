@@ -5,10 +5,10 @@ only through these functions (``tests/test_device.py`` checks the source for it,
 a real two-rank run); Megatron-Core and DeepSpeed run their own collectives inside.
 
 **One backend per device, every collective tensor on ``device()``.** The default process
-group is NCCL on GPU and gloo on CPU (``cqk_megatron.distributed``), and every tensor these
-functions reduce lives on ``cqk_megatron.device.device()``; each function checks that and
-names the fix. We considered the alternative that torchtitan offers, a default group with
-both backends (``cpu:gloo,cuda:nccl``), and chose against it:
+group is NCCL on GPU and gloo on CPU (``cqk_megatron.parallel.process_groups``), and every
+tensor these functions reduce lives on ``cqk_megatron.parallel.device.device()``; each
+function checks that and names the fix. We considered the alternative that torchtitan
+offers, a default group with both backends (``cpu:gloo,cuda:nccl``), and chose against it:
 
 - torchtitan adds the CPU backend only for FSDP's CPU offload (``enable_cpu_backend``),
   and Megatron-LM keeps an NCCL default group too, creating gloo subgroups of its own where
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from cqk_megatron.device import device
+from cqk_megatron.parallel.device import device
 
 # The torch.distributed functions that communicate; tests/test_device.py refuses any call
 # of them outside this module (and the model's own gradient hooks, attention/tp_grads.py).
@@ -77,7 +77,7 @@ def _require_on_device(tensor: torch.Tensor, what: str) -> None:
         raise CollectiveDeviceError(
             f"{what}: got a tensor on {tensor.device}, but this rank's collectives run on "
             f"{here} (an nccl group refuses CPU tensors); create it with "
-            "device=cqk_megatron.device.device()"
+            "device=cqk_megatron.parallel.device.device()"
         )
 
 

@@ -35,12 +35,12 @@ from pathlib import Path
 import torch
 from megatron.core import parallel_state as ps
 
-from cqk_megatron import cpu_bridge
-from cqk_megatron.attention.tp_grads import left_to_finalize_model_grads, sum_grads_across_tp
 from cqk_megatron.config import RunConfig
-from cqk_megatron.device import device
-from cqk_megatron.model import model_chunks
-from cqk_megatron.parallel_plan import Layout
+from cqk_megatron.model.attention.tp_grads import left_to_finalize_model_grads, sum_grads_across_tp
+from cqk_megatron.model.gpt import model_chunks
+from cqk_megatron.parallel import cpu_bridge
+from cqk_megatron.parallel.device import device
+from cqk_megatron.parallel.layout import Layout
 from cqk_megatron.training import collectives
 from cqk_megatron.training.collectives import gather_objects
 from cqk_megatron.training.engine import Batch, Engine, StepResult

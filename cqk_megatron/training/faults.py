@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cqk_megatron.exit_codes import EXIT_INJECTED
+from cqk_megatron.errors import EXIT_INJECTED
 
 ACTIONS = ("crash", "exit", "kill", "stop", "hang")
 PHASES = ("rendezvous", "startup", "data", "step", "eval", "save", "shutdown")

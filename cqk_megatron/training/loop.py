@@ -15,22 +15,23 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from cqk_megatron import checkpoint_files, run_lease
 from cqk_megatron.config import RunConfig, validate
 from cqk_megatron.data.checks import run_samples
-from cqk_megatron.device import device
-from cqk_megatron.distributed import (
+from cqk_megatron.errors import EXIT_REQUEUE, EXIT_WATCHDOG
+from cqk_megatron.model.gpt import build_rank_model
+from cqk_megatron.parallel.device import device
+from cqk_megatron.parallel.process_groups import (
     RendezvousError,
     discover,
     init_model_parallel,
     init_process_group,
     seed_cuda_rng_tracker,
 )
-from cqk_megatron.exit_codes import EXIT_REQUEUE, EXIT_WATCHDOG
-from cqk_megatron.model import build_rank_model
 from cqk_megatron.perf.flops import flops_per_token, mfu, peak_flops
 from cqk_megatron.perf.plan import check_fits, gpu_memory_bytes
-from cqk_megatron.run_folder import CHECKPOINTS, SUMMARY, TRAIN, VALID, run_dir_of, write_config
+from cqk_megatron.run import checkpoint_files
+from cqk_megatron.run import lease as run_lease
+from cqk_megatron.run.folder import CHECKPOINTS, SUMMARY, TRAIN, VALID, run_dir_of, write_config
 from cqk_megatron.training import checkpoint, collectives, faults, replicas, watchdog
 from cqk_megatron.training.async_save import Saver
 from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine

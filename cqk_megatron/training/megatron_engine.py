@@ -52,8 +52,8 @@ from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.optimizer_param_scheduler import ParamGroupOverride
 
 from cqk_megatron.config import RunConfig
-from cqk_megatron.model import load_sharded_state, model_chunks, sharded_state_dict
-from cqk_megatron.parallel_plan import Layout
+from cqk_megatron.model.gpt import load_sharded_state, model_chunks, sharded_state_dict
+from cqk_megatron.parallel.layout import Layout
 from cqk_megatron.training.engine import Batch, Engine, StepResult
 from cqk_megatron.training.step_loss import global_mean_loss, schedule_loss_sum
 

@@ -12,7 +12,7 @@ attempt logged after its last checkpoint, and without its summary; a ``final`` f
 S is dropped unless this attempt is the final one. ``run_folder.read_metrics`` is the one reader
 (status, analysis, repro): it applies the same rule to files written before it, or
 interleaved by two writers. The record kinds and that reader are the run contract's
-(``cqk_megatron.run_folder``); this module is their one writer.
+(``cqk_megatron.run.folder``); this module is their one writer.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-from cqk_megatron.atomic import write_text_atomically
 from cqk_megatron.config import RunConfig, to_dict
-from cqk_megatron.run_folder import (
+from cqk_megatron.run.atomic import write_text_atomically
+from cqk_megatron.run.folder import (
     METRICS,
     TRAIN,
     VALID,

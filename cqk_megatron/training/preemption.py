@@ -2,7 +2,7 @@
 
 A signal only sets a flag; at the next step boundary all ranks all-reduce it (so a
 signal that reached one rank stops all of them at the same step), save a checkpoint
-and exit with ``cqk_megatron.exit_codes.EXIT_REQUEUE``, which tells the launcher to
+and exit with ``cqk_megatron.errors.EXIT_REQUEUE``, which tells the launcher to
 requeue the job.
 """
 

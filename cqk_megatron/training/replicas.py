@@ -33,9 +33,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from cqk_megatron.config import RunConfig
-from cqk_megatron.device import to_device
-from cqk_megatron.model import model_chunks
-from cqk_megatron.parallel_layout import global_name
+from cqk_megatron.model.gpt import model_chunks
+from cqk_megatron.parallel.device import to_device
+from cqk_megatron.parallel.sharding import global_name
 from cqk_megatron.training import collectives
 
 DIGEST_WORDS = 4  # a sha256 as four int64

@@ -6,7 +6,7 @@ takes the ``r``-th contiguous slice, split into micro-batches. Resuming therefor
 needs the number of samples consumed: nothing is repeated or skipped.
 
 ``fetch`` is how every batch reaches a model: collated on the host, then on this rank's
-device through ``cqk_megatron.device.to_device`` (pinned memory, non-blocking, on GPU).
+device through ``cqk_megatron.parallel.device.to_device`` (pinned memory, non-blocking, on GPU).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import default_collate
 
-from cqk_megatron.device import to_device
+from cqk_megatron.parallel.device import to_device
 
 
 def micro_batch_indices(

@@ -10,7 +10,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from cqk_megatron.config import RunConfig
-from cqk_megatron.device import device
+from cqk_megatron.parallel.device import device
 from cqk_megatron.training import collectives
 from cqk_megatron.training.engine import Batch
 

@@ -50,9 +50,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from cqk_megatron.exit_codes import EXIT_WATCHDOG
-from cqk_megatron.refusals import is_refusal
-from cqk_megatron.run_folder import FAULTS
+from cqk_megatron.errors import EXIT_WATCHDOG, is_refusal
+from cqk_megatron.run.folder import FAULTS
 from cqk_megatron.training import faults
 
 # Phases that are long and rare: a beat at once tells the peers (steps beat on the clock).
@@ -292,14 +291,14 @@ class Watchdog:
         collective_timeout_s = self.bounds.phase_collective_s(name)
         self.enter(name, outer.step if step is None else step)
         if collective_timeout_s is not None:
-            from cqk_megatron.distributed import set_collective_timeout
+            from cqk_megatron.parallel.process_groups import set_collective_timeout
 
             set_collective_timeout(collective_timeout_s)
         try:
             yield
         finally:
             if collective_timeout_s is not None:
-                from cqk_megatron.distributed import set_collective_timeout
+                from cqk_megatron.parallel.process_groups import set_collective_timeout
 
                 set_collective_timeout(
                     self.bounds.collective_s if self._steps_begun >= 2 else self.bounds.init_s
@@ -307,7 +306,7 @@ class Watchdog:
             self._phase = _Phase(outer.name, outer.step, time.monotonic(), outer.bound_s)
 
     def _lower_collective_timeout(self) -> None:
-        from cqk_megatron.distributed import set_collective_timeout
+        from cqk_megatron.parallel.process_groups import set_collective_timeout
         from cqk_megatron.training import collectives
 
         # torchtitan's order: agree that start-up is over, then lower; else a fast rank's
@@ -694,7 +693,7 @@ def phase(name: str, step: int | None = None):
 def watching(config, dist_env, run_dir: Path | None = None):
     """Run the body under this rank's watchdog (started now, closed after)."""
     global _CURRENT, _GENERATION
-    from cqk_megatron.distributed import _uses_agent_store
+    from cqk_megatron.parallel.process_groups import _uses_agent_store
 
     _GENERATION += 1
     watchdog = Watchdog(

@@ -27,8 +27,8 @@ from cqk_megatron.variants.registry import (
     register_variant,
 )
 
-MATH = "cqk_megatron.coupling"
-FAST = "cqk_megatron.attention.fast_coupling"
+MATH = "cqk_megatron.variants.plain_math"
+FAST = "cqk_megatron.model.attention.fast_coupling"
 INTEGRATOR_OPTIONS = {"hidden": "coupling_hidden", "steps": "steps", "dt_init": "dt_init"}
 Options = Mapping[str, Any]
 
@@ -251,7 +251,7 @@ for _variant in (
 register_scoring(
     ScoringVariant(
         "standard",
-        ("cqk_megatron.attention.sdpa", "SDPACoreAttention"),
+        ("cqk_megatron.model.attention.sdpa", "SDPACoreAttention"),
         calls=_standard_calls,
         memory=_no_terms,
     )
@@ -259,7 +259,7 @@ register_scoring(
 register_scoring(
     ScoringVariant(
         "differential",
-        ("cqk_megatron.attention.differential", "DifferentialCoreAttention"),
+        ("cqk_megatron.model.attention.differential", "DifferentialCoreAttention"),
         math=(MATH, "DifferentialScoring"),
         math_attribute="differential",
         # each map once, two SDPA calls with values 2 head_dim wide (any kernel serves it)

@@ -28,7 +28,7 @@ from types import MappingProxyType
 from typing import Any
 
 ModuleRef = type | tuple[str, str]  # a class, or (module path, class name) as in ModuleSpec
-MATH_FILE = Path(__file__).resolve().parent.parent / "coupling.py"
+MATH_FILE = Path(__file__).resolve().parent / "plain_math.py"
 ADDING = "register one with cqk_megatron.variants (README, Adding a variant)"
 
 

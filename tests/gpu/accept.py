@@ -598,9 +598,9 @@ class Acceptance:
         from transformers import AutoModelForCausalLM
 
         from cqk_megatron.config import load_config
-        from cqk_megatron.device import device, to_device
-        from cqk_megatron.distributed import init_single_process
-        from cqk_megatron.model import build_model
+        from cqk_megatron.model.gpt import build_model
+        from cqk_megatron.parallel.device import device, to_device
+        from cqk_megatron.parallel.process_groups import init_single_process
         from cqk_megatron.training import checkpoint
 
         torch.backends.cuda.matmul.allow_tf32 = False

@@ -16,9 +16,9 @@ import dataclasses
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from cqk_megatron.attention import QKSelfAttention, QKSelfAttentionSubmodules
 from cqk_megatron.config import AttentionConfig, RunConfig
-from cqk_megatron.norm import TorchNorm
+from cqk_megatron.model.attention import QKSelfAttention, QKSelfAttentionSubmodules
+from cqk_megatron.model.norm import TorchNorm
 from cqk_megatron.variants import coupling, scoring
 
 

@@ -17,8 +17,8 @@ The files (each name defined here and nowhere else):
   ``failed``, ``cancelled``, ...; see ``launch/run_dir.py`` and ``launch/attempts.py``);
 - ``faults.jsonl`` (``FAULTS``): the watchdog's crash records and verdicts
   (``cqk_megatron.training.watchdog``);
-- ``lease.json`` (``LEASE``): which process holds the run (``cqk_megatron.run_lease``);
-- ``checkpoints/`` (``CHECKPOINTS``): ``cqk_megatron.checkpoint_files`` owns the names in
+- ``lease.json`` (``LEASE``): which process holds the run (``cqk_megatron.run.lease``);
+- ``checkpoints/`` (``CHECKPOINTS``): ``cqk_megatron.run.checkpoint_files`` owns the names in
   it (``iter_NNNNNNN``, ``manifest.json``, ``latest``);
 - ``superseded/<UTC time>/`` (``SUPERSEDED``): what a run moved out of the way instead of
   deleting it (checkpoints newer than the one it resumed from, or everything on
@@ -51,9 +51,9 @@ repro and analysis use:
 - ``new``: nothing of the above yet (a folder with at most a config and a submission).
 
 The other facts of the contract have one home each, beside this module: checkpoint names
-in ``cqk_megatron.checkpoint_files``, exit codes in ``cqk_megatron.exit_codes``, the
-rendezvous-port rule in ``cqk_megatron.ports``, atomic writes (with the umask's
-permissions) in ``cqk_megatron.atomic``.
+in ``cqk_megatron.run.checkpoint_files``, exit codes in ``cqk_megatron.errors``, the
+rendezvous-port rule in ``cqk_megatron.parallel.ports``, atomic writes (with the umask's
+permissions) in ``cqk_megatron.run.atomic``.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ from typing import Literal
 
 import yaml
 
-from cqk_megatron.atomic import write_text_atomically
 from cqk_megatron.config import RunConfig, to_dict
+from cqk_megatron.run.atomic import write_text_atomically
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -325,7 +325,7 @@ def _launcher_failure(history: list[dict]) -> dict | None:
 
 def _held_by_another_job(run_dir: Path, failure: dict) -> bool:
     """A live process holds the run's lease and is not of the job that ``failure`` ended."""
-    from cqk_megatron import run_lease  # it imports this module for the file's name
+    from cqk_megatron.run import lease as run_lease  # it imports this module for the file's name
 
     holder = run_lease.live_holder(run_dir)
     return holder is not None and holder.job_id != str(failure.get("job_id"))

@@ -1,6 +1,6 @@
-"""The couplings of ``cqk_megatron.coupling`` in a form with fewer kernels and copies.
+"""The couplings of ``cqk_megatron.variants.plain_math`` in a form with fewer kernels and copies.
 
-``coupling.py`` stays the readable reference (and is what Hugging Face exports run);
+``plain_math.py`` stays the readable reference (and is what Hugging Face exports run);
 this module computes the same functions from the same parameters, rearranged so that
 less is computed and an elementwise chain can fuse:
 
@@ -41,14 +41,14 @@ import torch.nn.functional as F
 from torch._dynamo.exc import TorchDynamoException
 from torch.utils.checkpoint import checkpoint
 
-from cqk_megatron.coupling import (
+from cqk_megatron.variants import COUPLING_IMPLS, coupling_for_class
+from cqk_megatron.variants.plain_math import (
     HeadMLP,
     InvertibleCoupling,
     MLPOnlyCoupling,
     QKCoupling,
     _group_size,
 )
-from cqk_megatron.variants import COUPLING_IMPLS, coupling_for_class
 
 RUN_IMPLS = (*COUPLING_IMPLS, "reference")  # attention.coupling_impl's, and the module itself
 
@@ -243,7 +243,7 @@ def fused_coupling(coupling: QKCoupling, q, k, compiled: bool = False):
 def apply_coupling(coupling: QKCoupling, q, k, impl: str = "eager"):
     """``eager``: the fused form (the reference module for a class without one);
     ``compiled``: the fused form under ``torch.compile``; ``reference``: the module of
-    ``coupling.py`` itself (for benchmarks and tests, not a config choice)."""
+    ``plain_math.py`` itself (for benchmarks and tests, not a config choice)."""
     if impl == "compiled" or (impl == "eager" and has_fused_form(coupling)):
         return fused_coupling(coupling, q, k, compiled=impl == "compiled")
     if impl in ("eager", "reference"):

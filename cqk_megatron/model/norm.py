@@ -25,7 +25,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from cqk_megatron.attention.tp_grads import sum_partial_grads_across_tp
+from cqk_megatron.model.attention.tp_grads import sum_partial_grads_across_tp
 
 NORMS: dict[str, type[torch.nn.Module]] = {
     "RMSNorm": torch.nn.RMSNorm,

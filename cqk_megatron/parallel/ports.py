@@ -1,5 +1,5 @@
 """The rendezvous-port rule, in one place (torch-free: the launcher derives a job's port
-without Megatron; ``cqk_megatron.distributed`` and ``launch/job.py`` both read it here).
+without Megatron; ``cqk_megatron.parallel.process_groups`` and ``launch/job.py`` both read it here).
 
 Rendezvous ports stay below Linux's default ephemeral range (32768-60999): there the
 kernel hands out ports to outgoing connections and to gloo's own listeners, and a derived

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cqk_megatron import checkpoint_files, run_lease
 from cqk_megatron.config import ConfigError, RunConfig, load_config
-from cqk_megatron.config_changes import LOCATION_KEYS, changes, listed, shape_changes
+from cqk_megatron.config.changes import LOCATION_KEYS, changes, listed, shape_changes
 from cqk_megatron.data.checks import check_run_data
 from cqk_megatron.data.errors import DataError
 from cqk_megatron.perf.memory import BYTES, total_parameters
-from cqk_megatron.run_folder import (
+from cqk_megatron.run import checkpoint_files
+from cqk_megatron.run import lease as run_lease
+from cqk_megatron.run.folder import (
     CHECKPOINTS,
     CONFIG,
     SUPERSEDED,

@@ -60,10 +60,10 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from torch.autograd.function import once_differentiable
 
-from cqk_megatron.attention.sdpa import SDPACoreAttention, sdpa_backend
-from cqk_megatron.attention.tp_grads import sum_partial_grads_across_tp
-from cqk_megatron.coupling import DifferentialScoring, pair_values
+from cqk_megatron.model.attention.sdpa import SDPACoreAttention, sdpa_backend
+from cqk_megatron.model.attention.tp_grads import sum_partial_grads_across_tp
 from cqk_megatron.variants import DIFFERENTIAL_KERNEL_SETTINGS
+from cqk_megatron.variants.plain_math import DifferentialScoring, pair_values
 
 KERNEL_SETTINGS = DIFFERENTIAL_KERNEL_SETTINGS  # attention.differential_kernel: auto or a form
 FAST_WIDE_VALUE_BACKENDS = ("flash", "cudnn")  # SDPA kernels for which auto pairs
@@ -275,7 +275,7 @@ class DifferentialCoreAttention(SDPACoreAttention):
         ).to(dtype=config.params_dtype)
         # lambda and subln are whole on every TP rank but each rank uses them on its heads
         sum_partial_grads_across_tp(self.differential, self.tp_group)
-        self.reference = reference  # run coupling.py's module as it is (benchmarks)
+        self.reference = reference  # run plain_math.py's module as it is (benchmarks)
         self.last_path: str | None = None  # what the last forward ran: te, maps or sdpa
         self.te_attention = None
         if backend == "transformer_engine" and self.kernel == "paired" and device.type == "cuda":
@@ -292,7 +292,7 @@ class DifferentialCoreAttention(SDPACoreAttention):
         return {
             "differential_kernel": attention.differential_kernel,
             "backend": backend,
-            # cqk-bench's @reference (set past validation): coupling.py's modules as they are
+            # cqk-bench's @reference (set past validation): plain_math.py's modules as they are
             "reference": attention.coupling_impl == "reference",
         }
 

@@ -28,7 +28,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cqk_megatron.run_folder import LEASE
+from cqk_megatron.run.folder import LEASE
 
 TAKEOVER_STALE_S = 60.0  # a takeover file older than this was left by a dead contender
 

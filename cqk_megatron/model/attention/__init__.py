@@ -1,9 +1,9 @@
 """Megatron-Core attention modules: SDPA core attention, differential scoring, and
 self-attention with a (q, k) coupling."""
 
-from cqk_megatron.attention.coupled import QKSelfAttention, QKSelfAttentionSubmodules
-from cqk_megatron.attention.differential import DifferentialCoreAttention
-from cqk_megatron.attention.sdpa import SDPACoreAttention
+from cqk_megatron.model.attention.coupled import QKSelfAttention, QKSelfAttentionSubmodules
+from cqk_megatron.model.attention.differential import DifferentialCoreAttention
+from cqk_megatron.model.attention.sdpa import SDPACoreAttention
 
 __all__ = [
     "DifferentialCoreAttention",

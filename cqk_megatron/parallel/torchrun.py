@@ -1,4 +1,4 @@
-"""``cqk-torchrun`` (``python -m cqk_megatron.torchrun``): torchrun, exiting with the
+"""``cqk-torchrun`` (``python -m cqk_megatron.parallel.torchrun``): torchrun, exiting with the
 training's own code.
 
 torchrun ends with exit 1 whenever a worker does not exit 0, and with a
@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cqk_megatron.exit_codes import EXIT_REQUEUE
+from cqk_megatron.errors import EXIT_REQUEUE
 
 ENV_EXIT_DIR = "CQK_EXIT_DIR"
 SHUTDOWN_TIMEOUT_S = 300

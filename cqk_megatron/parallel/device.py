@@ -6,7 +6,7 @@ On a CPU run both are the identity; on a GPU run they are what an ``nccl`` proce
 needs (it takes CUDA tensors only: a CPU tensor in a collective raises ``No backend type
 associated with device type cpu``) and what a model on ``cuda:N`` needs.
 
-The rank's GPU is ``LOCAL_RANK`` (torchrun; ``cqk_megatron.distributed`` sets it from
+The rank's GPU is ``LOCAL_RANK`` (torchrun; ``cqk_megatron.parallel.process_groups`` sets it from
 ``SLURM_LOCALID`` under srun/submitit) modulo the GPUs this process sees, so a job that
 gives each task one GPU through ``CUDA_VISIBLE_DEVICES`` gets ``cuda:0`` on every rank.
 """

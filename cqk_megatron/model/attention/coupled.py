@@ -8,7 +8,7 @@ tensors. Without a coupling the module is exactly ``SelfAttention``.
 
 How the coupling runs is ``fast_coupling.run_coupling``'s business: its fused form,
 eagerly or through ``torch.compile`` (``coupling_impl``), optionally recomputed in the
-backward (``recompute_coupling``). The parameters stay those of the ``coupling.py``
+backward (``recompute_coupling``). The parameters stay those of the ``plain_math.py``
 module in ``self.coupling``, so checkpoints and exports do not depend on either choice.
 """
 
@@ -20,8 +20,8 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from cqk_megatron.attention.fast_coupling import RUN_IMPLS, has_fused_form, run_coupling
-from cqk_megatron.attention.tp_grads import sum_partial_grads_across_tp
+from cqk_megatron.model.attention.fast_coupling import RUN_IMPLS, has_fused_form, run_coupling
+from cqk_megatron.model.attention.tp_grads import sum_partial_grads_across_tp
 from cqk_megatron.variants import COUPLING_POSITIONS
 
 

@@ -1,7 +1,7 @@
 """The math of every attention variant, in plain PyTorch.
 
 This file imports nothing from this package or from Megatron: the Megatron layers in
-``cqk_megatron.attention`` and the exported Hugging Face modeling code both use it (the
+``cqk_megatron.model.attention`` and the exported Hugging Face modeling code both use it (the
 exporter copies it verbatim beside ``modeling_cqk.py``), so the two match by construction.
 
 Shapes follow Megatron: ``q`` is ``[..., q_heads, head_dim]`` and ``k`` is

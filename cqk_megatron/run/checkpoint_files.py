@@ -22,17 +22,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cqk_megatron import file_hash
-from cqk_megatron.atomic import write_text_atomically
 from cqk_megatron.config import ConfigError, RunConfig, load_config
-from cqk_megatron.config_changes import (
+from cqk_megatron.config.changes import (
     Change,
     schedule_changes,
     shape_changes,
     shape_mismatch_message,
 )
-from cqk_megatron.file_hash import CHECKPOINT_HASH, HASHES
-from cqk_megatron.run_folder import CHECKPOINTS, CONFIG, METRICS, SUPERSEDED, supersede
+from cqk_megatron.run import file_hash
+from cqk_megatron.run.atomic import write_text_atomically
+from cqk_megatron.run.file_hash import CHECKPOINT_HASH, HASHES
+from cqk_megatron.run.folder import CHECKPOINTS, CONFIG, METRICS, SUPERSEDED, supersede
 
 MANIFEST = "manifest.json"  # written last: the folder is whole
 LATEST = "latest"  # in checkpoints/: the name of the newest complete folder

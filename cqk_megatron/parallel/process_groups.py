@@ -5,9 +5,9 @@ Works under torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/
 and the first node of ``SLURM_JOB_NODELIST``) and submitit (which sets the Slurm
 variables too). The default process group is NCCL on GPU and gloo on CPU (why not both
 backends at once: ``cqk_megatron.training.collectives``), and the rank's GPU is bound
-(``cqk_megatron.device.bind``) before it is created. A single process started without any
+(``cqk_megatron.parallel.device.bind``) before it is created. A single process started without any
 of these (a plain ``cqk-train``) rendezvouses on a port that is free now (the port rule:
-``cqk_megatron.ports``), so two of them on
+``cqk_megatron.parallel.ports``), so two of them on
 one machine do not collide; a port already taken is reported with how to choose another.
 """
 
@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from cqk_megatron import cpu_bridge
 from cqk_megatron.config import RunConfig
-from cqk_megatron.device import bind
-from cqk_megatron.ports import free_port, rendezvous_port
+from cqk_megatron.parallel import cpu_bridge
+from cqk_megatron.parallel.device import bind
+from cqk_megatron.parallel.ports import free_port, rendezvous_port
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ def count_variant_parameters(config: RunConfig, variant: str) -> int:
     on ``planner.parameters.count_parameters``, which plans and analysis use."""
     import torch
 
-    from cqk_megatron.distributed import init_single_process
-    from cqk_megatron.model import build_model
-    from cqk_megatron.model import count_parameters as count_built
+    from cqk_megatron.model.gpt import build_model
+    from cqk_megatron.model.gpt import count_parameters as count_built
+    from cqk_megatron.parallel.process_groups import init_single_process
 
     config = validate(variant_config(config, variant))
     init_single_process(config)

@@ -13,9 +13,9 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from cqk_megatron.config import RunConfig
-from cqk_megatron.device import device
-from cqk_megatron.norm import TorchNorm
-from cqk_megatron.specs import layer_spec_from_config
+from cqk_megatron.model.norm import TorchNorm
+from cqk_megatron.model.specs import layer_spec_from_config
+from cqk_megatron.parallel.device import device
 
 # fp64 is for numerical checks on CPU (layout equivalence far below fp32 rounding).
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}

@@ -1,0 +1,80 @@
+"""The run configuration, torch-free: ``schema`` (the dataclasses, the one source of truth),
+``load`` (YAML files, ``include:`` and ``key=value`` overrides), ``checks`` (``validate()``) and
+``changes`` (what differs between two configs). Import from here: ``from cqk_megatron.config
+import RunConfig, load_config, validate``."""
+
+from __future__ import annotations
+
+from cqk_megatron.config.checks import (
+    Hardware,
+    StatedHardware,
+    ThisMachine,
+    check_fault_bounds,
+    config_errors,
+    hardware_errors,
+    validate,
+)
+from cqk_megatron.config.load import (
+    apply_model_family,
+    apply_overrides,
+    load_config,
+    load_yaml_dict,
+    save_config,
+)
+from cqk_megatron.config.schema import (
+    CONFIGS_DIR,
+    MODEL_FAMILIES,
+    OPTIMIZER_CHECKPOINTS,
+    POSITION_EMBEDDINGS,
+    RECOMPUTE,
+    RECOMPUTE_METHODS,
+    AttentionConfig,
+    ConfigError,
+    DataConfig,
+    LogConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+    family_overrides,
+    from_dict,
+    to_dict,
+)
+
+# the registry's live views of variant names, as the config knows them
+from cqk_megatron.variants import COUPLINGS, SCORINGS, VARIANTS
+
+__all__ = [
+    "AttentionConfig",
+    "CONFIGS_DIR",
+    "COUPLINGS",
+    "ConfigError",
+    "DataConfig",
+    "Hardware",
+    "LogConfig",
+    "MODEL_FAMILIES",
+    "ModelConfig",
+    "OPTIMIZER_CHECKPOINTS",
+    "POSITION_EMBEDDINGS",
+    "ParallelConfig",
+    "RECOMPUTE",
+    "RECOMPUTE_METHODS",
+    "RunConfig",
+    "SCORINGS",
+    "StatedHardware",
+    "ThisMachine",
+    "TrainConfig",
+    "VARIANTS",
+    "apply_model_family",
+    "apply_overrides",
+    "check_fault_bounds",
+    "config_errors",
+    "family_overrides",
+    "from_dict",
+    "hardware_errors",
+    "load_config",
+    "load_yaml_dict",
+    "save_config",
+    "to_dict",
+    "validate",
+]

@@ -1,0 +1,46 @@
+"""How a run ends badly, in one place (torch-free: the launcher, the local controller and
+the Slurm batch script read it without importing torch): the exit codes, and which errors
+refuse a run.
+
+Exit codes:
+
+- ``0``: the run finished (or this attempt's work is done).
+- ``EXIT_REQUEUE`` (75, EX_TEMPFAIL): stopped on purpose (a signal, the wall-clock budget,
+  ``train.exit_after_steps``) after saving a checkpoint; run it again to resume.
+- ``EXIT_WATCHDOG`` (76): the watchdog ended this rank because the job cannot go on: a
+  peer died, stopped answering, overran its phase bound, or never arrived at rendezvous.
+  The rank that exits with it is a survivor, not the cause; its one-line verdict (and
+  ``RUN/faults.jsonl``) names the rank that is. Relaunch from the newest checkpoint.
+- ``EXIT_REFUSED`` (2): refused before training (a bad config, data, run folder, lease or
+  checkpoints; one line says why), or stopped at a save because the disk is full (the
+  previous checkpoint intact; the line names the path and the free space): running it
+  again as it is cannot help, so it is not relaunched. ``1``: any other error.
+- ``EXIT_INJECTED`` (3): a fault drill's ``action=exit`` (``cqk_megatron.training.faults``):
+  a bad exit that is none of the above, as an unknown failure would be.
+
+Refusals: a refused run (its folder held by another job, checkpoints that do not verify, bad data or
+config) ends with ``EXIT_REFUSED`` and one line, is never relaunched (a relaunch cannot
+change it), and leaves its folder as it was. A failed save is a failure, not a refusal,
+unless its disk is full (``CheckpointSaveError.disk_full``): the run stops with the
+previous checkpoint intact, and a relaunch onto the same disk would fail the same way.
+``cqk-train``, the launcher's job and the watchdog all ask :func:`is_refusal`.
+Each error class lives in a torch-free module of its own concern.
+"""
+
+from __future__ import annotations
+
+EXIT_REQUEUE = 75
+EXIT_WATCHDOG = 76
+EXIT_REFUSED = 2
+EXIT_INJECTED = 3
+
+
+def is_refusal(error: BaseException) -> bool:
+    from cqk_megatron.config import ConfigError
+    from cqk_megatron.data.errors import DataError
+    from cqk_megatron.run.checkpoint_files import CheckpointError, CheckpointSaveError
+    from cqk_megatron.run.lease import LeaseHeld
+
+    if isinstance(error, CheckpointSaveError):
+        return error.disk_full
+    return isinstance(error, (LeaseHeld, CheckpointError, DataError, ConfigError))
