@@ -2,7 +2,7 @@
 
 Runs under torchrun, ``srun`` or submitit (see ``cqk_megatron.parallel.process_groups``), on CPU
 (gloo, fp32) or GPU (NCCL, bf16). Before a process group is built it runs the pre-flight
-checks (``cqk_megatron.run.preflight``: data, tokenizer, run folder and its lease, checkpoints,
+checks (``cqk_megatron.planner.preflight``: data, tokenizer, run folder and its lease, checkpoints,
 disk). Exit codes (``cqk_megatron/errors.py``): 0 finished, 75 stopped by a signal or
 the wall-clock budget after saving a checkpoint (requeue and run again with ``--resume
 auto``), 76 the watchdog ended it (a rank was lost: relaunch), 2 refused before training (a
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = validate(load_config(args.config, args.overrides), _launch_world_size())
         if not args.skip_preflight:
-            from cqk_megatron.run.preflight import preflight
+            from cqk_megatron.planner.preflight import preflight
 
             for note in preflight(config, args.resume):
                 if _rank0():

@@ -11,7 +11,7 @@ Trailing ``section.key=value`` arguments override the run config (every run of a
 ``--dry-run`` prints the resolved config, the parallel layout and the sbatch script, and
 submits nothing. Runs that finished are skipped; runs with a job still queued or running,
 or whose folder another live process holds (``lease.json``), are skipped; the others are
-checked before anything is written or queued (``cqk_megatron.run.preflight``: data, tokenizer,
+checked before anything is written or queued (``cqk_megatron.planner.preflight``: data, tokenizer,
 sequence length, the run folder's recorded config and checkpoints, free disk; a refusal
 is one line and exit 2), then submitted, and resume from their newest complete checkpoint
 (``--resume`` says otherwise, for the first attempt only). Waiting on its jobs, the launcher
@@ -234,7 +234,7 @@ def held_by(plan: RunPlan) -> str | None:
 def preflight_refusal(plans: list[RunPlan], resume: str, dry_run: bool = False) -> str | None:
     """The first run that would fail, as one line (``None``: all can start); notes are
     printed. Reads only: nothing is written or queued before this passes."""
-    from cqk_megatron.run.preflight import PreflightError, preflight
+    from cqk_megatron.planner.preflight import PreflightError, preflight
 
     for plan in plans:
         try:

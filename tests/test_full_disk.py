@@ -88,17 +88,24 @@ def test_a_full_disk_at_a_save_refuses_the_job_on_every_rank_and_keeps_the_last_
     checkpoints = run_dir / "checkpoints"
     first = _submit(small_disk)
     assert first.returncode != 0, first.stdout[-3000:]
-    # one attempt, not relaunched: the ranks stopped at the save's agreement, the first to
-    # exit with 2 (the launcher then ends a rank still closing down: -9), and no watchdog
-    # verdict (a rank that waited for its bound would have one, and exit 76)
-    assert len(events(run_dir, "started")) == 1, first.stdout[-3000:]
-    (failed,) = events(run_dir, "failed")
+    attempts = events(run_dir, "failed")
+    # An attempt that failed before its first step, for a reason of its own, is relaunched
+    # as it should be (seen once in CI on a busy machine, its record not kept): it says
+    # nothing about the full disk. Any other earlier attempt is the defect this test is for.
+    *before, failed = attempts
+    for attempt in before:
+        assert attempt["step_reached"] is None and attempt["decision"] == "relaunch", attempts
+    # The attempt that met the disk: not relaunched: the ranks stopped at the save's
+    # agreement, the first to exit with 2 (the launcher then ends a rank still closing
+    # down: -9), and no watchdog verdict (a rank that waited for its bound would have one,
+    # and exit 76)
+    assert len(events(run_dir, "started")) == len(attempts), (attempts, first.stdout[-3000:])
     assert failed["decision"] == "stop", failed
     assert failed["cause"]["exit"] == EXIT_REFUSED, failed
     exits = failed["exits"]
     assert EXIT_REFUSED in exits.values() and set(exits.values()) <= {EXIT_REFUSED, -9}, failed
     assert set(failed["ended_by_launcher"]) == {int(r) for r, code in exits.items() if code == -9}
-    records = faults_records(run_dir)
+    records = [r for r in faults_records(run_dir) if r["time"] >= failed["attempt_started"]]
     assert [r["event"] for r in records] == ["refused"], records
     # the cause names the full disk, the path and the free space, in the job's record too
     (refused,) = events(run_dir, "refused")

@@ -369,7 +369,7 @@ def test_a_full_disk_says_no_space_and_keeps_the_previous_checkpoint(tmpfs):
     assert not (checkpoints / "iter_0000004.tmp").exists()  # removed to make room
     # and the pre-flight of cqk-train / the launcher refuses to start it on this disk
     from cqk_megatron.config import load_config
-    from cqk_megatron.run.preflight import PreflightError, check_disk
+    from cqk_megatron.planner.preflight import PreflightError, check_disk
 
     config = load_config(
         None,

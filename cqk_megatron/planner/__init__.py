@@ -2,6 +2,8 @@
 configs, below both ``launch/`` and ``analysis/`` (it imports neither, nor the training
 engine, and starts no process).
 
+- ``preflight``: what can be checked from files before a job is queued or a process
+  group is built (data, checkpoints, lease, memory).
 - ``runs``: the one place a variant becomes config fields (``variant_overrides``,
   ``with_variant``), and the one that plans and validates a run (``plan_config``).
 - ``parameters``: a model's parameter count without building Megatron's model or

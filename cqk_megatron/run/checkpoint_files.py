@@ -24,8 +24,6 @@ from pathlib import Path
 
 from cqk_megatron.config import ConfigError, RunConfig, load_config
 from cqk_megatron.config.changes import (
-    Change,
-    schedule_changes,
     shape_changes,
     shape_mismatch_message,
 )
@@ -354,25 +352,6 @@ def check_same_shape(folder: Path, config: RunConfig, fix: str) -> None:
     found = shape_changes(saved, config)
     if found:
         raise CheckpointError(shape_mismatch_message(f"checkpoint {folder}", found, fix))
-
-
-def schedule_warning(folder: Path, config: RunConfig, step: int) -> str | None:
-    """A warning when the learning-rate schedule differs from the checkpoint's."""
-    from cqk_megatron.training.lr_schedule import learning_rate
-
-    saved = saved_config(folder)
-    if saved is None:
-        return None
-    found: list[Change] = schedule_changes(saved, config)
-    if not found:
-        return None
-    before, now = learning_rate(step, saved.train), learning_rate(step, config.train)
-    return (
-        f"warning: the learning-rate schedule differs from checkpoint {folder.name}'s ("
-        + ", ".join(str(c) for c in found)
-        + f"): the learning rate at step {step} is {now:.3g} where the saved schedule gives "
-        f"{before:.3g}; keep the saved values to continue the same schedule"
-    )
 
 
 # -- where a run starts -------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from cqk_megatron.training import checkpoint, collectives, faults, replicas, wat
 from cqk_megatron.training.async_save import Saver
 from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine
 from cqk_megatron.training.engine import Engine
-from cqk_megatron.training.lr_schedule import learning_rate
+from cqk_megatron.training.lr_schedule import learning_rate, schedule_warning
 from cqk_megatron.training.metrics import MetricsLogger
 from cqk_megatron.training.preemption import StopRequest, protect_checkpoint_writer
 from cqk_megatron.training.sampler import collate, fetch, micro_batch_indices
@@ -382,7 +382,7 @@ def _start_run(run_dir: Path, config: RunConfig, choice, plan, state) -> None:
                 file=sys.stderr,
                 flush=True,
             )
-        warning = checkpoint_files.schedule_warning(folder, config, state.step)
+        warning = schedule_warning(folder, config, state.step)
         if warning:
             print(warning, file=sys.stderr, flush=True)
     write_config(run_dir, config)

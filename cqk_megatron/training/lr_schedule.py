@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
-from cqk_megatron.config import TrainConfig
+from cqk_megatron.config import RunConfig, TrainConfig
+from cqk_megatron.config.changes import Change, schedule_changes
+from cqk_megatron.run.checkpoint_files import saved_config
 
 
 def learning_rate(step: int, train: TrainConfig) -> float:
@@ -28,3 +31,20 @@ def learning_rate(step: int, train: TrainConfig) -> float:
     span = max(1, train.train_steps - train.warmup_steps)
     progress = min(1.0, (step - train.warmup_steps) / span)
     return train.min_lr + 0.5 * (train.lr - train.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def schedule_warning(folder: Path, config: RunConfig, step: int) -> str | None:
+    """A warning when the learning-rate schedule differs from the checkpoint's."""
+    saved = saved_config(folder)
+    if saved is None:
+        return None
+    found: list[Change] = schedule_changes(saved, config)
+    if not found:
+        return None
+    before, now = learning_rate(step, saved.train), learning_rate(step, config.train)
+    return (
+        f"warning: the learning-rate schedule differs from checkpoint {folder.name}'s ("
+        + ", ".join(str(c) for c in found)
+        + f"): the learning rate at step {step} is {now:.3g} where the saved schedule gives "
+        f"{before:.3g}; keep the saved values to continue the same schedule"
+    )

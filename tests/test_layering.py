@@ -1,0 +1,213 @@
+"""The house rules of docs/architecture.md, as tests that fail when a change breaks them.
+
+Read from the source (``ast``), not by importing: every ``import`` counts, also one inside
+a function, since a lazy import is a dependency all the same. A package here is a folder
+of ``cqk_megatron/`` (``cqk_megatron.model``), a module at its top (``cqk_megatron.train``),
+``launch`` or ``data_tools``.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+OURS = ("cqk_megatron", "launch", "data_tools")
+ENGINES = ("torch", "megatron", "deepspeed", "transformer_engine", "apex", "transformers")
+MAX_TOP_LEVEL_FILES = 5
+MAX_FUNCTION_LINES = 80
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, imported module) for every import in the file; ``from a import b`` yields
+    ``a`` and ``a.b`` (b may be a module)."""
+    me = _module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            yield node.lineno, module
+            for alias in node.names:
+                yield node.lineno, f"{module}.{alias.name}"
+
+
+def _sources() -> list[Path]:
+    found = []
+    for top in OURS:
+        found += sorted((REPO / top).rglob("*.py"))
+    # the exported Hugging Face code runs outside this package, with its own relative imports
+    return [p for p in found if "hf_remote" not in p.parts]
+
+
+def _unit(module: str) -> str:
+    """The package a module belongs to, for the package graph."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "cqk_megatron" and len(parts) > 1 else parts[0]
+
+
+def _is(module: str, *prefixes: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def _violations(files: list[Path], forbidden: tuple[str, ...], rule: str) -> list[str]:
+    return [
+        f"{path.relative_to(REPO)}:{line} imports {module}: {rule}"
+        for path in files
+        for line, module in _imports(path)
+        if _is(module, *forbidden)
+    ]
+
+
+def _files(folder: str) -> list[Path]:
+    return sorted((REPO / folder).rglob("*.py"))
+
+
+def test_the_math_imports_nothing_of_the_package_or_megatron():
+    # it is copied verbatim into every Hugging Face export, where only torch exists
+    math = [REPO / "cqk_megatron/variants/plain_math.py"]
+    found = _violations(
+        math, ("cqk_megatron", "launch", "megatron", "deepspeed", "transformers"), "the math"
+    )
+    assert found == []
+
+
+# Reading the machine needs torch: validate() asks it only for a check that depends on it
+# (tests/test_config.py::test_validate_reads_the_machine_only_where_a_check_needs_it).
+MACHINE_PROBE = ("cqk_megatron/config/checks.py", "_cuda_available")
+
+
+def _enclosing_function(path: Path, line: int) -> str | None:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef) and node.lineno <= line <= node.end_lineno:
+            return node.name
+    return None
+
+
+def test_config_and_run_import_no_torch():
+    # the launcher and the analysis read configs and run folders on a login node
+    files = _files("cqk_megatron/config") + _files("cqk_megatron/run")
+    found = [
+        f"{path.relative_to(REPO)}:{line} imports {module}: config/ and run/ are torch-free"
+        for path in files
+        for line, module in _imports(path)
+        if _is(module, *ENGINES)
+        and (str(path.relative_to(REPO)), _enclosing_function(path, line)) != MACHINE_PROBE
+    ]
+    assert found == []
+
+
+def test_the_model_imports_no_training_launch_or_analysis():
+    forbidden = ("cqk_megatron.training", "launch", "cqk_megatron.analysis", "cqk_megatron.cli")
+    assert _violations(_files("cqk_megatron/model"), forbidden, "model/ is below them") == []
+
+
+def test_analysis_reads_files_and_never_the_engine():
+    forbidden = ENGINES[1:] + (
+        "cqk_megatron.training",
+        "cqk_megatron.model",
+        "cqk_megatron.parallel",
+    )
+    assert _violations(_files("cqk_megatron/analysis"), forbidden, "analysis reads files") == []
+
+
+def _command_line_modules() -> set[str]:
+    """Modules that parse a command line: the console scripts' targets (setup.py), the
+    ``cqk`` dispatcher and everything under ``cqk_megatron/cli/``."""
+    setup = (REPO / "setup.py").read_text()
+    targets = set(re.findall(r'"[\w-]+\s*=\s*([\w.]+):\w+"', setup))
+    targets |= {"cqk_megatron.__main__", "cqk_megatron.cli", "launch.submit"}
+    return targets
+
+
+def test_training_imports_no_command_line_module():
+    cli = tuple(sorted(_command_line_modules()))
+    found = _violations(_files("cqk_megatron/training"), cli, "a command line imports training")
+    assert found == []
+
+
+def _package_graph() -> dict[str, dict[str, str]]:
+    """unit -> {imported unit: the first place it is imported}."""
+    graph: dict[str, dict[str, str]] = defaultdict(dict)
+    for path in _sources():
+        me = _unit(_module_name(path))
+        for line, module in _imports(path):
+            if module.split(".")[0] in OURS and _unit(module) != me:
+                graph[me].setdefault(_unit(module), f"{path.relative_to(REPO)}:{line}")
+    return graph
+
+
+def _cycles(graph: dict[str, dict[str, str]]) -> list[list[str]]:
+    """Each strongly connected group of more than one package (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, {}):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                top = stack.pop()
+                group.append(top)
+                if top == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return groups
+
+
+def test_no_two_packages_depend_on_each_other():
+    graph = _package_graph()
+    found = []
+    for group in _cycles(graph):
+        edges = [f"{a} -> {b} ({graph[a][b]})" for a in group for b in group if b in graph[a]]
+        found.append("a cycle: " + "; ".join(edges))
+    assert found == [], "\n".join(found)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b": "x"}, "b": {"c": "y"}, "c": {"a": "z"}, "d": {"a": "w"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_the_package_has_at_most_five_files_at_its_top():
+    top = sorted(p.name for p in (REPO / "cqk_megatron").glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_FILES, top
+
+
+def test_no_function_in_the_package_is_longer_than_80_lines():
+    long = []
+    for path in sorted((REPO / "cqk_megatron").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {lines}")
+    assert long == [], "\n".join(long)
