@@ -192,6 +192,32 @@ def test_no_two_packages_depend_on_each_other():
     assert found == [], "\n".join(found)
 
 
+# docs/architecture.md's layers, lowest first: a package imports its own layer or lower ones
+LAYERS = [
+    ["cqk_megatron.variants", "cqk_megatron.errors"],
+    ["cqk_megatron.config", "cqk_megatron.run"],
+    ["cqk_megatron.data"],
+    ["cqk_megatron.model", "cqk_megatron.parallel"],
+    ["cqk_megatron.training"],
+    ["cqk_megatron.perf", "cqk_megatron.planner", "cqk_megatron.convert", "cqk_megatron.eval"],
+    ["launch", "cqk_megatron.analysis", "cqk_megatron.repro", "data_tools"],
+    ["cqk_megatron.cli", "cqk_megatron.__main__", "cqk_megatron.train"],
+]
+
+
+def test_no_package_imports_a_higher_layer():
+    layer = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+    graph = _package_graph()
+    assert set(graph) <= set(layer), f"give these a layer: {sorted(set(graph) - set(layer))}"
+    found = [
+        f"{a} (layer {layer[a]}) imports {b} (layer {layer[b]}) at {where}"
+        for a, imported in sorted(graph.items())
+        for b, where in sorted(imported.items())
+        if layer.get(b, -1) > layer[a]
+    ]
+    assert found == [], "\n".join(found)
+
+
 def test_the_cycle_finder_finds_a_cycle():
     graph = {"a": {"b": "x"}, "b": {"c": "y"}, "c": {"a": "z"}, "d": {"a": "w"}}
     assert _cycles(graph) == [["a", "b", "c"]]
