@@ -93,7 +93,7 @@ def reference_run(tmp_path_factory, timeout_s: float = 600) -> Path:
 
 
 def measured(fault: str, **values) -> None:
-    """One line per measurement, for the README's table (``pytest -s ... | grep measured``)."""
+    """One line per measurement, for docs/faults.md's table (``pytest -s ... | grep measured``)."""
     text = ", ".join(
         f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items()
     )

@@ -167,7 +167,7 @@ def test_paper_gains_and_crossover(capsys, tmp_path):
     assert 150e6 < crossover < 350e6
     assert compare.crossover_from_points(points, "coupled", "differential") is None
 
-    # The same through the command line, as the README shows it.
+    # The same through the command line, as docs/results.md shows it.
     csv = tmp_path / "paper.csv"
     points.to_csv(csv, index=False)
     cli.main(["gains", str(csv)])

@@ -15,8 +15,8 @@ the test fails.
   tests/test_multinode.py.) These jobs and the plain ones all run at once.
 - cqk-torchrun: a preemption (SIGTERM to torchrun and its workers) ends with 75.
 
-Measured numbers are printed as ``measured: ...`` lines (``pytest -s``); the README's
-fault table comes from them.
+Measured numbers are printed as ``measured: ...`` lines (``pytest -s``); the fault
+table of docs/faults.md comes from them.
 """
 
 from __future__ import annotations

@@ -297,7 +297,7 @@ def test_mqar_model_starts_at_a_width_appropriate_scale(hidden, family):
 
 
 def test_mqar_probe_freezes_exactly_the_coupling_and_restores_the_builder():
-    """``mqar_probe --freeze-coupling`` (README: invertible_differential learns 64x4 with
+    """``mqar_probe --freeze-coupling`` (docs/results.md: invertible_differential learns 64x4 with
     its coupling frozen): only the coupling's parameters stop training, a variant without
     one is refused, and the trainer's builder is its own again afterwards."""
     from cqk_megatron.eval import mqar_probe, mqar_train

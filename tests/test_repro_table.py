@@ -40,7 +40,7 @@ def row(table: pd.DataFrame, variant: str) -> pd.Series:
 
 
 def test_change_inside_the_spread_between_seeds():
-    # the README's cpu-tiny result: +0.42% against seeds 9.8% apart
+    # the cpu-tiny result of docs/results.md: +0.42% against seeds 9.8% apart
     table = compare_variants(
         runs(
             {

@@ -29,7 +29,7 @@ from typing import Any
 
 ModuleRef = type | tuple[str, str]  # a class, or (module path, class name) as in ModuleSpec
 MATH_FILE = Path(__file__).resolve().parent / "plain_math.py"
-ADDING = "register one with cqk_megatron.variants (README, Adding a variant)"
+ADDING = "register one with cqk_megatron.variants (docs/variants.md, Adding a variant)"
 
 
 class UnknownVariantError(ValueError):

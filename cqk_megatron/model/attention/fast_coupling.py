@@ -231,7 +231,7 @@ def fused_coupling(coupling: QKCoupling, q, k, compiled: bool = False):
     if form is None:
         raise NotImplementedError(
             f"{type(coupling).__name__} has no fused form; give its registration one "
-            "(CouplingVariant.fused, README: Adding a variant) or set "
+            "(CouplingVariant.fused, docs/variants.md: Adding a variant) or set "
             "attention.coupling_impl=eager"
         )
     function, tensors, options = form(coupling, q, k)
