@@ -278,11 +278,16 @@ class LogConfig:
     """Where a run writes: ``root/name`` holds config, metrics, checkpoints, logs."""
 
     root: str = "runs"
-    wandb_mode: str = "offline"  # offline | online | disabled (online needs WANDB_API_KEY)
+    # offline | online | disabled. online: with the credentials wandb finds (WANDB_API_KEY,
+    # or ~/.netrc as `wandb login` writes it), else offline, said once
+    wandb_mode: str = "offline"
     wandb_project: str = "cqk-megatron"
     tags: list[str] = field(default_factory=list)
     tensorboard: bool = False
     progress_bar: str = "auto"  # auto (only on a terminal) | on | off
+    # dense peak TFLOP/s of one device, the denominator of the MFU that the console line and
+    # metrics show; None: the GPU's from its name (perf/flops.py), n/a on CPU
+    peak_tflops: float | None = None
 
 
 @dataclass
@@ -824,6 +829,14 @@ def _check_data(d: DataConfig, check: _Checks) -> None:
     )
 
 
+def _check_log(log: LogConfig, check: _Checks) -> None:
+    check(
+        log.peak_tflops is None or log.peak_tflops > 0,
+        f"log.peak_tflops={log.peak_tflops} must be a positive number of TFLOP/s per device "
+        "(or null: the GPU's from its name)",
+    )
+
+
 def _check_sizes(config: RunConfig, world_size: int | None, check: _Checks) -> None:
     """Every count the later checks divide by is at least 1."""
     m, p, t = config.model, config.parallel, config.train
@@ -1079,6 +1092,7 @@ def config_errors(
     _check_architecture(config.model, config.attention, check)
     _check_training(config.train, check)
     _check_data(config.data, check)
+    _check_log(config.log, check)
     _check_sizes(config, world_size, check)
     if check.errors:
         return check.errors
