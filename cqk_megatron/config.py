@@ -314,6 +314,17 @@ class DataConfig:
 
 
 @dataclass
+class CardConfig:
+    """The Hugging Face model card's metadata that ``cqk-convert export`` writes (its
+    ``--license``, ``--datasets``, ``--base-model`` win); Hub identifiers, e.g. ``apache-2.0``,
+    ``HuggingFaceFW/fineweb``. Unset: left out of the card."""
+
+    license: str | None = None
+    datasets: list[str] = field(default_factory=list)
+    base_model: str | None = None  # the model this one was trained from (train.init_from's)
+
+
+@dataclass
 class RunConfig:
     name: str = "run"
     seed: int = 1234
@@ -324,6 +335,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    card: CardConfig = field(default_factory=CardConfig)
 
 
 # ---------------------------------------------------------------------------------------
