@@ -16,6 +16,7 @@ from cqk_megatron.config import (
     ConfigError,
     RunConfig,
     TracedConfig,
+    explain_config,
     load_config_traced,
     validate,
 )
@@ -60,6 +61,14 @@ class RunPlan:
             f"TP {tp} x PP {pp} x DP {p.data_parallel(world)} = world size {world} "
             f"({r.nodes} node{'s' if r.nodes != 1 else ''} x {per_node}, one task each)"
         )
+
+
+def explained_configs(plans: list[RunPlan]) -> str:
+    """``--print-config``: each run's config, every value that is not the default with
+    where it was set (``config.explain_config``), under a line naming its folder."""
+    return "\n".join(
+        explain_config(p.traced, f"run {p.name}: run folder {p.folder_line()}") for p in plans
+    )
 
 
 Overrides = Sequence[tuple[str, Sequence[str]]]  # (where, ["key=value", ...]), in order

@@ -39,12 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import yaml  # noqa: E402
 
 from cqk_megatron.checkpoint_files import RESUME_HELP  # noqa: E402
-from cqk_megatron.config import ConfigError, explain_config, to_dict  # noqa: E402
+from cqk_megatron.config import ConfigError, to_dict  # noqa: E402
 from cqk_megatron.exit_codes import EXIT_REFUSED  # noqa: E402
 from cqk_megatron.run_folder import CONFIG, SUBMITIT, write_config  # noqa: E402
 from launch import run_dir as runs  # noqa: E402
 from launch import slurm_state  # noqa: E402
-from launch.plan import RunPlan, plan_run, plan_sweep  # noqa: E402
+from launch.plan import RunPlan, explained_configs, plan_run, plan_sweep  # noqa: E402
 from launch.resources import CLUSTERS, load_profile, parse_key_values  # noqa: E402
 
 
@@ -613,8 +613,7 @@ def main(argv: list[str] | None = None) -> int:
             plans = [plan_run(args.config, args.overrides, profile, resources, cluster)]
         groups = group_by_resources(plans, profile, args.sweep)
         if args.print_config:
-            titles = [f"run {p.name}: run folder {p.folder_line()}" for p in plans]
-            print("\n".join(map(explain_config, [p.traced for p in plans], titles)), end="")
+            print(explained_configs(plans), end="")
             return 0
         if args.dry_run:
             sys.stdout.write(dry_run(plans, groups, profile, cluster, args.sweep))
