@@ -17,7 +17,14 @@ import argparse
 import os
 import sys
 
-from cqk_megatron.config import ConfigError, load_config, validate
+from cqk_megatron.config import (
+    COMMAND_LINE,
+    ConfigError,
+    TracedConfig,
+    explain_config,
+    load_config_traced,
+    validate,
+)
 from cqk_megatron.data.errors import DataError
 from cqk_megatron.errors import EXIT_REFUSED, is_refusal
 from cqk_megatron.run.checkpoint_files import RESUME_HELP, CheckpointSaveError
@@ -31,6 +38,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", default="auto", help=RESUME_HELP)
     parser.add_argument(
         "--skip-preflight", action="store_true", help="start without the pre-flight checks"
+    )
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the config that would run (includes and overrides applied; each value "
+        "that is not the default says where it was set) and exit without training",
     )
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return parser.parse_args(argv)
@@ -66,10 +79,23 @@ def _launch_world_size() -> int | None:
         return None
 
 
+def _run_folder_line(traced: TracedConfig) -> str:
+    from cqk_megatron.run.folder import run_dir_of
+
+    where = traced.sources.get("log.root", "the default")
+    folder = run_dir_of(traced.config).resolve()
+    return f"run {traced.config.name}: run folder {folder} (log.root from {where})"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        config = validate(load_config(args.config, args.overrides), _launch_world_size())
+        traced = load_config_traced(args.config, [(COMMAND_LINE, args.overrides)])
+        if args.print_config:  # checked for parallel.world_size, not this one process
+            print(explain_config(traced, _run_folder_line(traced)), end="")
+            validate(traced.config)
+            return 0
+        config = validate(traced.config, _launch_world_size())
         if not args.skip_preflight:
             from cqk_megatron.planner.preflight import preflight
 

@@ -91,12 +91,16 @@ def cancel(run_dir: Path, wait_s: float = 180.0) -> tuple[bool, str]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="submit.py cancel", description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", help="run folders (log.root/name)")
+    parser.add_argument(
+        "runs",
+        nargs="+",
+        help="run folders (log.root/name), or names of runs submitted from this account",
+    )
     parser.add_argument("--wait-s", type=float, default=180.0, help="how long to wait")
     args = parser.parse_args(argv)
     failed = 0
     for run in args.runs:
-        ended, text = cancel(Path(run), args.wait_s)
+        ended, text = cancel(runs.find_run(run), args.wait_s)
         failed += not ended
         print(text, flush=True)
     return 1 if failed else 0

@@ -6,11 +6,20 @@ Nothing here submits or writes: a plan that does not validate fails before any j
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cqk_megatron.config import ConfigError, RunConfig, load_config, validate
+from cqk_megatron.config import (
+    COMMAND_LINE,
+    ConfigError,
+    RunConfig,
+    TracedConfig,
+    explain_config,
+    load_config_traced,
+    validate,
+)
 from launch.resources import (
     SWEEP_INFO_KEYS,
     ClusterProfile,
@@ -23,6 +32,9 @@ from launch.resources import (
 class RunPlan:
     config: RunConfig  # validated for resources.world_size, log.root absolute
     resources: Resources  # nodes resolved
+    # where each value that is not the default was set (config.load_config_traced), with
+    # log.root's as runs_root decided
+    sources: dict[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -31,6 +43,14 @@ class RunPlan:
     @property
     def run_dir(self) -> Path:
         return Path(self.config.log.root) / self.config.name
+
+    @property
+    def traced(self) -> TracedConfig:
+        return TracedConfig(self.config, self.sources)
+
+    def folder_line(self) -> str:
+        """The run folder and why it is there (``runs_root``'s rule)."""
+        return f"{self.run_dir} (log.root from {self.sources.get('log.root', 'the default')})"
 
     def layout(self) -> str:
         p, r = self.config.parallel, self.resources
@@ -43,15 +63,47 @@ class RunPlan:
         )
 
 
-def _load(config_path: str | Path, overrides: list[str], profile: ClusterProfile) -> RunConfig:
-    # The profile's runs root comes first so that a log.root=... on the command line wins.
-    root = [f"log.root={profile.runs_root}"] if profile.runs_root else []
-    config = load_config(config_path, [*root, *overrides])
-    absolute = Path(config.log.root).expanduser().resolve()
-    return dataclasses.replace(config, log=dataclasses.replace(config.log, root=str(absolute)))
+def explained_configs(plans: list[RunPlan]) -> str:
+    """``--print-config``: each run's config, every value that is not the default with
+    where it was set (``config.explain_config``), under a line naming its folder."""
+    return "\n".join(
+        explain_config(p.traced, f"run {p.name}: run folder {p.folder_line()}") for p in plans
+    )
 
 
-def resolve(config: RunConfig, resources: Resources, cluster: str) -> RunPlan:
+Overrides = Sequence[tuple[str, Sequence[str]]]  # (where, ["key=value", ...]), in order
+
+
+def runs_root(
+    traced: TracedConfig, profile: ClusterProfile, overrides: Overrides
+) -> tuple[str, str]:
+    """Where a submitted run's folder goes: the one rule (docs/launcher.md, "Where a run's
+    folder is"). ``log.root`` set by an override (the command line's ``log.root=...``, a
+    sweep's) wins; else the cluster profile's ``runs_root``; else the run config's
+    ``log.root`` (its files', or the default ``runs``). A relative root is taken from the
+    directory the launcher runs in. Returns the absolute root and where it came from."""
+    where = traced.sources.get("log.root", "the default")
+    root = traced.config.log.root
+    if profile.runs_root and where not in {label for label, _ in overrides}:
+        root, where = profile.runs_root, f"cluster profile {profile.source} (runs_root)"
+    return str(Path(root).expanduser().resolve()), where
+
+
+def _load(config_path: str | Path, overrides: Overrides, profile: ClusterProfile) -> TracedConfig:
+    traced = load_config_traced(config_path, overrides)
+    root, where = runs_root(traced, profile, overrides)
+    log = dataclasses.replace(traced.config.log, root=root)
+    return TracedConfig(
+        dataclasses.replace(traced.config, log=log), {**traced.sources, "log.root": where}
+    )
+
+
+def resolve(
+    config: RunConfig,
+    resources: Resources,
+    cluster: str,
+    sources: dict[str, str] | None = None,
+) -> RunPlan:
     """Fill in the node count, check it against the config, and validate the layout."""
     tasks = resources.tasks
     declared = config.parallel.world_size
@@ -77,7 +129,7 @@ def resolve(config: RunConfig, resources: Resources, cluster: str) -> RunPlan:
             f"run '{config.name}' with {nodes} node(s) x {tasks} task(s) = world size {world}: "
             f"{error}"
         ) from error
-    return RunPlan(config=config, resources=resources)
+    return RunPlan(config=config, resources=resources, sources=sources or {})
 
 
 def plan_run(
@@ -87,9 +139,9 @@ def plan_run(
     cli_resources: dict[str, Any],
     cluster: str,
 ) -> RunPlan:
-    config = _load(config_path, overrides, profile)
-    resources = merge_resources(profile.resources, cli_resources, "command line")
-    return resolve(config, resources, cluster)
+    traced = _load(config_path, [(COMMAND_LINE, overrides)], profile)
+    resources = merge_resources(profile.resources, cli_resources, COMMAND_LINE)
+    return resolve(traced.config, resources, cluster, traced.sources)
 
 
 def _sweep_resources(run: dict, profile: ClusterProfile, where: str) -> dict[str, Any]:
@@ -114,10 +166,11 @@ def plan_sweep(
     plans = []
     for run in expand_sweep(sweep_path):
         where = f"{sweep_path} run '{run['name']}'"
-        config = _load(run["config"], [*run["overrides"], *overrides], profile)
+        groups = [(where, run["overrides"]), (COMMAND_LINE, overrides)]
+        traced = _load(run["config"], groups, profile)
         resources = merge_resources(profile.resources, _sweep_resources(run, profile, where), where)
-        resources = merge_resources(resources, cli_resources, "command line")
-        plans.append(resolve(config, resources, cluster))
+        resources = merge_resources(resources, cli_resources, COMMAND_LINE)
+        plans.append(resolve(traced.config, resources, cluster, traced.sources))
     names = [p.name for p in plans]
     if len(set(names)) != len(names):
         raise ConfigError(f"{sweep_path}: run names repeat after the overrides ({names})")

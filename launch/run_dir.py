@@ -15,6 +15,9 @@ are read through its ``read_metrics``, the one reader that analysis and repro us
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from pathlib import Path
 
 from cqk_megatron.run import checkpoint_files
@@ -35,6 +38,7 @@ from cqk_megatron.run.folder import (
 __all__ = [
     "append_event",
     "events",
+    "find_run",
     "is_finished",
     "job_refusal",
     "last_submission",
@@ -42,7 +46,10 @@ __all__ = [
     "latest_train_record",
     "latest_valid_record",
     "metrics",
+    "not_found",
     "read_jsonl",
+    "remember_run",
+    "runs_index",
     "summary",
 ]
 
@@ -89,3 +96,46 @@ def latest_valid_record(run_dir: Path) -> dict | None:
 def latest_checkpoint(run_dir: Path) -> str | None:
     """The folder name ``checkpoints/latest`` points at, if any."""
     return checkpoint_files.latest_name(run_dir / CHECKPOINTS)
+
+
+# -- finding a run by name -------------------------------------------------------------------
+#
+# A run's folder is log.root/name, and the root may come from a cluster profile
+# (launch/plan.py, runs_root): the launcher notes each folder it submits in an index of
+# this account, so that ``status NAME`` and ``cancel NAME`` find it from anywhere.
+
+
+def runs_index() -> Path:
+    """``$XDG_STATE_HOME/cqk-megatron/runs.jsonl`` (default ``~/.local/state/...``)."""
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "cqk-megatron" / "runs.jsonl"
+
+
+def remember_run(name: str, run_dir: Path) -> None:
+    """Note that run ``name`` is in ``run_dir`` (the launcher, at each submission); a
+    failure to write the index only costs ``status NAME`` its shortcut."""
+    index = runs_index()
+    try:
+        index.parent.mkdir(parents=True, exist_ok=True)
+        with index.open("a") as file:
+            file.write(json.dumps({"name": name, "run_dir": str(Path(run_dir).resolve())}) + "\n")
+    except OSError as error:
+        print(f"note: could not note {name} in {index} ({error})", file=sys.stderr)
+
+
+def find_run(name_or_folder: str) -> Path:
+    """A run folder given as a path, or as a run name the launcher submitted from this
+    account (its newest folder of that name); the path as given where neither is known."""
+    path = Path(name_or_folder)
+    if path.is_dir() or len(path.parts) != 1:
+        return path
+    found = [r["run_dir"] for r in read_jsonl(runs_index()) if r.get("name") == name_or_folder]
+    return Path(found[-1]) if found else path
+
+
+def not_found(name_or_folder: str) -> str:
+    """Why ``name_or_folder`` names no run folder, and where the launcher looked."""
+    return (
+        f"{name_or_folder}: no such run folder, and no run of that name was submitted from "
+        f"this account ({runs_index()}); give the folder, log.root/name"
+    )

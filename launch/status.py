@@ -137,14 +137,19 @@ def _holder_and_problems(run_dir: Path, history: list[dict]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="submit.py status", description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", help="run folders (log.root/name)")
+    parser.add_argument(
+        "runs",
+        nargs="+",
+        help="run folders (log.root/name), or names of runs submitted from this account",
+    )
     parser.add_argument("--lines", type=int, default=10, help="log lines to show per stream")
     args = parser.parse_args(argv)
     missing = 0
     for i, run in enumerate(args.runs):
         if i:
             print()
-        text = describe(Path(run), args.lines)
-        missing += text.endswith("no such run folder")
+        run_dir = runs.find_run(run)
+        text = describe(run_dir, args.lines) if run_dir.is_dir() else runs.not_found(run)
+        missing += not run_dir.is_dir()
         print(text)
     return 1 if missing else 0

@@ -44,7 +44,7 @@ from cqk_megatron.run.checkpoint_files import RESUME_HELP  # noqa: E402
 from cqk_megatron.run.folder import CONFIG, SUBMITIT, write_config  # noqa: E402
 from launch import run_dir as runs  # noqa: E402
 from launch import slurm_state  # noqa: E402
-from launch.plan import RunPlan, plan_run, plan_sweep  # noqa: E402
+from launch.plan import RunPlan, explained_configs, plan_run, plan_sweep  # noqa: E402
 from launch.resources import CLUSTERS, load_profile, parse_key_values  # noqa: E402
 
 
@@ -109,6 +109,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     r.add_argument("--array-parallelism", type=int, help="sweep jobs running at once")
     parser.add_argument("--dry-run", action="store_true", help="print, submit nothing")
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print each run's config as it would run (includes, cluster profile and "
+        "overrides applied; each value that is not the default says where it was set) and "
+        "exit without submitting",
+    )
     parser.add_argument("--resume", default="auto", help=RESUME_HELP)
     parser.add_argument(
         "--skip-preflight",
@@ -173,7 +180,7 @@ def dry_run(plans: list[RunPlan], groups: list[list[RunPlan]], profile, cluster:
 
     out = []
     for plan in plans:
-        out.append(f"==> run {plan.name}: {plan.run_dir}")
+        out.append(f"==> run {plan.name}: {plan.folder_line()}")
         out.append(f"==> layout: {plan.layout()}")
         if sweep is None:
             out.append("==> resolved config")
@@ -391,7 +398,10 @@ def record_submission(plan: RunPlan, job, cluster: str, array: bool, argv: list[
         resources=vars(plan.resources),
         command=["launch/submit.py", *argv],
     )
-    print(f"submitted {plan.name}: job {job.job_id} ({cluster}) -> {plan.run_dir}", flush=True)
+    runs.remember_run(plan.name, plan.run_dir)  # for status NAME
+    print(
+        f"submitted {plan.name}: job {job.job_id} ({cluster}) -> {plan.folder_line()}", flush=True
+    )
 
 
 def submit_group(
@@ -602,6 +612,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             plans = [plan_run(args.config, args.overrides, profile, resources, cluster)]
         groups = group_by_resources(plans, profile, args.sweep)
+        if args.print_config:
+            print(explained_configs(plans), end="")
+            return 0
         if args.dry_run:
             sys.stdout.write(dry_run(plans, groups, profile, cluster, args.sweep))
             preflight_refusal(plans, args.resume, dry_run=True)

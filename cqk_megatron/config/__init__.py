@@ -1,7 +1,7 @@
 """The run configuration, torch-free: ``schema`` (the dataclasses, the one source of truth),
-``load`` (YAML files, ``include:`` and ``key=value`` overrides), ``checks`` (``validate()``) and
-``changes`` (what differs between two configs). Import from here: ``from cqk_megatron.config
-import RunConfig, load_config, validate``."""
+``load`` (YAML files, ``include:`` and ``key=value`` overrides, and where each value came
+from), ``checks`` (``validate()``) and ``changes`` (what differs between two configs).
+Import from here: ``from cqk_megatron.config import RunConfig, load_config, validate``."""
 
 from __future__ import annotations
 
@@ -15,9 +15,13 @@ from cqk_megatron.config.checks import (
     validate,
 )
 from cqk_megatron.config.load import (
+    COMMAND_LINE,
+    TracedConfig,
     apply_model_family,
     apply_overrides,
+    explain_config,
     load_config,
+    load_config_traced,
     load_yaml_dict,
     save_config,
 )
@@ -29,6 +33,7 @@ from cqk_megatron.config.schema import (
     RECOMPUTE,
     RECOMPUTE_METHODS,
     AttentionConfig,
+    CardConfig,
     ConfigError,
     DataConfig,
     LogConfig,
@@ -46,8 +51,10 @@ from cqk_megatron.variants import COUPLINGS, SCORINGS, VARIANTS
 
 __all__ = [
     "AttentionConfig",
+    "COMMAND_LINE",
     "CONFIGS_DIR",
     "COUPLINGS",
+    "CardConfig",
     "ConfigError",
     "DataConfig",
     "Hardware",
@@ -63,16 +70,19 @@ __all__ = [
     "SCORINGS",
     "StatedHardware",
     "ThisMachine",
+    "TracedConfig",
     "TrainConfig",
     "VARIANTS",
     "apply_model_family",
     "apply_overrides",
     "check_fault_bounds",
     "config_errors",
+    "explain_config",
     "family_overrides",
     "from_dict",
     "hardware_errors",
     "load_config",
+    "load_config_traced",
     "load_yaml_dict",
     "save_config",
     "to_dict",

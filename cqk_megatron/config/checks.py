@@ -22,6 +22,7 @@ from cqk_megatron.config.schema import (
     AttentionConfig,
     ConfigError,
     DataConfig,
+    LogConfig,
     ModelConfig,
     RunConfig,
     TrainConfig,
@@ -271,6 +272,14 @@ def _check_data(d: DataConfig, check: _Checks) -> None:
     check(
         len(split) == 3 and all(x.strip().replace(".", "", 1).isdigit() for x in split),
         f"data.split={d.split!r} must be three numbers 'train,valid,test', e.g. '969,30,1'",
+    )
+
+
+def _check_log(log: LogConfig, check: _Checks) -> None:
+    check(
+        log.peak_tflops is None or log.peak_tflops > 0,
+        f"log.peak_tflops={log.peak_tflops} must be a positive number of TFLOP/s per device "
+        "(or null: the GPU's from its name)",
     )
 
 
@@ -529,6 +538,7 @@ def config_errors(
     _check_architecture(config.model, config.attention, check)
     _check_training(config.train, check)
     _check_data(config.data, check)
+    _check_log(config.log, check)
     _check_sizes(config, world_size, check)
     if check.errors:
         return check.errors

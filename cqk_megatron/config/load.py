@@ -8,6 +8,9 @@ last, values parsed as YAML. Torch-free.
 from __future__ import annotations
 
 import copy
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -128,3 +131,106 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def save_config(config: RunConfig, path: str | Path) -> None:
     """Write the resolved config; ``load_config`` of the file gives it back."""
     Path(path).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+
+# ---------------------------------------------------------------------------------------
+# where each value came from (--print-config)
+# ---------------------------------------------------------------------------------------
+
+COMMAND_LINE = "command line"
+
+
+@dataclass(frozen=True)
+class TracedConfig:
+    """A loaded config and, for each dotted key set anywhere, where its value was set last
+    (a file, a cluster profile, the command line); a key absent from ``sources`` has its
+    default."""
+
+    config: RunConfig
+    sources: dict[str, str]
+
+
+def _flat(data: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested dict as ``{dotted key: value}`` (lists are values)."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _file_sources(path: Path) -> dict[str, str]:
+    """Which file of ``path``'s include tree sets each key, as ``load_yaml_dict`` merges
+    them (its includes in order, then its own keys). Reads files ``load_yaml_dict`` has
+    already checked (YAML, mappings, no include cycle)."""
+    data = yaml.safe_load(path.read_text()) or {}
+    includes = data.pop("include", []) or []
+    sources: dict[str, str] = {}
+    for name in [includes] if isinstance(includes, str) else includes:
+        included = _resolve_include(name, path.parent)
+        sources.update(_file_sources(included))
+    sources.update(dict.fromkeys(_flat(data), os.path.normpath(path)))
+    return sources
+
+
+def _override_keys(overrides: list[str]) -> Iterator[str]:
+    for override in overrides:
+        dotted, raw = override.split("=", 1)  # load_config has refused any other form
+        value = _override_value(override, raw)
+        if isinstance(value, dict):
+            yield from _flat(value, f"{dotted.strip()}.")
+        else:
+            yield dotted.strip()
+
+
+def load_config_traced(
+    path: str | Path | None = None, overrides: Sequence[tuple[str, Sequence[str]]] = ()
+) -> TracedConfig:
+    """``load_config(path, every override)``, and where each value came from.
+
+    ``overrides`` are groups ``(where, ["key=value", ...])``, applied in order (a later
+    group wins), e.g. ``[("cluster profile p.yaml", [...]), (COMMAND_LINE, argv)]``.
+    """
+    config = load_config(path, [o for _, group in overrides for o in group])
+    sources = _file_sources(Path(path)) if path is not None else {}
+    for where, group in overrides:
+        sources.update(dict.fromkeys(_override_keys(group), where))
+    family = config.model.family
+    if family in MODEL_FAMILIES:  # the family's fields that nothing set explicitly
+        origin = f"by model.family={family} ({sources.get('model.family', 'default')})"
+        for key in MODEL_FAMILIES[family]:
+            sources.setdefault(f"model.{key}", origin)
+    return TracedConfig(config, sources)
+
+
+def _yaml_value(value: Any) -> str:
+    """``value`` as one line of YAML that reads back as it."""
+    text = yaml.safe_dump([value], default_flow_style=True, width=1 << 30).strip()
+    return text[1:-1]  # the list's brackets
+
+
+def explain_config(traced: TracedConfig, title: str | None = None) -> str:
+    """The config as YAML (``load_config`` reads it back as it is), each value that
+    differs from the default followed by a comment saying where it was set and the
+    default it replaces."""
+    defaults = _flat(to_dict(RunConfig()))
+    lines = [f"# {title}"] if title else []
+    lines.append("# each value that is not the default says where it was set")
+
+    def emit(data: dict, prefix: str, indent: str) -> None:
+        for key, value in data.items():
+            dotted = f"{prefix}{key}"
+            if isinstance(value, dict):
+                lines.append(f"{indent}{key}:")
+                emit(value, f"{dotted}.", indent + "  ")
+                continue
+            line = f"{indent}{key}: {_yaml_value(value)}"
+            if value != defaults.get(dotted):
+                where = traced.sources.get(dotted, "derived")
+                line += f"  # {where}; default {_yaml_value(defaults.get(dotted))}"
+            lines.append(line)
+
+    emit(to_dict(traced.config), "", "")
+    return "\n".join(lines) + "\n"

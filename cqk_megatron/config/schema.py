@@ -259,11 +259,16 @@ class LogConfig:
     """Where a run writes: ``root/name`` holds config, metrics, checkpoints, logs."""
 
     root: str = "runs"
-    wandb_mode: str = "offline"  # offline | online | disabled (online needs WANDB_API_KEY)
+    # offline | online | disabled. online: with the credentials wandb finds (WANDB_API_KEY,
+    # or ~/.netrc as `wandb login` writes it), else offline, said once
+    wandb_mode: str = "offline"
     wandb_project: str = "cqk-megatron"
     tags: list[str] = field(default_factory=list)
     tensorboard: bool = False
     progress_bar: str = "auto"  # auto (only on a terminal) | on | off
+    # dense peak TFLOP/s of one device, the denominator of the MFU that the console line and
+    # metrics show; None: the GPU's from its name (perf/flops.py), n/a on CPU
+    peak_tflops: float | None = None
 
 
 @dataclass
@@ -290,6 +295,17 @@ class DataConfig:
 
 
 @dataclass
+class CardConfig:
+    """The Hugging Face model card's metadata that ``cqk-convert export`` writes (its
+    ``--license``, ``--datasets``, ``--base-model`` win); Hub identifiers, e.g. ``apache-2.0``,
+    ``HuggingFaceFW/fineweb``. Unset: left out of the card."""
+
+    license: str | None = None
+    datasets: list[str] = field(default_factory=list)
+    base_model: str | None = None  # the model this one was trained from (train.init_from's)
+
+
+@dataclass
 class RunConfig:
     name: str = "run"
     seed: int = 1234
@@ -300,6 +316,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    card: CardConfig = field(default_factory=CardConfig)
 
 
 # ---------------------------------------------------------------------------------------

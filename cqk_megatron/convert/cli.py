@@ -1,8 +1,8 @@
 """``cqk-convert``: run checkpoints to Hugging Face folders and back.
 
 cqk-convert export CHECKPOINT_DIR OUT_DIR [--tokenizer PATH | --no-tokenizer]
-    [--tokens-trained N] [--val-ppl X] [--dtype bfloat16] [--max-shard-size 5GB]
-    [--overwrite]
+    [--tokens-trained N] [--val-ppl X] [--license ID] [--datasets ID ...]
+    [--base-model ID] [--dtype bfloat16] [--max-shard-size 5GB] [--overwrite]
 cqk-convert import HF_DIR CHECKPOINT_DIR [--overwrite]
 """
 
@@ -41,6 +41,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--tokens-trained", type=int, help="for the model card")
     export.add_argument("--val-ppl", type=float, help="validation perplexity, for the model card")
+    card = export.add_argument_group(
+        "model card metadata (Hub identifiers; default: the run config's card.* fields)"
+    )
+    card.add_argument("--license", help="e.g. apache-2.0 (card.license)")
+    card.add_argument(
+        "--datasets",
+        nargs="+",
+        metavar="DATASET",
+        help="the datasets it was trained on, e.g. HuggingFaceFW/fineweb (card.datasets)",
+    )
+    card.add_argument(
+        "--base-model", help="the model it was trained from, e.g. org/name (card.base_model)"
+    )
     export.add_argument(
         "--dtype", choices=list(EXPORT_DTYPES), help="cast the weights (default: keep)"
     )
@@ -80,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
                 with_tokenizer=not args.no_tokenizer,
                 tokens_trained=args.tokens_trained,
                 validation_perplexity=args.val_ppl,
+                license=args.license,
+                datasets=args.datasets,
+                base_model=args.base_model,
                 dtype=args.dtype,
                 max_shard_size=args.max_shard_size,
                 overwrite=args.overwrite,

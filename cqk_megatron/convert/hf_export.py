@@ -16,6 +16,7 @@ of ``cqk_megatron/variants/plain_math.py`` and ``cqk_variant.py``, the variant's
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -72,8 +73,14 @@ def export_state_dict(
     max_shard_size: int | str = DEFAULT_MAX_SHARD,
     overwrite: bool = False,
     inputs: Sequence[Path] = (),
+    license: str | None = None,
+    datasets: Sequence[str] | None = None,
+    base_model: str | None = None,
 ) -> Path:
     """Write the Hugging Face folder of a full Megatron state dict; returns ``out_dir``.
+
+    ``license``, ``datasets`` and ``base_model`` go to the model card's metadata (and the
+    exported run config's ``card`` section) in place of the run config's ``card.*``.
 
     ``tokenizer`` defaults to the run's ``data.tokenizer``; with ``with_tokenizer`` (the
     default) a missing one is an error. ``dtype`` (float32, bfloat16, float16) casts the
@@ -83,6 +90,7 @@ def export_state_dict(
     """
     out_dir = Path(out_dir)
     check_target(out_dir, overwrite, inputs=inputs)
+    config = with_card(config, license=license, datasets=datasets, base_model=base_model)
     parse_size(max_shard_size)  # refuse a bad size before any work
     check_exportable(config)
     try:
@@ -122,6 +130,14 @@ def export_state_dict(
         )
         (staging / "README.md").write_text(card)
     return out_dir
+
+
+def with_card(config: RunConfig, **given) -> RunConfig:
+    """``config`` with the model card fields that are given (not None) replaced."""
+    values = {key: value for key, value in given.items() if value is not None}
+    if "datasets" in values:
+        values["datasets"] = list(values["datasets"])
+    return dataclasses.replace(config, card=dataclasses.replace(config.card, **values))
 
 
 def _resolve_tokenizer(

@@ -30,7 +30,14 @@ from cqk_megatron.config.changes import (
 from cqk_megatron.run import file_hash
 from cqk_megatron.run.atomic import write_text_atomically
 from cqk_megatron.run.file_hash import CHECKPOINT_HASH, HASHES
-from cqk_megatron.run.folder import CHECKPOINTS, CONFIG, METRICS, SUPERSEDED, supersede
+from cqk_megatron.run.folder import (
+    CHECKPOINTS,
+    CONFIG,
+    METRICS,
+    SUPERSEDED,
+    WANDB_ID,
+    supersede,
+)
 
 MANIFEST = "manifest.json"  # written last: the folder is whole
 LATEST = "latest"  # in checkpoints/: the name of the newest complete folder
@@ -447,8 +454,8 @@ def apply_choice(run_dir: Path, choice: ResumeChoice) -> str | None:
     """Move what the choice supersedes out of the way; a line saying where, if anything
     moved. Rank 0 only, before anything new is written."""
     paths = list(choice.supersede)
-    if choice.start_over:
-        paths.append(run_dir / METRICS)
+    if choice.start_over:  # a new run in the same folder: new metrics, a new wandb run
+        paths += [run_dir / METRICS, run_dir / WANDB_ID]
     moved = supersede(run_dir, paths)
     checkpoints = run_dir / CHECKPOINTS
     if checkpoints.is_dir():
@@ -459,7 +466,6 @@ def apply_choice(run_dir: Path, choice: ResumeChoice) -> str | None:
     if moved is None:
         return None
     names = ", ".join(p.name for p in choice.supersede if p.name.startswith("iter_"))
-    what = f"checkpoint(s) {names}" if names else ""
-    if choice.start_over and (moved / METRICS).exists():
-        what = f"{what} and {METRICS}" if what else METRICS
-    return f"moved {what} to {moved} (superseded, not deleted)"
+    what = [f"checkpoint(s) {names}"] if names else []
+    what += [name for name in (METRICS, WANDB_ID) if choice.start_over and (moved / name).exists()]
+    return f"moved {' and '.join(what)} to {moved} (superseded, not deleted)"

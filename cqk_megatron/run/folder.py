@@ -23,7 +23,10 @@ The files (each name defined here and nowhere else):
 - ``superseded/<UTC time>/`` (``SUPERSEDED``): what a run moved out of the way instead of
   deleting it (checkpoints newer than the one it resumed from, or everything on
   ``--resume none``);
-- ``submitit/`` (``SUBMITIT``): the job logs of the launcher.
+- ``submitit/`` (``SUBMITIT``): the job logs of the launcher;
+- ``wandb_id`` (``WANDB_ID``): the run's wandb id (``wandb_run_id``), made at the run's
+  first start and kept by its requeues and resumes, so that they log to one wandb run; a
+  run of the same name in another folder, or ``--resume none``, gets a new one.
 
 A run's state (``run_status``), the one definition that ``launch status``, the launcher,
 repro and analysis use:
@@ -61,7 +64,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+import secrets
 import shutil
+import string
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +85,7 @@ LEASE = "lease.json"
 CHECKPOINTS = "checkpoints"
 SUPERSEDED = "superseded"
 SUBMITIT = "submitit"
+WANDB_ID = "wandb_id"
 
 # The ``kind`` of a metrics record.
 TRAIN, VALID, SUMMARY = "train", "valid", "summary"
@@ -92,6 +98,21 @@ STATES: tuple[State, ...] = ("new", "partial", "finished", "failed")
 
 def run_dir_of(config: RunConfig) -> Path:
     return Path(config.log.root) / config.name
+
+
+def wandb_run_id(run_dir: Path) -> str:
+    """This run folder's wandb id: the one ``wandb_id`` holds, or a new one (8 random
+    base-36 digits, as wandb makes them) written there first. Rank 0, at the run's start."""
+    path = Path(run_dir) / WANDB_ID
+    if path.is_file() and (recorded := path.read_text().strip()):
+        return recorded
+    alphabet = string.ascii_lowercase + string.digits
+    new = "".join(secrets.choice(alphabet) for _ in range(8))
+    try:
+        write_text_atomically(path, new + "\n")
+    except OSError as error:
+        raise no_space_error(path, error) from error
+    return new
 
 
 def write_config(run_dir: Path, config: RunConfig) -> None:

@@ -37,7 +37,7 @@ from cqk_megatron.training.async_save import Saver
 from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine
 from cqk_megatron.training.engine import Engine
 from cqk_megatron.training.lr_schedule import learning_rate, schedule_warning
-from cqk_megatron.training.metrics import MetricsLogger
+from cqk_megatron.training.metrics import GPU_PEAK_ALLOCATED, MAX_RSS, MetricsLogger
 from cqk_megatron.training.preemption import StopRequest, protect_checkpoint_writer
 from cqk_megatron.training.sampler import collate, fetch, micro_batch_indices
 
@@ -79,10 +79,23 @@ def count_model_parameters(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def peak_memory_gb() -> float:
-    """GPU: peak allocated; CPU: the process's peak resident set (ru_maxrss)."""
+    """GPU: peak allocated; CPU: the process's peak resident set (ru_maxrss). GiB."""
     if device().type == "cuda":
         return torch.cuda.max_memory_allocated(device()) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def memory_kind() -> str:
+    """What ``peak_memory_gb`` measures here (the ``mem_kind`` of a train record)."""
+    return GPU_PEAK_ALLOCATED if device().type == "cuda" else MAX_RSS
+
+
+def peak_flops_per_device(config: RunConfig) -> float | None:
+    """The dense peak FLOP/s that MFU divides by: ``log.peak_tflops`` where given, else the
+    GPU's from its name (perf/flops.py's table); None (MFU n/a) on CPU or an unknown GPU."""
+    if config.log.peak_tflops is not None:
+        return config.log.peak_tflops * 1e12
+    return peak_flops()
 
 
 def default_datasets(config: RunConfig, train_samples: int, valid_samples: int):
@@ -260,7 +273,7 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
     logger = opened.get("logger") or MetricsLogger(run_dir, config, enabled=False)
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     train_flops_per_token = flops_per_token(config, training=True)
-    peak = peak_flops()
+    peak = peak_flops_per_device(config)
     protect_checkpoint_writer()  # before any save, and before our handlers are installed
     stop = StopRequest(t.wall_clock_budget_s)
     last_saved = state.step
@@ -298,6 +311,7 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
                         "tflops": tokens_per_s * train_flops_per_token / world / 1e12,
                         "mfu": mfu(tokens_per_s, config, peak, num_gpus=world),
                         "mem_gb": peak_memory_gb(),
+                        "mem_kind": memory_kind(),
                         "skipped": result.skipped,
                     }
                 )

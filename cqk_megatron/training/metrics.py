@@ -2,8 +2,9 @@
 progress bar on terminals (plain lines in logs).
 
 JSONL lines: ``{"kind": "train", step, tokens, loss, lr, grad_norm, tokens_per_s,
-step_time_s, tflops (per device), mfu (None without a known GPU peak), mem_gb, skipped,
-time}``, ``{"kind": "valid", step, tokens,
+step_time_s, tflops (per device), mfu (None without a peak: ``log.peak_tflops`` or a known
+GPU), mem_gb (GiB), mem_kind (``gpu_peak_allocated`` | ``max_rss``: what mem_gb is),
+skipped, time}``, ``{"kind": "valid", step, tokens,
 val_loss, val_ppl, time[, final]}`` and, when a run finishes, ``{"kind": "summary", ...}``.
 
 One record per step and kind: a run that starts at step S (a resume, or ``--resume none``
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -33,7 +33,65 @@ from cqk_megatron.run.folder import (
     no_space_error,
     read_metrics,
     records_up_to,
+    wandb_run_id,
 )
+
+
+def wandb_credentials_found() -> bool:
+    """Whether wandb would find credentials without asking: its own lookup, in its order
+    (``WANDB_API_KEY`` or ``WANDB_IDENTITY_TOKEN_FILE``, then ``~/.netrc`` or ``$NETRC``
+    as ``wandb login`` writes it, then its settings' ``api_key``). Offline: no network."""
+    try:  # wandb's lookup without its network call (wandb.login prints the user's name)
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib import wbauth
+        from wandb.sdk.lib.wbauth import authenticate
+
+        settings = wandb_setup.singleton().settings
+        host = wbauth.HostUrl(settings.base_url, app_url=settings.app_url)
+        found = authenticate._use_system_auth(host=host, source="cqk", update_session=False)
+        return found is not None
+    except (ImportError, AttributeError, TypeError):  # another wandb: its public lookup
+        import wandb
+
+        return wandb.login(prompt=False, verify=False)
+
+
+def wandb_mode(requested: str, run_dir: Path) -> str:
+    """``log.wandb_mode``, or ``offline`` (said once, here) when ``online`` finds no
+    credentials: the run is kept on disk for ``wandb sync``."""
+    if requested != "online":
+        return requested
+    try:
+        if wandb_credentials_found():
+            return "online"
+        why = "no W&B API key found (WANDB_API_KEY, or ~/.netrc as `wandb login` writes it)"
+    except Exception as error:  # a malformed key or token file: wandb's message says which
+        why = f"wandb refused its credentials ({error})"
+    print(
+        f"warning: log.wandb_mode=online but {why}: logging offline to {run_dir}/wandb; "
+        f"upload it later with `wandb sync {run_dir}/wandb/offline-run-*`",
+        file=sys.stderr,
+        flush=True,
+    )
+    return "offline"
+
+
+# What a train record's mem_gb measures: the GPU's peak allocated memory (torch's
+# max_memory_allocated), or on CPU the process's peak resident set (ru_maxrss).
+GPU_PEAK_ALLOCATED, MAX_RSS = "gpu_peak_allocated", "max_rss"
+
+
+def train_line(record: dict) -> str:
+    """The console line of a train record: loss, learning rate and gradient norm, then
+    throughput, MFU and memory as torchtitan shows them (n/a where the record has none)."""
+    mfu, memory = record.get("mfu"), record.get("mem_gb")
+    label = "max RSS" if record.get("mem_kind") == MAX_RSS else "mem"
+    return (
+        f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e}"
+        f" | grad {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s"
+        f" | MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"
+        f" | {label} {'n/a' if memory is None else f'{memory:.2f} GiB'}"
+    )
 
 
 class MetricsLogger:
@@ -68,16 +126,15 @@ class MetricsLogger:
         except ImportError:
             print("wandb is not installed: logging to metrics.jsonl only", file=sys.stderr)
             return None
-        mode = config.log.wandb_mode
-        if mode == "online" and not os.environ.get("WANDB_API_KEY"):
-            mode = "offline"  # no key: keep the run on disk, `wandb sync` it later
+        # The id is the run folder's (run_folder.WANDB_ID): a requeue or resume of this
+        # run logs to its wandb run; a run of the same name elsewhere gets its own.
         return wandb.init(
             project=config.log.wandb_project,
             name=config.name,
-            id=config.name,
+            id=wandb_run_id(run_dir),
             resume="allow",
             dir=str(run_dir),
-            mode=mode,
+            mode=wandb_mode(config.log.wandb_mode, run_dir),
             config=to_dict(config),
             tags=list(config.log.tags) + [config.attention.variant],
         )
@@ -135,10 +192,7 @@ class MetricsLogger:
 
     def _print(self, record: dict) -> None:
         if record["kind"] == TRAIN:
-            text = (
-                f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e}"
-                f" | grad {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s"
-            )
+            text = train_line(record)
             if self._bar is not None:
                 self._bar.n = record["step"]
                 self._bar.set_postfix(
