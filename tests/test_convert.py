@@ -249,7 +249,7 @@ def test_param_shapes_from_config_match_megatron(exports, variant):
 
 def test_coupling_file_is_copied_verbatim(exports):
     _, _, _, folder = exports.get("coupled_differential", "gqa")
-    source = (REPO / "cqk_megatron" / "coupling.py").read_bytes()
+    source = (REPO / "cqk_megatron" / "variants" / "plain_math.py").read_bytes()
     assert (folder / "coupling.py").read_bytes() == source
     config = json.loads((folder / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_cqk.CQKForCausalLM"
