@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from cqk_megatron.config import ConfigError, RunConfig, load_config, validate
+from launch.backends import get_backend
 from launch.resources import (
     SWEEP_INFO_KEYS,
     ClusterProfile,
@@ -52,7 +53,8 @@ def _load(config_path: str | Path, overrides: list[str], profile: ClusterProfile
 
 
 def resolve(config: RunConfig, resources: Resources, cluster: str) -> RunPlan:
-    """Fill in the node count, check it against the config, and validate the layout."""
+    """Fill in the node count, check it against the config and the launch backend called
+    ``cluster``, and validate the layout."""
     tasks = resources.tasks
     declared = config.parallel.world_size
     nodes = resources.nodes
@@ -66,10 +68,7 @@ def resolve(config: RunConfig, resources: Resources, cluster: str) -> RunPlan:
             f"tasks ({nodes} nodes x {tasks}); change --nodes/--gpus-per-node/--tasks or "
             "the config"
         )
-    if cluster == "local" and nodes != 1:
-        raise ConfigError(
-            f"--cluster local runs on this machine only: --nodes must be 1, not {nodes}"
-        )
+    get_backend(cluster).check_resources(resources)
     try:
         validate(config, world_size=world)
     except ConfigError as error:
