@@ -65,6 +65,48 @@ from launch.status import describe  # noqa: E402
 from launch.status import main as status_main  # noqa: E402
 
 
+def add_resource_options(parser: argparse.ArgumentParser) -> None:
+    r = parser.add_argument_group("resources (override the profile and the sweep)")
+    r.add_argument("--nodes", type=int)
+    r.add_argument("--gpus-per-node", type=int, help="GPUs per node; one task per GPU")
+    r.add_argument("--tasks", type=int, help="tasks (processes) per node on CPU nodes")
+    r.add_argument("--cpus-per-task", type=int)
+    r.add_argument("--mem", help="memory per node, Slurm syntax (64G; 0 = all)")
+    r.add_argument("--partition")
+    r.add_argument("--account")
+    r.add_argument("--qos")
+    r.add_argument("--time", help="time limit per job: minutes, HH:MM:SS or D-HH:MM:SS")
+    r.add_argument("--constraint")
+    r.add_argument("--exclusive", action="store_true", default=None, help="whole nodes")
+    r.add_argument("--job-name")
+    r.add_argument(
+        "--slurm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other sbatch option, e.g. --slurm-arg mail-type=END (repeatable)",
+    )
+    r.add_argument(
+        "--signal-delay",
+        type=int,
+        dest="signal_delay_s",
+        help="seconds before the time limit that USR1 asks the job to checkpoint",
+    )
+    r.add_argument("--max-requeues", type=int, help="times a job may requeue itself")
+    r.add_argument(
+        "--max-restarts",
+        type=int,
+        help="times a failed attempt (a rank died, hung or crashed) is relaunched from the "
+        "newest complete checkpoint",
+    )
+    r.add_argument(
+        "--max-identical-failures",
+        type=int,
+        help="stop once this many attempts in a row failed the same way (rank, exit, step)",
+    )
+    r.add_argument("--array-parallelism", type=int, help="sweep jobs running at once")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="launch/submit.py",
@@ -111,48 +153,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "per run every 30 s",
     )
     return parser.parse_intermixed_args(argv)  # overrides may come between options
-
-
-def add_resource_options(parser: argparse.ArgumentParser) -> None:
-    r = parser.add_argument_group("resources (override the profile and the sweep)")
-    r.add_argument("--nodes", type=int)
-    r.add_argument("--gpus-per-node", type=int, help="GPUs per node; one task per GPU")
-    r.add_argument("--tasks", type=int, help="tasks (processes) per node on CPU nodes")
-    r.add_argument("--cpus-per-task", type=int)
-    r.add_argument("--mem", help="memory per node, Slurm syntax (64G; 0 = all)")
-    r.add_argument("--partition")
-    r.add_argument("--account")
-    r.add_argument("--qos")
-    r.add_argument("--time", help="time limit per job: minutes, HH:MM:SS or D-HH:MM:SS")
-    r.add_argument("--constraint")
-    r.add_argument("--exclusive", action="store_true", default=None, help="whole nodes")
-    r.add_argument("--job-name")
-    r.add_argument(
-        "--slurm-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="any other sbatch option, e.g. --slurm-arg mail-type=END (repeatable)",
-    )
-    r.add_argument(
-        "--signal-delay",
-        type=int,
-        dest="signal_delay_s",
-        help="seconds before the time limit that USR1 asks the job to checkpoint",
-    )
-    r.add_argument("--max-requeues", type=int, help="times a job may requeue itself")
-    r.add_argument(
-        "--max-restarts",
-        type=int,
-        help="times a failed attempt (a rank died, hung or crashed) is relaunched from the "
-        "newest complete checkpoint",
-    )
-    r.add_argument(
-        "--max-identical-failures",
-        type=int,
-        help="stop once this many attempts in a row failed the same way (rank, exit, step)",
-    )
-    r.add_argument("--array-parallelism", type=int, help="sweep jobs running at once")
 
 
 def cli_resources(args: argparse.Namespace, gpu_profile: bool) -> dict:
