@@ -1,7 +1,7 @@
 """The launcher as a library: train one resolved run on this machine through the same path
-as ``launch/submit.py --cluster local`` (``submit.submit_group``: submitit's local
-executor with the one job controller of ``launch/local_job.py``, and ``job.TrainingJob``
-in every task), then wait for it with a deadline.
+as ``launch/submit.py --cluster local`` (``launch.jobs.submit_group`` with the ``local``
+backend: submitit's local executor with the one job controller of ``launch/local_job.py``,
+and ``job.TrainingJob`` in every task), then wait for it with a deadline.
 
     from launch.api import submit_local, wait_local
 
@@ -31,6 +31,9 @@ from submitit.core.utils import JobPaths
 from cqk_megatron.config import ConfigError, RunConfig
 from cqk_megatron.errors import EXIT_REQUEUE
 from launch import run_dir as runs
+from launch.backends import Backend, get_backend
+from launch.backends.registry import LOCAL
+from launch.jobs import Progress, cancel_jobs, held_by, submit_group
 from launch.local_job import CANCEL_GRACE_S
 from launch.plan import RunPlan, resolve
 from launch.resources import ClusterProfile, Resources, time_minutes
@@ -47,6 +50,7 @@ class LocalSubmission:
     plan: RunPlan
     job: object  # submitit's LocalJob: job_id is the controller's PID
     deadline_s: float  # seconds from submission the wait allows the job
+    backend: Backend = field(default_factory=lambda: get_backend(LOCAL))
     submitted_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -75,8 +79,6 @@ def submit_local(
     after ``launch.plan.resolve`` validates it for that world size (``ConfigError``). A run
     folder that a live process holds is refused (``ConfigError``). ``env``: variables the
     job exports; ``argv``: the command recorded with the submission."""
-    from launch.submit import Progress, held_by, submit_group
-
     resources = Resources(
         nodes=1,
         gpus_per_node=tasks if gpus else 0,
@@ -87,15 +89,16 @@ def submit_local(
         max_restarts=max_restarts,
     )
     time_minutes(resources.time, "time_limit")  # a bad limit: ConfigError naming it
-    plan = resolve(config, resources, "local")
+    backend = get_backend(LOCAL)
+    plan = resolve(config, resources, backend.name)
     holder = held_by(plan)
     if holder is not None:
         raise ConfigError(f"run folder {plan.run_dir} is {holder}; wait for it or end it")
-    profile = ClusterProfile(cluster="local", env=dict(env or {}))
-    progress = Progress("local", "lines")  # submit_group registers the job; no polling here
-    [job] = submit_group([plan], profile, "local", None, list(argv or []), progress, resume)
+    profile = ClusterProfile(cluster=backend.name, env=dict(env or {}))
+    progress = Progress(backend, "lines")  # submit_group registers the job; no polling here
+    [job] = submit_group([plan], profile, backend, None, list(argv or []), progress, resume)
     deadline = 60 * time_minutes(resources.time) + DEADLINE_SLACK_S
-    return LocalSubmission(plan, job, deadline)
+    return LocalSubmission(plan, job, deadline, backend)
 
 
 class _Follower:
@@ -150,8 +153,6 @@ def wait_local(
     Past ``timeout_s`` (default: the job's time limit plus ``DEADLINE_SLACK_S``) the job is
     cancelled (its ranks save a checkpoint) and ``TimeoutError`` raised; Ctrl-C cancels it
     too, then propagates."""
-    from launch.submit import cancel_local_jobs
-
     job = submission.job
     followers = [_Follower(path, on_line) for path in submission.task_logs(0)] if on_line else []
     limit = submission.deadline_s if timeout_s is None else timeout_s
@@ -161,14 +162,14 @@ def wait_local(
             for follower in followers:
                 follower.read()
             if time.monotonic() > deadline:
-                cancel_local_jobs([job])
+                cancel_jobs(submission.backend, [job])
                 raise TimeoutError(
                     f"run {submission.plan.name}: job {job.job_id} still running after "
                     f"{limit:.0f} s; cancelled (it saved a checkpoint if it could)"
                 )
             time.sleep(POLL_S)
     except KeyboardInterrupt:
-        cancel_local_jobs([job])
+        cancel_jobs(submission.backend, [job])
         raise
     finally:
         for follower in followers:

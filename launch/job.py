@@ -2,10 +2,11 @@
 
 Every task of a job runs ``TrainingJob()`` (submitit unpickles it from the job folder).
 It reads its rank from ``submitit.JobEnvironment`` and exports the torchrun variables
-(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` = the first node, ``MASTER_PORT``
-= 20000 + job id mod 12000, as ``cqk_megatron.parallel.process_groups`` derives it under plain
-``srun``; a local job's port is chosen free by the launcher), then calls the training
-loop in-process.
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` = the launch backend's address:
+the first node on Slurm, 127.0.0.1 locally, ``MASTER_PORT`` = 20000 + job id mod 12000, as
+``cqk_megatron.parallel.process_groups`` derives it under plain ``srun``; a local job's
+port is chosen free by the launcher), then calls the training loop in-process. The backend
+(``launch.backends``) travels with the pickled job, so that its tasks ask the launcher's.
 
 Preemption and time limits go through the training loop's own signal path: Slurm sends
 USR1 ``signal_delay_s`` before the time limit (``#SBATCH --signal=USR1@N``) and SIGTERM on
@@ -32,53 +33,35 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import submitit
-from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE
 
 from cqk_megatron.config import RunConfig, from_dict
 from cqk_megatron.errors import EXIT_REFUSED, EXIT_REQUEUE
-from cqk_megatron.parallel.ports import PORT_BASE, PORT_SPAN, port_is_free, rendezvous_port
+from cqk_megatron.parallel.ports import rendezvous_port
 from launch import run_dir as runs
-from launch import slurm_state
-
-_HANDED_OUT: set[int] = set()
+from launch.backends import Backend, get_backend
 
 
-def free_local_port(start: int | None = None) -> int:
-    """A port free on 127.0.0.1 now, from ``start`` upward in the rendezvous range, not
-    handed out before by this process: the launcher picks it for a local job, whose tasks
-    all run here (two local jobs at once get two ports)."""
-    start = PORT_BASE + os.getpid() % PORT_SPAN if start is None else start
-    for offset in range(PORT_SPAN):
-        port = PORT_BASE + (start - PORT_BASE + offset) % PORT_SPAN
-        if port in _HANDED_OUT:
-            continue
-        if not port_is_free(port):
-            continue
-        _HANDED_OUT.add(port)
-        return port
-    raise RuntimeError(f"no free port in {PORT_BASE}-{PORT_BASE + PORT_SPAN - 1} on 127.0.0.1")
-
-
-def rendezvous(env: submitit.JobEnvironment, master_port: int | None = None) -> dict[str, str]:
-    """torchrun's variables for this task, from submitit's view of the job; ``master_port``
-    when the launcher chose one (local jobs), else derived from the job id."""
+def rendezvous(
+    env: submitit.JobEnvironment, backend: Backend, master_port: int | None = None
+) -> dict[str, str]:
+    """torchrun's variables for this task, from submitit's view of the job; the address
+    is the backend's, the port ``master_port`` when the launcher chose one (local jobs),
+    else derived from the job id."""
     # An array task has its own numeric SLURM_JOB_ID: distinct ports for distinct tasks.
     job_id = os.environ.get("SLURM_JOB_ID") or env.job_id
-    local = env.cluster == "local"
     variables = {
         "RANK": str(env.global_rank),
         "LOCAL_RANK": str(env.local_rank),
         "WORLD_SIZE": str(env.num_tasks),
         "LOCAL_WORLD_SIZE": str(env.num_tasks // max(env.num_nodes, 1)),
         "NODE_RANK": str(env.node),
-        "MASTER_ADDR": "127.0.0.1" if local else env.hostnames[0],
+        "MASTER_ADDR": backend.rendezvous_address(env),
         "MASTER_PORT": str(master_port or rendezvous_port(job_id)),
     }
     os.environ.update(variables)
@@ -117,8 +100,13 @@ class TrainingJob(submitit.helpers.Checkpointable):
         max_restarts: int = 3,
         max_identical_failures: int = 2,
         resume: str = "auto",
+        backend: Backend | None = None,
     ):
         self.config = config
+        # The launcher's backend, pickled with the job: its tasks ask it for the
+        # rendezvous address, the attempt number and the requeue. None: the backend named
+        # by submitit's job environment (``slurm`` or ``local``).
+        self.backend = backend
         self.max_requeues = max_requeues
         self.master_port = master_port  # local jobs: chosen free by the launcher
         # Read by the Slurm batch script's teardown (launch/attempts.py) from the pickle.
@@ -129,10 +117,14 @@ class TrainingJob(submitit.helpers.Checkpointable):
     def run_config(self) -> RunConfig:
         return from_dict(RunConfig, self.config, source="submitted config")
 
+    def job_backend(self, env: submitit.JobEnvironment) -> Backend:
+        return self.backend or get_backend(env.cluster)
+
     def __call__(self) -> int:
         env = submitit.JobEnvironment()
         keep_early_sigterm()
-        variables = rendezvous(env, self.master_port)
+        backend = self.job_backend(env)
+        variables = rendezvous(env, backend, self.master_port)
         config = self.run_config()
         run_dir = Path(config.log.root) / config.name
         rank0 = env.global_rank == 0
@@ -140,9 +132,10 @@ class TrainingJob(submitit.helpers.Checkpointable):
             if rank0:
                 runs.append_event(run_dir, "skipped", job_id=env.job_id, reason="finished")
             return 0
-        attempt = self._attempt(env, run_dir) if rank0 else 0  # rank 0 records and requeues
+        # rank 0 records and requeues
+        attempt = backend.attempt(env, run_dir) if rank0 else 0
         if rank0:
-            self._record_start(env, run_dir, variables, attempt)
+            self._record_start(env, backend, run_dir, variables, attempt)
 
         code = self._train(env, config, run_dir, rank0)
         # Training is over for this attempt: a late warning signal has nothing to save.
@@ -204,14 +197,16 @@ class TrainingJob(submitit.helpers.Checkpointable):
         same callable resumes it."""
         return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
 
-    def _record_start(self, env, run_dir: Path, variables: dict[str, str], attempt: int) -> None:
+    def _record_start(
+        self, env, backend: Backend, run_dir: Path, variables: dict[str, str], attempt: int
+    ) -> None:
         paths = env.paths
         _record_unended_attempt(run_dir, env.job_id, attempt)
         runs.append_event(
             run_dir,
             "started",
             job_id=env.job_id,
-            cluster=env.cluster,
+            cluster=backend.name,
             attempt=attempt,
             host=socket.gethostname(),
             hosts=list(env.hostnames),
@@ -220,48 +215,12 @@ class TrainingJob(submitit.helpers.Checkpointable):
             slurm={k: v for k, v in sorted(os.environ.items()) if k.startswith("SLURM_")},
         )
 
-    @staticmethod
-    def _attempt(env, run_dir: Path) -> int:
-        """1 for the first run of this job, 2 after one requeue, ..."""
-        if env.cluster == "slurm":
-            return int(os.environ.get("SLURM_RESTART_COUNT") or 0) + 1
-        starts = [
-            e
-            for e in runs.events(run_dir)
-            if e["event"] == "started" and e.get("job_id") == env.job_id
-        ]
-        return len(starts) + 1
-
     def _requeue(self, env, attempt: int) -> tuple[str, int]:
-        """Requeue this job unless Slurm is already ending it: (what happened, exit code)."""
+        """Requeue this job, within ``max_requeues``, where its backend can: (what
+        happened, exit code)."""
         if attempt - 1 >= self.max_requeues:
             return f"refused: requeued {attempt - 1} times already (max_requeues)", EXIT_REQUEUE
-        if env.cluster == "local":
-            from launch.local_job import is_cancelled, is_controller
-
-            if is_cancelled(env.paths.folder, env.job_id):
-                return "cancelled: not requeued", EXIT_REQUEUE
-            # The controller is this task's parent; once it is gone (kill -9: the kernel
-            # sent us SIGTERM), this task is an orphan and nobody starts it again.
-            if not is_controller(os.getppid()):
-                return (
-                    f"not requeued: the job's controller (job {env.job_id}) is gone; submit "
-                    "the same command again to resume"
-                ), EXIT_REQUEUE
-            # submitit's local controller starts the tasks again when one exits with this.
-            return "requeued", LOCAL_REQUEUE_RETURN_CODE
-        job_id = os.environ.get("SLURM_JOB_ID", env.job_id)
-        # The controller's live view (accounting may lag behind a requeue in progress).
-        state = slurm_state.controller_state(job_id)
-        if state != "RUNNING":
-            # scontrol requeue, preemption or scancel: Slurm decides what comes next.
-            return f"left to Slurm (job state {state})", EXIT_REQUEUE
-        out = subprocess.run(
-            ["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60
-        )
-        if out.returncode != 0:
-            return f"failed: scontrol requeue {job_id}: {out.stderr.strip()}", EXIT_REQUEUE
-        return "requeued", EXIT_REQUEUE
+        return self.job_backend(env).requeue(env)
 
 
 def _record_unended_attempt(run_dir: Path, job_id: str, attempt: int) -> None:

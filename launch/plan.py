@@ -20,6 +20,7 @@ from cqk_megatron.config import (
     load_config_traced,
     validate,
 )
+from launch.backends import get_backend
 from launch.resources import (
     SWEEP_INFO_KEYS,
     ClusterProfile,
@@ -104,7 +105,8 @@ def resolve(
     cluster: str,
     sources: dict[str, str] | None = None,
 ) -> RunPlan:
-    """Fill in the node count, check it against the config, and validate the layout."""
+    """Fill in the node count, check it against the config and the launch backend called
+    ``cluster``, and validate the layout."""
     tasks = resources.tasks
     declared = config.parallel.world_size
     nodes = resources.nodes
@@ -118,10 +120,7 @@ def resolve(
             f"tasks ({nodes} nodes x {tasks}); change --nodes/--gpus-per-node/--tasks or "
             "the config"
         )
-    if cluster == "local" and nodes != 1:
-        raise ConfigError(
-            f"--cluster local runs on this machine only: --nodes must be 1, not {nodes}"
-        )
+    get_backend(cluster).check_resources(resources)
     try:
         validate(config, world_size=world)
     except ConfigError as error:

@@ -21,7 +21,9 @@ import yaml
 
 from cqk_megatron.config import ConfigError
 
-CLUSTERS = ("slurm", "local")
+# The launch backends' names as registered at each use (launch.backends.register_backend).
+from launch.backends.registry import BACKEND_NAMES as CLUSTERS
+
 # Resource keys a sweep's layout carries for information only (checked by the sweep).
 SWEEP_INFO_KEYS = {"tensor_parallel", "pipeline_parallel", "data_parallel", "world_size"}
 

@@ -1,49 +1,15 @@
-"""Job states, from Slurm's accounting when it has one, else from the controller.
+"""Slurm job states, from its accounting when it has one, else from the controller.
 
 ``sacct`` needs the accounting daemon (slurmdbd); clusters without it answer "accounting
 storage is disabled", and submitit then reports every job as UNKNOWN. ``scontrol show
 job`` answers from slurmctld's memory instead, which keeps a job for ``MinJobAge``
 seconds after it ends (300 by default); after that the honest answer is ``UNKNOWN``.
-Local jobs (submitit's local executor, with launch/local_job.py's controller) are
-processes: RUNNING while their controller lives.
+The ``slurm`` launch backend (``launch/backends/slurm.py``) asks here.
 """
 
 from __future__ import annotations
 
 import subprocess
-
-# States after which a job will not run again by itself.
-FINAL_STATES = {
-    "COMPLETED",
-    "FAILED",
-    "CANCELLED",
-    "TIMEOUT",
-    "OUT_OF_MEMORY",
-    "NODE_FAIL",
-    "BOOT_FAIL",
-    "DEADLINE",
-    "SPECIAL_EXIT",
-    "REVOKED",
-    "FINISHED",
-    "INTERRUPTED",
-}
-# States of a job that is queued, running or on its way back to the queue.
-ACTIVE_STATES = {
-    "PENDING",
-    "CONFIGURING",
-    "RUNNING",
-    "COMPLETING",
-    "REQUEUED",
-    "REQUEUE_HOLD",
-    "REQUEUE_FED",
-    "RESIZING",
-    "SUSPENDED",
-    "STOPPED",
-    "SIGNALING",
-    "STAGE_OUT",
-    "RESV_DEL_HOLD",
-    "PREEMPTED",
-}
 
 
 def _run(command: list[str]) -> str | None:
@@ -89,24 +55,3 @@ def slurm_states(job_ids: list[str]) -> dict[str, str]:
         if job_id not in states:
             states[job_id] = controller_state(job_id)
     return states
-
-
-def local_state(job_id: str) -> str:
-    """A local job's id is its controller's pid: RUNNING while that process lives."""
-    from launch.local_job import is_controller
-
-    try:
-        pid = int(job_id)
-    except ValueError:
-        return "UNKNOWN"
-    return "RUNNING" if is_controller(pid) else "FINISHED"
-
-
-def job_state(job_id: str, cluster: str) -> str:
-    if cluster == "local":
-        return local_state(job_id)
-    return slurm_states([job_id])[job_id]
-
-
-def is_active(state: str) -> bool:
-    return state.split()[0] in ACTIVE_STATES

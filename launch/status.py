@@ -1,6 +1,6 @@
 """``python launch/submit.py status RUN_DIR...``: where a run stands.
 
-For each run folder: the latest job and its state (Slurm's, or the local process's), the
+For each run folder: the latest job and its state (from its launch backend), the
 attempt it is on, each failed attempt with its cause, where it restarted and the steps
 lost (launch/attempts.py), the process holding the run (its lease), why the last job
 refused to start or failed, the latest step, training and validation loss, the newest
@@ -17,8 +17,9 @@ from pathlib import Path
 
 from cqk_megatron.run import lease as run_lease
 from cqk_megatron.run.folder import free_bytes, human_bytes, run_status
-from launch import attempts, slurm_state
+from launch import attempts
 from launch import run_dir as runs
+from launch.jobs import recorded_state
 
 LOW_DISK_BYTES = 1 << 30  # below this, status says the disk is (nearly) full
 
@@ -45,7 +46,7 @@ def describe(run_dir: Path, log_lines: int = 10) -> str:
         out.append("job        none submitted by launch/submit.py (no jobs.jsonl)")
     else:
         job_id, cluster = str(submitted["job_id"]), submitted["cluster"]
-        state = slurm_state.job_state(job_id, cluster)
+        state = recorded_state(submitted)
         starts = [e for e in history if e["event"] == "started" and e.get("job_id") == job_id]
         where = f" on {starts[-1].get('host')}" if starts else ""
         attempt = f", attempt {starts[-1].get('attempt')}" if starts else ", not started yet"

@@ -18,16 +18,19 @@ is one line and exit 2), then submitted, and resume from their newest complete c
 exits 0 when every run finished, 2 when each unfinished run was refused by its job after
 it was queued (``refused: RUN: why``: a twin submission, checkpoints that no longer
 verify), else 1 (``not finished: RUN``).
+
+``--cluster`` names a launch backend (``launch/backends/``: ``slurm``, ``local``, or one
+registered with ``launch.backends.register_backend``). This module is the command line
+only: submitting and following jobs is the library ``launch/jobs.py``, which
+``launch.api`` uses too.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,34 +44,28 @@ import yaml  # noqa: E402
 from cqk_megatron.config import ConfigError, to_dict  # noqa: E402
 from cqk_megatron.errors import EXIT_REFUSED  # noqa: E402
 from cqk_megatron.run.checkpoint_files import RESUME_HELP  # noqa: E402
-from cqk_megatron.run.folder import CONFIG, SUBMITIT, write_config  # noqa: E402
 from launch import run_dir as runs  # noqa: E402
-from launch import slurm_state  # noqa: E402
+from launch.backends import Backend, backend_names, get_backend  # noqa: E402
+from launch.cancel import main as cancel_main  # noqa: E402
+from launch.jobs import (  # noqa: E402, F401 (the launcher's names, as before the split)
+    LOCAL_CHECK_S,
+    POLL_S,
+    Progress,
+    cancel_jobs,
+    group_by_resources,
+    held_by,
+    job_name,
+    submit_group,
+    submitit_folder,
+    triage,
+)
 from launch.plan import RunPlan, explained_configs, plan_run, plan_sweep  # noqa: E402
-from launch.resources import CLUSTERS, load_profile, parse_key_values  # noqa: E402
+from launch.resources import load_profile, parse_key_values  # noqa: E402
+from launch.status import describe  # noqa: E402
+from launch.status import main as status_main  # noqa: E402
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="launch/submit.py",
-        description=__doc__.split("\n\n")[0],
-        epilog="Also: launch/submit.py status RUN_DIR... (job state, progress, log tail); "
-        "launch/submit.py cancel RUN_DIR... (end a run's job, every process of it).",
-    )
-    what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--config", help="run config YAML (configs/runs/...)")
-    what.add_argument(
-        "--sweep", help="sweep YAML (configs/sweeps/...): one job array per resource set"
-    )
-    parser.add_argument("overrides", nargs="*", help="section.key=value config overrides")
-    parser.add_argument(
-        "--cluster",
-        choices=CLUSTERS,
-        help="slurm, or local (this machine); required unless the profile names one",
-    )
-    parser.add_argument(
-        "--profile", help="cluster profile YAML (configs/clusters/...) with defaults"
-    )
+def add_resource_options(parser: argparse.ArgumentParser) -> None:
     r = parser.add_argument_group("resources (override the profile and the sweep)")
     r.add_argument("--nodes", type=int)
     r.add_argument("--gpus-per-node", type=int, help="GPUs per node; one task per GPU")
@@ -108,6 +105,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="stop once this many attempts in a row failed the same way (rank, exit, step)",
     )
     r.add_argument("--array-parallelism", type=int, help="sweep jobs running at once")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="launch/submit.py",
+        description=__doc__.split("\n\n")[0],
+        epilog="Also: launch/submit.py status RUN_DIR... (job state, progress, log tail); "
+        "launch/submit.py cancel RUN_DIR... (end a run's job, every process of it).",
+    )
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--config", help="run config YAML (configs/runs/...)")
+    what.add_argument(
+        "--sweep", help="sweep YAML (configs/sweeps/...): one job array per resource set"
+    )
+    parser.add_argument("overrides", nargs="*", help="section.key=value config overrides")
+    parser.add_argument(
+        "--cluster",
+        help="the launch backend: slurm, local (this machine), or one registered with "
+        "launch.backends.register_backend; required unless the profile names one",
+    )
+    parser.add_argument(
+        "--profile", help="cluster profile YAML (configs/clusters/...) with defaults"
+    )
+    add_resource_options(parser)
     parser.add_argument("--dry-run", action="store_true", help="print, submit nothing")
     parser.add_argument(
         "--print-config",
@@ -175,9 +196,9 @@ def cli_resources(args: argparse.Namespace, gpu_profile: bool) -> dict:
 # -- dry run ---------------------------------------------------------------------------------
 
 
-def dry_run(plans: list[RunPlan], groups: list[list[RunPlan]], profile, cluster: str, sweep) -> str:
-    from launch.executors import sbatch_script
-
+def dry_run(
+    plans: list[RunPlan], groups: list[list[RunPlan]], profile, backend: Backend, sweep
+) -> str:
     out = []
     for plan in plans:
         out.append(f"==> run {plan.name}: {plan.folder_line()}")
@@ -185,57 +206,12 @@ def dry_run(plans: list[RunPlan], groups: list[list[RunPlan]], profile, cluster:
         if sweep is None:
             out.append("==> resolved config")
             out.append(yaml.safe_dump(to_dict(plan.config), sort_keys=False).rstrip())
-    if cluster == "local":
-        out.append("==> local executor: no sbatch script (the tasks run on this machine)")
-        return "\n".join(out) + "\n"
-    for group in groups:
-        folder = submitit_folder(group, sweep)
-        names = ", ".join(p.name for p in group)
-        kind = f"job array of {len(group)}" if sweep is not None else "job"
-        out.append(f"==> sbatch script ({kind}: {names}; submitit folder {folder})")
-        out.append(
-            sbatch_script(
-                folder, profile, group[0].resources, job_name(group, sweep), len(group)
-            ).rstrip()
-        )
+    where = [(g, submitit_folder(g, sweep), job_name(g, sweep)) for g in groups]
+    out += backend.dry_run(where, profile, array=sweep is not None)
     return "\n".join(out) + "\n"
 
 
 # -- submission ------------------------------------------------------------------------------
-
-
-def submitit_folder(group: list[RunPlan], sweep) -> Path:
-    if sweep is None:
-        return group[0].run_dir / SUBMITIT
-    return Path(group[0].config.log.root) / SUBMITIT
-
-
-def job_name(group: list[RunPlan], sweep) -> str:
-    """A single run's name, or the sweep's ``name`` (which prefixes its runs' names)."""
-    if sweep is None:
-        return group[0].name
-    return (yaml.safe_load(Path(sweep).read_text()) or {}).get("name") or Path(sweep).stem
-
-
-def triage(plan: RunPlan) -> str | None:
-    """Why ``plan`` must not be submitted now (finished, or a job of it is active)."""
-    if runs.is_finished(plan.run_dir, plan.config.train.train_steps):
-        return "finished"
-    last = runs.last_submission(plan.run_dir)
-    if last is not None:
-        state = slurm_state.job_state(str(last["job_id"]), last["cluster"])
-        if slurm_state.is_active(state):
-            return f"job {last['job_id']} is {state}"
-    return held_by(plan)
-
-
-def held_by(plan: RunPlan) -> str | None:
-    """Why not now, if a live process holds the run's lease (a job the launcher does not
-    know of, a plain cqk-train, or a cancelled job's ranks still saving)."""
-    from cqk_megatron.run import lease as run_lease
-
-    holder = run_lease.live_holder(plan.run_dir)
-    return None if holder is None else f"in use by {holder.describe()}"
 
 
 def preflight_refusal(plans: list[RunPlan], resume: str, dry_run: bool = False) -> str | None:
@@ -254,21 +230,6 @@ def preflight_refusal(plans: list[RunPlan], resume: str, dry_run: bool = False) 
         for note in notes:
             print(f"{plan.name}: {note}", file=sys.stderr)
     return None
-
-
-def cancel_local_jobs(jobs: list) -> list:
-    """Ctrl-C (or SIGTERM, SIGHUP) while waiting on local jobs: they run in sessions of
-    their own, so end them (each saves a checkpoint; the same command resumes them).
-    Returns the jobs still running after the wait (their controllers kill what is left
-    ``CANCEL_GRACE_S`` after the signal)."""
-    for job in jobs:
-        if not job.done():
-            os.kill(int(job.job_id), signal.SIGTERM)
-    for job in jobs:
-        deadline = time.monotonic() + 180
-        while not job.done() and time.monotonic() < deadline:
-            time.sleep(0.5)
-    return [job for job in jobs if not job.done()]
 
 
 # -- stop signals ----------------------------------------------------------------------------
@@ -354,213 +315,25 @@ def say(text: str, file=None) -> None:
         pass
 
 
-def stop_jobs(cluster: str, pending: list, how: str, code: int) -> int:
-    """Ctrl-C, SIGTERM or SIGHUP (``how``) while the launcher runs: local jobs are
-    cancelled (each saves a checkpoint), Slurm jobs stay queued. Returns ``code``."""
+def stop_jobs(backend: Backend, pending: list, how: str, code: int) -> int:
+    """Ctrl-C, SIGTERM or SIGHUP (``how``) while the launcher runs: jobs the launcher owns
+    (local) are cancelled (each saves a checkpoint), a scheduler's stay queued. Returns
+    ``code``."""
     STOPS.ignore()
-    if cluster != "local":
+    if not backend.launcher_owns_jobs:
         say(
             f"\n{how}: the jobs stay queued (follow them: submit.py status RUN; "
             "end them: submit.py cancel RUN)"
         )
         return code
-    say(f"\n{how}: cancelling the local jobs (each saves a checkpoint)...")
-    left = cancel_local_jobs(pending)
+    say(f"\n{how}: cancelling the {backend.name} jobs (each saves a checkpoint)...")
+    left = cancel_jobs(backend, pending)
     if left:
         ids = ", ".join(str(job.job_id) for job in left)
         say(f"job(s) {ids} still ending; follow: submit.py status RUN", file=sys.stderr)
     else:
         say("cancelled; run the same command again to resume")
     return code
-
-
-def group_by_resources(plans: list[RunPlan], profile, sweep) -> list[list[RunPlan]]:
-    """Runs with identical sbatch settings share one job array."""
-    from launch.executors import REPO
-    from launch.resources import sbatch_parameters
-
-    groups: dict[str, list[RunPlan]] = {}
-    for plan in plans:
-        key = repr(sorted(sbatch_parameters(profile, plan.resources, REPO, "").items()))
-        key += str(plan.config.log.root)
-        groups.setdefault(key, []).append(plan)
-    return list(groups.values())
-
-
-def record_submission(plan: RunPlan, job, cluster: str, array: bool, argv: list[str]) -> None:
-    runs.append_event(
-        plan.run_dir,
-        "submitted",
-        job_id=job.job_id,
-        cluster=cluster,
-        array=array,
-        submitit_folder=str(job.paths.folder),
-        resources=vars(plan.resources),
-        command=["launch/submit.py", *argv],
-    )
-    runs.remember_run(plan.name, plan.run_dir)  # for status NAME
-    print(
-        f"submitted {plan.name}: job {job.job_id} ({cluster}) -> {plan.folder_line()}", flush=True
-    )
-
-
-def submit_group(
-    group: list[RunPlan],
-    profile,
-    cluster: str,
-    sweep,
-    argv: list[str],
-    progress: Progress,
-    resume: str = "auto",
-) -> list:
-    """Submit runs that share resources: one Slurm job, or one job array for several.
-    Each submitted job is added to ``progress``."""
-    from launch.executors import local_executor, slurm_executor
-    from launch.job import TrainingJob, free_local_port
-
-    resources = group[0].resources
-    for plan in group:
-        # A run that has started keeps its recorded config until a job really starts it.
-        if not (plan.run_dir / CONFIG).exists():
-            write_config(plan.run_dir, plan.config)
-    relaunch = {
-        "max_restarts": resources.max_restarts,
-        "max_identical_failures": resources.max_identical_failures,
-        "resume": resume,
-    }
-    if cluster == "local":
-        # Every task runs on this machine: a port checked free here now beats a derived one.
-        callables = [
-            TrainingJob(
-                to_dict(p.config), resources.max_requeues, master_port=free_local_port(), **relaunch
-            )
-            for p in group
-        ]
-    else:
-        callables = [
-            TrainingJob(to_dict(p.config), resources.max_requeues, **relaunch) for p in group
-        ]
-    if cluster == "local":
-        # No job arrays here: at most array_parallelism runs at once on this machine; the
-        # sweep's progress is shown while a run waits for its turn.
-        jobs = []
-        for plan, job_callable in zip(group, callables, strict=True):
-            while sum(not job.done() for job in jobs) >= resources.array_parallelism:
-                progress.poll()
-                progress.pause()
-            executor = local_executor(
-                plan.run_dir / SUBMITIT, profile, plan.resources, plan.run_dir
-            )
-            with STOPS.deferred():  # a job started here is known to the cancel
-                jobs.append(executor.submit(job_callable))
-                record_submission(plan, jobs[-1], cluster, False, argv)
-                progress.add(plan, jobs[-1])
-        return jobs
-    folder = submitit_folder(group, sweep)
-    executor = slurm_executor(folder, profile, resources, job_name(group, sweep))
-    with STOPS.deferred():  # a job queued here is recorded in its run folder
-        if len(group) == 1:
-            jobs = [executor.submit(callables[0])]
-        else:
-            with executor.batch():
-                jobs = [executor.submit(c) for c in callables]
-        for plan, job in zip(group, jobs, strict=True):
-            record_submission(plan, job, cluster, len(group) > 1, argv)
-            progress.add(plan, job)
-    return jobs
-
-
-# Seconds between two looks at the submitted jobs while the launcher waits. On Slurm each
-# look runs scontrol (or sacct) once per pending job: 5 s keeps that load on a busy
-# controller small and is soon enough for jobs that run minutes to days. Local jobs are
-# this process's children: the wait also ends as soon as one of them exits (a free
-# Popen.poll), so a sweep's next run starts at once. CQK_PROGRESS_POLL_S overrides it
-# (the tests' Slurm jobs, which last seconds).
-POLL_S = float(os.environ.get("CQK_PROGRESS_POLL_S", "5"))
-LOCAL_CHECK_S = 0.1  # how often a local job's exit is looked for during that wait
-
-
-class Progress:
-    """Where the submitted jobs stand, read from each run's metrics (the jobs write to
-    their own log files): a bar per run on a terminal (``mode="bar"``), else a line per
-    run every 30 s (``"lines"``), and a line when a job ends, with the sweep's count."""
-
-    def __init__(
-        self, cluster: str, mode: str = "auto", total: int = 0, poll_s: float | None = None
-    ) -> None:
-        self.cluster, self.total = cluster, total  # total: runs to submit
-        self.poll_s = POLL_S if poll_s is None else poll_s
-        self.mode = ("bar" if sys.stdout.isatty() else "lines") if mode == "auto" else mode
-        self.pending: dict[str, tuple[RunPlan, object]] = {}
-        self.bars: dict = {}
-        self.ended = 0
-        self._last_print = 0.0
-
-    def add(self, plan: RunPlan, job) -> None:
-        self.pending[plan.name] = (plan, job)
-
-    def _open_bars(self) -> None:
-        # Opened at the first poll, not at submission: --no-wait draws none.
-        from tqdm import tqdm
-
-        for name, (plan, _) in self.pending.items():
-            if name not in self.bars:
-                self.bars[name] = tqdm(total=plan.config.train.train_steps, desc=name, unit="step")
-
-    def poll(self) -> None:
-        """One look at every pending job: report those that ended, show the others."""
-        if self.mode == "bar":
-            self._open_bars()
-        for name, (plan, job) in list(self.pending.items()):
-            # A local job's own process handle is the surest word on it.
-            local = self.cluster == "local"
-            state = job.state if local else slurm_state.job_state(job.job_id, self.cluster)
-            if not slurm_state.is_active(state):
-                self._update_bar(plan)
-                if name in self.bars:
-                    self.bars.pop(name).close()
-                self.ended += 1
-                count = f" [{self.ended}/{self.total} ended]" if self.total > 1 else ""
-                done = runs.is_finished(plan.run_dir, plan.config.train.train_steps)
-                outcome = "the run finished" if done else "the run did not finish"
-                print(f"{name}: job {job.job_id} ended ({state}): {outcome}{count}", flush=True)
-                del self.pending[name]
-        for plan, _ in self.pending.values():
-            self._update_bar(plan)
-        if self.mode != "bar" and self.pending and time.monotonic() - self._last_print > 30:
-            self._last_print = time.monotonic()
-            for name, (plan, _) in self.pending.items():
-                record = runs.latest_train_record(plan.run_dir)
-                steps = plan.config.train.train_steps
-                text = (
-                    f"step {record['step']}/{steps}, loss {record['loss']:.4f}"
-                    if record
-                    else "starting"
-                )
-                print(f"{name}: {text}", flush=True)
-
-    def wait(self) -> None:
-        """Until every job has ended (each poll reads every pending run's metrics file)."""
-        while self.pending:
-            self.poll()
-            if self.pending:
-                self.pause()
-
-    def pause(self) -> None:
-        """Until the next look: ``poll_s``, or less once a local job has exited."""
-        deadline = time.monotonic() + self.poll_s
-        while (left := deadline - time.monotonic()) > 0:
-            if self.cluster == "local" and any(job.done() for _, job in self.pending.values()):
-                return
-            time.sleep(min(LOCAL_CHECK_S, left))
-
-    def _update_bar(self, plan: RunPlan) -> None:
-        bar = self.bars.get(plan.name)
-        record = runs.latest_train_record(plan.run_dir) if bar is not None else None
-        if record is None:
-            return
-        bar.n = record["step"]
-        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}")
 
 
 def unfinished_exit(plans: list[RunPlan], unfinished: list[str], job_ids: dict[str, str]) -> int:
@@ -583,46 +356,27 @@ def unfinished_exit(plans: list[RunPlan], unfinished: list[str], job_ids: dict[s
     return 1
 
 
-def pending_jobs(progress: Progress) -> list:
-    return [job for _, job in progress.pending.values()]
+def _plan(args: argparse.Namespace) -> tuple[Backend, object, list[RunPlan]]:
+    """The backend, the cluster profile and the validated runs (``ConfigError``)."""
+    profile = load_profile(args.profile)
+    cluster = args.cluster or profile.cluster
+    if cluster is None:
+        choices = " or ".join(f"--cluster {name}" for name in backend_names())
+        raise ConfigError(
+            f"say where to run: {choices} (or 'cluster:' in the profile); the launcher "
+            "does not guess from what is installed"
+        )
+    backend = get_backend(cluster)
+    resources = cli_resources(args, profile.gpus)
+    if args.sweep:
+        plans = plan_sweep(args.sweep, args.overrides, profile, resources, cluster)
+    else:
+        plans = [plan_run(args.config, args.overrides, profile, resources, cluster)]
+    return backend, profile, plans
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["status"]:
-        from launch.status import main as status_main
-
-        return status_main(argv[1:])
-    if argv[:1] == ["cancel"]:
-        from launch.cancel import main as cancel_main
-
-        return cancel_main(argv[1:])
-    args = parse_args(argv)
-    try:
-        profile = load_profile(args.profile)
-        cluster = args.cluster or profile.cluster
-        if cluster is None:
-            raise ConfigError(
-                "say where to run: --cluster slurm or --cluster local (or 'cluster:' in the "
-                "profile); the launcher does not guess from what is installed"
-            )
-        resources = cli_resources(args, profile.gpus)
-        if args.sweep:
-            plans = plan_sweep(args.sweep, args.overrides, profile, resources, cluster)
-        else:
-            plans = [plan_run(args.config, args.overrides, profile, resources, cluster)]
-        groups = group_by_resources(plans, profile, args.sweep)
-        if args.print_config:
-            print(explained_configs(plans), end="")
-            return 0
-        if args.dry_run:
-            sys.stdout.write(dry_run(plans, groups, profile, cluster, args.sweep))
-            preflight_refusal(plans, args.resume, dry_run=True)
-            return 0
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-
+def _triage_groups(groups: list[list[RunPlan]]) -> list[list[RunPlan]]:
+    """Each group's runs that may be submitted now; the others are said and skipped."""
     todos = []
     for group in groups:
         todo = []
@@ -633,69 +387,99 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"skipped {plan.name}: {reason} ({plan.run_dir})", flush=True)
         todos.append(todo)
+    return todos
+
+
+class SubmissionFailed(Exception):
+    """A group could not be submitted (the launcher exits 1, naming its runs)."""
+
+
+def _submit_all(todos, profile, backend: Backend, args, argv, progress) -> dict[str, str]:
+    """Submit every group; the job id of each run submitted."""
+    job_ids: dict[str, str] = {}
+    for todo in filter(None, todos):
+        for note in backend.submission_notes():
+            print(f"note: {note}", file=sys.stderr)
+        try:
+            jobs = submit_group(
+                todo, profile, backend, args.sweep, argv, progress, args.resume, STOPS.deferred
+            )
+        except (RuntimeError, OSError) as error:  # sbatch's refusal, no srun, ...
+            names = ", ".join(p.name for p in todo)
+            raise SubmissionFailed(f"submitting {names} failed: {error}") from error
+        job_ids.update((p.name, str(j.job_id)) for p, j in zip(todo, jobs, strict=True))
+    return job_ids
+
+
+def _all_finished(plans: list[RunPlan]) -> bool:
+    return all(runs.is_finished(p.run_dir, p.config.train.train_steps) for p in plans)
+
+
+def _report_unfinished(plans: list[RunPlan], job_ids: dict[str, str]) -> int:
+    """After the wait: 0 when every run finished, else what ``unfinished_exit`` says."""
+    unfinished = [
+        p.name for p in plans if not runs.is_finished(p.run_dir, p.config.train.train_steps)
+    ]
+    if not unfinished:
+        print("all runs finished")
+        return 0
+    for plan in plans:
+        if plan.name in unfinished:
+            print(describe(plan.run_dir), file=sys.stderr)
+    return unfinished_exit(plans, unfinished, job_ids)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["status"]:
+        return status_main(argv[1:])
+    if argv[:1] == ["cancel"]:
+        return cancel_main(argv[1:])
+    args = parse_args(argv)
+    try:
+        backend, profile, plans = _plan(args)
+        groups = group_by_resources(plans, profile, args.sweep)
+        if args.print_config:
+            print(explained_configs(plans), end="")
+            return 0
+        if args.dry_run:
+            sys.stdout.write(dry_run(plans, groups, profile, backend, args.sweep))
+            preflight_refusal(plans, args.resume, dry_run=True)
+            return 0
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    todos = _triage_groups(groups)
     refusal = None
     if not args.skip_preflight:
         refusal = preflight_refusal([p for todo in todos for p in todo], args.resume)
     if refusal is not None:
         print(f"error: {refusal}", file=sys.stderr)
         return 2
-
-    submitted_plans = []
-    job_ids: dict[str, str] = {}  # run name: the job this launcher submitted for it
-    progress = Progress(cluster, args.progress, total=sum(map(len, todos)))
+    progress = Progress(backend, args.progress, total=sum(map(len, todos)))
+    wait = args.wait if args.wait is not None else backend.launcher_owns_jobs
     with STOPS.installed():
         try:
-            for todo in todos:
-                if not todo:
-                    continue
-                if cluster == "slurm" and "SLURM_CONF" not in os.environ:
-                    print(
-                        "note: SLURM_CONF is not set; sbatch uses its default configuration",
-                        file=sys.stderr,
-                    )
-                try:
-                    jobs = submit_group(
-                        todo, profile, cluster, args.sweep, argv, progress, args.resume
-                    )
-                except (RuntimeError, OSError) as error:  # sbatch's refusal, no srun, ...
-                    names = ", ".join(p.name for p in todo)
-                    print(f"error: submitting {names} failed: {error}", file=sys.stderr)
-                    return 1
-                submitted_plans += todo
-                job_ids.update((p.name, str(j.job_id)) for p, j in zip(todo, jobs, strict=True))
-            if not submitted_plans:
+            job_ids = _submit_all(todos, profile, backend, args, argv, progress)
+            if not job_ids:
                 print("nothing submitted")
-                return (
-                    0
-                    if all(runs.is_finished(p.run_dir, p.config.train.train_steps) for p in plans)
-                    else 1
-                )
-            wait = args.wait if args.wait is not None else cluster == "local"
+                return 0 if _all_finished(plans) else 1
             if wait:
-                if cluster == "local":
+                if backend.launcher_owns_jobs:
                     print(
-                        "waiting; Ctrl-C, SIGTERM or SIGHUP cancel the local jobs (each saves a "
-                        "checkpoint), --no-wait leaves them running",
+                        f"waiting; Ctrl-C, SIGTERM or SIGHUP cancel the {backend.name} jobs "
+                        "(each saves a checkpoint), --no-wait leaves them running",
                         flush=True,
                     )
                 progress.wait()
+        except SubmissionFailed as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
         except KeyboardInterrupt:
-            return stop_jobs(cluster, pending_jobs(progress), "interrupted", 130)
+            return stop_jobs(backend, progress.jobs(), "interrupted", 130)
         except StopSignal as stop:
-            return stop_jobs(cluster, pending_jobs(progress), stop.name, 128 + stop.signum)
-    if wait:
-        unfinished = [
-            p.name for p in plans if not runs.is_finished(p.run_dir, p.config.train.train_steps)
-        ]
-        if unfinished:
-            from launch.status import describe
-
-            for plan in plans:
-                if plan.name in unfinished:
-                    print(describe(plan.run_dir), file=sys.stderr)
-            return unfinished_exit(plans, unfinished, job_ids)
-        print("all runs finished")
-    return 0
+            return stop_jobs(backend, progress.jobs(), stop.name, 128 + stop.signum)
+    return _report_unfinished(plans, job_ids) if wait else 0
 
 
 if __name__ == "__main__":

@@ -558,9 +558,9 @@ def test_cancel_ends_a_slurm_job_after_its_ranks_save_and_frees_the_run(slurm, r
 
 
 def slurm_state_is_active(job_id: str) -> bool:
-    from launch import slurm_state
+    from launch.backends import get_backend, is_active
 
-    return slurm_state.is_active(slurm_state.job_state(job_id, "slurm"))
+    return is_active(get_backend("slurm").job_state(job_id))
 
 
 # -- no cluster needed ----------------------------------------------------------------------
@@ -703,7 +703,7 @@ def test_plain_srun_derives_the_same_port_as_the_launcher():
 def test_a_local_job_gets_a_port_that_is_free_and_not_handed_out_twice():
     import socket
 
-    from launch.job import free_local_port
+    from launch.backends.local import free_local_port
 
     with socket.socket() as busy:
         for port in range(27000, 28000):  # occupy a port of the rendezvous range
@@ -739,7 +739,8 @@ def test_the_launcher_wait_ends_when_a_local_job_exits_and_lasts_poll_s_on_slurm
     """Between two looks at its jobs the launcher waits ``poll_s`` (Slurm: each look asks
     the controller), but a local job's exit ends that wait at once (the next run of a
     sweep starts then, not up to 5 s later). On a fake clock: nothing here is timed."""
-    from launch import submit as launcher
+    from launch import jobs as launcher
+    from launch.backends import get_backend
 
     clock = [0.0]
     monkeypatch.setattr(launcher.time, "monotonic", lambda: clock[0])
@@ -755,7 +756,7 @@ def test_the_launcher_wait_ends_when_a_local_job_exits_and_lasts_poll_s_on_slurm
     assert launcher.POLL_S == 5.0 or "CQK_PROGRESS_POLL_S" in os.environ  # the default
     for cluster, low, high in (("local", 1.0, 1.0 + launcher.LOCAL_CHECK_S), ("slurm", 5, 5)):
         clock[0] = 0.0
-        progress = launcher.Progress(cluster, "lines", poll_s=5.0)
+        progress = launcher.Progress(get_backend(cluster), "lines", poll_s=5.0)
         progress.pending = {"a": (None, Job(exits_at=1.0)), "b": (None, Job(exits_at=60.0))}
         progress.pause()
         assert low - 1e-6 <= clock[0] <= high + 1e-6, (cluster, clock[0])
