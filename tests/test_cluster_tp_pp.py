@@ -30,10 +30,10 @@ from _cluster_tp_pp_workers import (
     train_and_dump,
 )
 from _multiproc import run_ranks
-from _training import exits, records
+from _training import TINY, exits, records
 
 from cqk_megatron import cpu_bridge
-from cqk_megatron.config import family_overrides
+from cqk_megatron.config import family_overrides, load_config
 
 STEPS = 10
 PRECISIONS = ("fp32", "bf16")
@@ -288,3 +288,38 @@ def test_zero1_sums_the_tp_partial_gradients_in_one_all_reduce_a_step(tp_sum_run
     # the same numbers as the hooks' (fp32: up to the order of the sums), and in bf16 the
     # TP sum now adds the fp32 accumulations where the hooks added each bf16 gradient
     _agree(tp_sum_runs, f"coalesced-{precision}", f"hooks-{precision}", precision)
+
+
+@pytest.mark.parametrize(
+    ("settings", "once_per_step"),
+    [
+        (["train.zero_stage=1"], True),
+        (["train.zero_stage=1", "train.precision=bf16"], True),  # BF16_Optimizer
+        (["train.zero_stage=1", "train.overlap_grad_reduce=true"], False),
+        (["train.zero_stage=1", "train.precision=bf16", "train.offload_optimizer=true"], False),
+        (["train.zero_stage=2"], False),
+        (["train.zero_stage=2", "train.precision=bf16", "train.overlap_grad_reduce=true"], False),
+        (["train.zero_stage=3"], False),
+    ],
+    ids=["z1", "z1-bf16", "z1-overlap", "z1-bf16-offload", "z2", "z2-bf16-overlap", "z3"],
+)
+def test_the_once_a_step_rule_matches_what_deepspeed_does(settings, once_per_step, monkeypatch):
+    # In this process (a world of one), the real engine: where the rule sums once a step,
+    # DeepSpeed neither takes the gradients inside the backward nor keeps them elsewhere
+    # (the engine checked it at its start); everywhere else the check would refuse it.
+    monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed requires it (torchrun, srun set it)
+    from cqk_megatron.distributed import init_single_process
+    from cqk_megatron.model import build_model
+    from cqk_megatron.training import deepspeed_engine
+    from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine
+
+    init_single_process()
+    config = load_config(None, [*TINY, *settings])
+    assert deepspeed_engine.reduces_once_per_step(config) == once_per_step
+    torch.manual_seed(config.seed)
+    engine = DeepSpeedEngine(build_model(config), config)
+    assert engine.megatron_sums.once_per_step == once_per_step
+    assert engine.engine.enable_backward_allreduce == (not once_per_step)
+    if not once_per_step:
+        with pytest.raises(RuntimeError, match="reduces_once_per_step"):
+            deepspeed_engine.check_reduces_once_per_step(engine.engine)

@@ -183,10 +183,11 @@ def reduces_once_per_step(config: RunConfig) -> bool:
     ``BF16_Optimizer`` reduces its fp32 buffer there (``buffered_allreduce_fallback``;
     ``immediate_grad_update`` only adds each micro-batch into that buffer). Not so:
     ZeRO-2/3, which reduce-scatter each gradient from hooks inside every backward;
-    ``overlap_comm`` at ZeRO-1, which reduces from hooks inside the last backward; and
-    ZeRO-1 with ``offload_optimizer``, whose bf16 gradients accumulate in ``grad_accum``
-    attributes (kept on the per-micro-batch hooks: not run with TP here). There the TP sum
-    must be done by each backward's hooks, before DeepSpeed takes the gradient.
+    ``overlap_comm`` at ZeRO-1, which reduces from hooks inside the last backward. There the
+    TP sum must be done by each backward's hooks, before DeepSpeed takes the gradient.
+    ZeRO-1 with ``offload_optimizer`` keeps the hooks too: in bf16 its gradients accumulate
+    in ``grad_accum`` attributes, which ``accumulated_grad`` does not read (and offload with
+    TP has not run here).
     ``DeepSpeedEngine`` checks DeepSpeed's state after ``deepspeed.initialize``.
     """
     t = config.train
@@ -194,9 +195,9 @@ def reduces_once_per_step(config: RunConfig) -> bool:
 
 
 def check_reduces_once_per_step(engine) -> None:
-    """Refuse to go on if DeepSpeed's engine would reduce gradients before the step's end
-    where ``reduces_once_per_step`` said it would not (a DeepSpeed change): the TP sums
-    would come after DeepSpeed had taken the gradients, and the replicas would drift."""
+    """Refuse to go on if DeepSpeed's engine takes the gradients before the step's end, or
+    keeps them elsewhere, where ``reduces_once_per_step`` said it would not (a DeepSpeed
+    change): the TP sums would miss them, and the replicas would drift."""
     optimizer = engine.optimizer
     early = {
         "partitioned gradients (ZeRO-2/3)": engine.zero_optimization_partition_gradients(),
@@ -206,9 +207,9 @@ def check_reduces_once_per_step(engine) -> None:
     found = [what for what, on in early.items() if on]
     if found:
         raise RuntimeError(
-            f"DeepSpeed's {type(optimizer).__name__} runs with {', '.join(found)}, so it "
-            "reduces gradients inside the backward, yet deepspeed_engine.reduces_once_per_step "
-            "chose to sum the TP partial gradients at the step's end; update that rule"
+            f"DeepSpeed's {type(optimizer).__name__} runs with {', '.join(found)}, yet "
+            "deepspeed_engine.reduces_once_per_step chose to sum the TP partial gradients "
+            "once at the step's end, where they are no longer in param.grad; update that rule"
         )
 
 
