@@ -18,15 +18,21 @@ Two spawns: one rank (initial weights, the references), two ranks (the layouts).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
-from _cluster_tp_pp_workers import dump_path, train_and_dump
+from _cluster_tp_pp_workers import (
+    dump_path,
+    tp_sums_path,
+    train_and_count_tp_sums,
+    train_and_dump,
+)
 from _multiproc import run_ranks
-from _training import exits, records
+from _training import TINY, exits, records
 
-from cqk_megatron.config import family_overrides
+from cqk_megatron.config import family_overrides, load_config
 from cqk_megatron.parallel import cpu_bridge
 
 STEPS = 10
@@ -232,3 +238,88 @@ def test_the_1b_runs_zero2_with_overlap_gives_the_one_rank_run(runs, precision):
     """TP=2 + SP under ZeRO-2 with overlap_comm, as the 1B config trains: the same curve
     as one rank (the replica check, on in every run here, keeps the biases equal)."""
     _agree(runs, f"ds-tp2sp-zero2-{precision}", f"ref-ds-{precision}", precision)
+
+
+# -- how many TP all-reduces a step takes ------------------------------------------------
+# Under ZeRO-1 DeepSpeed reduces over data parallelism once per step, so the DeepSpeed engine
+# sums every TP partial gradient (the row-parallel biases, and what the model's own hooks
+# sum: f and dt of the coupling, the norms under SP) in one all-reduce at the step's end
+# (deepspeed_engine.reduces_once_per_step). Compared with the per-parameter hooks, which
+# one run per precision keeps: TP=2 + SP on two ranks (DP=1), so each step's 8 sequences
+# are 4 micro-batches of 2.
+MICRO_BATCHES = 4
+PATHS = ("hooks", "coalesced")
+COUPLED_SP = [*family_overrides("gpt2"), "attention.coupling=hamiltonian", *LAYOUTS["tp2sp"]]
+
+
+@pytest.fixture(scope="module")
+def tp_sum_runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("tp-sums")
+    seeded = [o for o in _common(str(root), "fp32") if not o.startswith("train.init_from")]
+    same = [o for o in seeded if not o.startswith("train.precision")]
+    runs = [
+        (f"{path}-{p}", [*same, *COUPLED_SP, f"train.precision={p}"], path == "hooks")
+        for p in PRECISIONS
+        for path in PATHS
+    ]
+    run_ranks(train_and_count_tp_sums, 2, str(root), runs)
+    return root
+
+
+def _tp_sums(runs: Path, name: str) -> dict:
+    assert exits(runs, name) == ["0"], name
+    return json.loads(tp_sums_path(runs, name).read_text())
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_zero1_sums_the_tp_partial_gradients_in_one_all_reduce_a_step(tp_sum_runs, precision):
+    hooks, coalesced = (_tp_sums(tp_sum_runs, f"{path}-{precision}") for path in PATHS)
+    parameters = coalesced["parameters"]
+    # two layers: 2 row-parallel biases, 2 LayerNorms (weight, bias), f (2 weights, 1 bias)
+    # and dt each; the final LayerNorm
+    assert parameters == hooks["parameters"] == 2 * (2 + 4 + 4) + 2, (hooks, coalesced)
+    print(
+        f"\nTP gradient all-reduces a step, DeepSpeed ZeRO-1 {precision}, TP=2+SP, "
+        f"{MICRO_BATCHES} micro-batches, {parameters} parameters: per-parameter hooks "
+        f"{hooks['all_reduces'] / STEPS:g}, coalesced {coalesced['all_reduces'] / STEPS:g}"
+    )
+    assert hooks["all_reduces"] == STEPS * MICRO_BATCHES * parameters, hooks
+    assert coalesced["all_reduces"] == STEPS, coalesced
+    # the same numbers as the hooks' (fp32: up to the order of the sums), and in bf16 the
+    # TP sum now adds the fp32 accumulations where the hooks added each bf16 gradient
+    _agree(tp_sum_runs, f"coalesced-{precision}", f"hooks-{precision}", precision)
+
+
+@pytest.mark.parametrize(
+    ("settings", "once_per_step"),
+    [
+        (["train.zero_stage=1"], True),
+        (["train.zero_stage=1", "train.precision=bf16"], True),  # BF16_Optimizer
+        (["train.zero_stage=1", "train.overlap_grad_reduce=true"], False),
+        (["train.zero_stage=1", "train.precision=bf16", "train.offload_optimizer=true"], False),
+        (["train.zero_stage=2"], False),
+        (["train.zero_stage=2", "train.precision=bf16", "train.overlap_grad_reduce=true"], False),
+        (["train.zero_stage=3"], False),
+    ],
+    ids=["z1", "z1-bf16", "z1-overlap", "z1-bf16-offload", "z2", "z2-bf16-overlap", "z3"],
+)
+def test_the_once_a_step_rule_matches_what_deepspeed_does(settings, once_per_step, monkeypatch):
+    # In this process (a world of one), the real engine: where the rule sums once a step,
+    # DeepSpeed neither takes the gradients inside the backward nor keeps them elsewhere
+    # (the engine checked it at its start); everywhere else the check would refuse it.
+    monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed requires it (torchrun, srun set it)
+    from cqk_megatron.model.gpt import build_model
+    from cqk_megatron.parallel.process_groups import init_single_process
+    from cqk_megatron.training import deepspeed_engine
+    from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine
+
+    init_single_process()
+    config = load_config(None, [*TINY, *settings])
+    assert deepspeed_engine.reduces_once_per_step(config) == once_per_step
+    torch.manual_seed(config.seed)
+    engine = DeepSpeedEngine(build_model(config), config)
+    assert engine.megatron_sums.once_per_step == once_per_step
+    assert engine.engine.enable_backward_allreduce == (not once_per_step)
+    if not once_per_step:
+        with pytest.raises(RuntimeError, match="reduces_once_per_step"):
+            deepspeed_engine.check_reduces_once_per_step(engine.engine)

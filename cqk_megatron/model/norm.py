@@ -10,7 +10,8 @@ weight (and bias) is a partial sum, to be added up across the tensor-parallel gr
 
 That sum is the tensor hook of ``attention/tp_grads.py``, the one that serves ``f``, ``dt``
 and ``lambda``: it runs as soon as autograd has the gradient, before DeepSpeed or
-Megatron's gradient buffers see it, so both engines get the TP=1 gradient. The parameters
+Megatron's gradient buffers see it, so both engines get the TP=1 gradient (DeepSpeed's
+engine under ZeRO-1 takes the hook over and sums once per step: ``tp_grads``). The parameters
 are deliberately *not* marked ``sequence_parallel``: Megatron's ``finalize_model_grads``
 (``train.engine=megatron``) all-reduces the gradients of parameters so marked, which would
 add the partial sums a second time.

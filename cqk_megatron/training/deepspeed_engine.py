@@ -36,7 +36,12 @@ import torch
 from megatron.core import parallel_state as ps
 
 from cqk_megatron.config import RunConfig
-from cqk_megatron.model.attention.tp_grads import left_to_finalize_model_grads, sum_grads_across_tp
+from cqk_megatron.model.attention.tp_grads import (
+    left_to_finalize_model_grads,
+    sum_accumulated_grads_across_tp,
+    sum_grads_across_tp,
+    take_over_tp_sums,
+)
 from cqk_megatron.model.gpt import model_chunks
 from cqk_megatron.parallel import cpu_bridge
 from cqk_megatron.parallel.device import device
@@ -168,17 +173,60 @@ def _prebuilt_deepspeed_op(name: str) -> bool:
     return bool(installed_ops.get(name, False))
 
 
+def reduces_once_per_step(config: RunConfig) -> bool:
+    """Whether DeepSpeed reduces the gradients over data parallelism only once per step,
+    from ``allreduce_gradients`` after the last micro-batch's backward, so that the TP sums
+    of ``MegatronGradSums`` can wait for that moment too (one all-reduce a step).
+
+    In DeepSpeed 0.19.8 (``engine.allreduce_gradients``, ``zero/stage_1_and_2.py``):
+    ZeRO-1 reduces at the accumulation boundary only (``reduce_gradients``), and in bf16
+    ``BF16_Optimizer`` reduces its fp32 buffer there (``buffered_allreduce_fallback``;
+    ``immediate_grad_update`` only adds each micro-batch into that buffer). Not so:
+    ZeRO-2/3, which reduce-scatter each gradient from hooks inside every backward;
+    ``overlap_comm`` at ZeRO-1, which reduces from hooks inside the last backward. There the
+    TP sum must be done by each backward's hooks, before DeepSpeed takes the gradient.
+    ZeRO-1 with ``offload_optimizer`` keeps the hooks too: in bf16 its gradients accumulate
+    in ``grad_accum`` attributes, which ``accumulated_grad`` does not read (and offload with
+    TP has not run here).
+    ``DeepSpeedEngine`` checks DeepSpeed's state after ``deepspeed.initialize``.
+    """
+    t = config.train
+    return t.zero_stage == 1 and not t.overlap_grad_reduce and not t.offload_optimizer
+
+
+def check_reduces_once_per_step(engine) -> None:
+    """Refuse to go on if DeepSpeed's engine takes the gradients before the step's end, or
+    keeps them elsewhere, where ``reduces_once_per_step`` said it would not (a DeepSpeed
+    change): the TP sums would miss them, and the replicas would drift."""
+    optimizer = engine.optimizer
+    early = {
+        "partitioned gradients (ZeRO-2/3)": engine.zero_optimization_partition_gradients(),
+        "overlap_comm": getattr(optimizer, "overlap_comm", False),
+        "grad_accum attributes": getattr(optimizer, "use_grad_accum_attribute", False),
+    }
+    found = [what for what, on in early.items() if on]
+    if found:
+        raise RuntimeError(
+            f"DeepSpeed's {type(optimizer).__name__} runs with {', '.join(found)}, yet "
+            "deepspeed_engine.reduces_once_per_step chose to sum the TP partial gradients "
+            "once at the step's end, where they are no longer in param.grad; update that rule"
+        )
+
+
 class MegatronGradSums:
     """What Megatron's ``finalize_model_grads`` adds to the data-parallel reduction, for
     DeepSpeed's engine (the Megatron engine must not have it: its ``finalize_model_grads``
     would add the same sums a second time).
 
     - Sequence parallelism: the TP partial gradients of the parameters Megatron marks
-      ``sequence_parallel`` (the row-parallel biases) are summed across the TP group by the
-      tensor hook of ``attention/tp_grads.py``, the one that serves ``f``, ``dt`` and our
-      norms: registered at build, it runs in each backward before DeepSpeed sees the
-      gradient. Without it each TP rank steps its copy with its own half of the gradient
-      and the copies drift apart.
+      ``sequence_parallel`` (the row-parallel biases) must be summed across the TP group.
+      Without it each TP rank steps its copy with its own half of the gradient and the
+      copies drift apart. Where DeepSpeed reduces once per step (``reduces_once_per_step``),
+      ``before_data_parallel_reduction`` sums them, and with them every parameter that the
+      model's own hooks would sum (``f``, ``dt``, ``lambda``, our norms under SP: the hooks
+      are taken over), in one all-reduce a step instead of one per parameter per
+      micro-batch. Elsewhere they get the tensor hook of ``attention/tp_grads.py`` that
+      serves the others, which runs in each backward before DeepSpeed sees the gradient.
     - Tied embeddings under pipeline parallelism: the first stage's word embedding and the
       last stage's output layer are two copies of one weight (Megatron's build makes them
       equal). After the schedule's last backward their gradients are summed over
@@ -190,12 +238,39 @@ class MegatronGradSums:
     """
 
     def __init__(self, model: torch.nn.Module, config: RunConfig) -> None:
+        self.tp_group = ps.get_tensor_model_parallel_group()
         sequence_parallel = left_to_finalize_model_grads(model, config.parallel.sequence_parallel)
-        sum_grads_across_tp(sequence_parallel, ps.get_tensor_model_parallel_group())
+        self.once_per_step = reduces_once_per_step(config)
+        self.tp_partial: list[tuple[str, torch.nn.Parameter]] = []
+        if self.once_per_step:
+            taken = {id(p) for p in take_over_tp_sums(model, also=sequence_parallel)}
+            self.tp_partial = [(n, p) for n, p in model.named_parameters() if id(p) in taken]
+        else:
+            sum_grads_across_tp(sequence_parallel, self.tp_group)
         self.tied_copy = tied_embedding_copy(model)
         for param in model.parameters():
             if getattr(param, "shared", False):
                 param.ds_pipe_replicated = True
+
+    def before_data_parallel_reduction(self) -> None:
+        """Collective: the step's sums beyond data parallelism, on the gradients summed over
+        the step's micro-batches, before DeepSpeed reduces them over data parallelism."""
+        self.sum_tp_partial_grads()
+        self.sum_tied_embedding_grads()
+
+    def sum_tp_partial_grads(self) -> None:
+        """Collective over the TP group: one all-reduce of the accumulated gradients of every
+        parameter taken over from the hooks (none unless ``once_per_step``)."""
+        grads = []
+        for name, param in self.tp_partial:
+            grad = accumulated_grad(param)
+            if grad is None:  # every TP rank must bring the same buffers to the all-reduce
+                raise RuntimeError(
+                    f"{name} has no gradient at the step's end, so its TP partial gradients "
+                    "cannot be summed; every parameter must take part in the loss"
+                )
+            grads.append(grad)
+        sum_accumulated_grads_across_tp(grads, self.tp_group)
 
     def sum_tied_embedding_grads(self) -> None:
         """Collective over the embedding group (first and last stage), on the ranks that
@@ -352,6 +427,13 @@ class DeepSpeedEngine(Engine):
             mpu=MegatronMpu(),
             dist_init_required=False,
         )
+        if self.megatron_sums.once_per_step:
+            # At PP=1 ``engine.backward`` would reduce over data parallelism inside the last
+            # micro-batch's backward (``_backward_epilogue``), before the TP sums could run;
+            # off, ``train_step`` calls ``allreduce_gradients`` itself after them, as
+            # DeepSpeed's own PipelineEngine does (it turns the same switch off).
+            check_reduces_once_per_step(self.engine)
+            self.engine.enable_backward_allreduce = False
         self.model = model
 
     # -- training ----------------------------------------------------------------------
@@ -367,15 +449,21 @@ class DeepSpeedEngine(Engine):
             loss_sum = schedule_loss_sum(
                 model_chunks(self.model), micro_batches, self.config, forward_only=False
             )
-            self.megatron_sums.sum_tied_embedding_grads()  # before DeepSpeed reduces them
+            self.megatron_sums.before_data_parallel_reduction()
             self.engine.allreduce_gradients()
             self.engine.step()
         else:
             loss_sum = torch.zeros((), dtype=torch.float64, device=device())
-            for batch in micro_batches:
+            last = len(micro_batches) - 1
+            for index, batch in enumerate(micro_batches):
                 loss = lm_loss(forward(self.engine, batch), batch["loss_mask"])
                 loss_sum += loss.detach().double()
                 self.engine.backward(loss)
+                if index == last and self.megatron_sums.once_per_step:
+                    # the accumulation boundary: every micro-batch's gradient is in, and
+                    # DeepSpeed reduces (``enable_backward_allreduce`` off: see __init__)
+                    self.megatron_sums.before_data_parallel_reduction()
+                    self.engine.allreduce_gradients()
                 self.engine.step()
         grad_norm = self.engine.get_global_grad_norm()
         return StepResult(

@@ -10,6 +10,13 @@ then gets exactly TP=1's gradient whatever engine drives it.
 
 The same hook serves the DeepSpeed engine for the parameters that Megatron leaves to its
 ``finalize_model_grads`` under sequence parallelism (``left_to_finalize_model_grads``).
+
+A hook costs one blocking all-reduce per parameter per micro-batch. Where an engine reduces
+gradients over data parallelism only once per step (DeepSpeed's ZeRO-1:
+``deepspeed_engine.MegatronGradSums``), it takes the hooks over (``take_over_tp_sums``) and
+sums the accumulated gradients of all those parameters at once at the step's end
+(``sum_accumulated_grads_across_tp``): the sum is linear, so summing the micro-batches'
+sums equals summing each micro-batch's.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
 def sum_partial_grads_across_tp(module: nn.Module, tp_group: dist.ProcessGroup | None) -> None:
@@ -39,9 +47,47 @@ def sum_grads_across_tp(
         return grad
 
     for parameter in parameters:
-        parameter.register_hook(all_reduce)
-        # Read by checkpoint and engine code: the value is replicated, the grad is summed.
+        # kept so that an engine summing once per step can take the hook over
+        parameter.cqk_tp_sum_hook = parameter.register_hook(all_reduce)
+        # Read by engine code: the value is replicated, the grad is summed.
         parameter.cqk_tp_partial_grad = True
+
+
+def take_over_tp_sums(model: nn.Module, also: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+    """Remove the per-micro-batch TP-sum hooks from ``model``'s parameters and return every
+    parameter whose TP partial gradients the caller must now sum itself, once per step
+    (``sum_accumulated_grads_across_tp``): the hooked ones and ``also`` (given without a
+    hook). Idempotent: a parameter taken over stays marked ``cqk_tp_partial_grad``."""
+    for parameter in also:
+        parameter.cqk_tp_partial_grad = True
+    taken = []
+    for parameter in model.parameters():
+        hook = getattr(parameter, "cqk_tp_sum_hook", None)
+        if hook is not None:
+            hook.remove()
+            parameter.cqk_tp_sum_hook = None
+        if getattr(parameter, "cqk_tp_partial_grad", False):
+            taken.append(parameter)
+    return taken
+
+
+def sum_accumulated_grads_across_tp(
+    grads: list[torch.Tensor], tp_group: dist.ProcessGroup | None
+) -> None:
+    """Sum ``grads`` in place across the TP group: one all-reduce of them all, flattened
+    into one buffer (one per dtype, as Megatron's ``finalize_model_grads`` does for the
+    same parameters). Every TP rank must pass the same shapes in the same order."""
+    if not grads or tp_group is None or dist.get_world_size(tp_group) == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for same_dtype in by_dtype.values():
+        flat = _flatten_dense_tensors(same_dtype)
+        dist.all_reduce(flat, group=tp_group)
+        summed = _unflatten_dense_tensors(flat, same_dtype)
+        for grad, total in zip(same_dtype, summed, strict=True):
+            grad.copy_(total)
 
 
 def left_to_finalize_model_grads(model: nn.Module, sequence_parallel: bool) -> list[nn.Parameter]:
