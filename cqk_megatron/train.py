@@ -1,4 +1,5 @@
-"""The main job: ``python -m cqk_megatron.train --config RUN.yaml [section.key=value ...]``.
+"""The main job: ``cqk train --config RUN.yaml [section.key=value ...]`` (``python -m
+cqk_megatron.train``, as the launchers start each rank).
 
 Runs under torchrun, ``srun`` or submitit (see ``cqk_megatron.distributed``), on CPU
 (gloo, fp32) or GPU (NCCL, bf16). Before a process group is built it runs the pre-flight
@@ -18,6 +19,7 @@ import os
 import sys
 
 from cqk_megatron.checkpoint_files import RESUME_HELP, CheckpointSaveError
+from cqk_megatron.cli.args import new_parser
 from cqk_megatron.config import ConfigError, load_config, validate
 from cqk_megatron.data.errors import DataError
 from cqk_megatron.exit_codes import EXIT_REFUSED
@@ -27,8 +29,10 @@ from cqk_megatron.run_lease import LeaseLost
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", help="run config YAML (default: the built-in tiny model)")
+    parser = new_parser("cqk train", __doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument(
+        "--config", help="run config YAML, e.g. configs/runs/... (default: the built-in tiny model)"
+    )
     parser.add_argument("--resume", default="auto", help=RESUME_HELP)
     parser.add_argument(
         "--skip-preflight", action="store_true", help="start without the pre-flight checks"

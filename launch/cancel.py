@@ -92,7 +92,12 @@ def cancel(run_dir: Path, wait_s: float = 180.0) -> tuple[bool, str]:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="submit.py cancel", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="run folders (log.root/name)")
-    parser.add_argument("--wait-s", type=float, default=180.0, help="how long to wait")
+    parser.add_argument(
+        "--wait-s",
+        type=float,
+        default=180.0,
+        help="seconds to wait for the jobs to end (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     failed = 0
     for run in args.runs:

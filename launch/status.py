@@ -138,7 +138,9 @@ def _holder_and_problems(run_dir: Path, history: list[dict]) -> list[str]:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="submit.py status", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="run folders (log.root/name)")
-    parser.add_argument("--lines", type=int, default=10, help="log lines to show per stream")
+    parser.add_argument(
+        "--lines", type=int, default=10, help="log lines to show per stream (default: %(default)s)"
+    )
     args = parser.parse_args(argv)
     missing = 0
     for i, run in enumerate(args.runs):
