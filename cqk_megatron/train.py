@@ -1,4 +1,5 @@
-"""The main job: ``python -m cqk_megatron.train --config RUN.yaml [section.key=value ...]``.
+"""The main job: ``cqk train --config RUN.yaml [section.key=value ...]`` (``python -m
+cqk_megatron.train``, as the launchers start each rank).
 
 Runs under torchrun, ``srun`` or submitit (see ``cqk_megatron.parallel.process_groups``), on CPU
 (gloo, fp32) or GPU (NCCL, bf16). Before a process group is built it runs the pre-flight
@@ -17,6 +18,7 @@ import argparse
 import os
 import sys
 
+from cqk_megatron.cli.args import new_parser
 from cqk_megatron.config import (
     COMMAND_LINE,
     ConfigError,
@@ -33,8 +35,10 @@ from cqk_megatron.run.lease import LeaseLost
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", help="run config YAML (default: the built-in tiny model)")
+    parser = new_parser("cqk train", __doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument(
+        "--config", help="run config YAML, e.g. configs/runs/... (default: the built-in tiny model)"
+    )
     parser.add_argument("--resume", default="auto", help=RESUME_HELP)
     parser.add_argument(
         "--skip-preflight", action="store_true", help="start without the pre-flight checks"

@@ -3,7 +3,7 @@ one and on all cores, and, given a Megatron-LM checkout, the ratio against Megat
 own ``tools/preprocess_data.py`` on the same corpus and tokenizer in the same run (and
 whether the two outputs are byte-identical).
 
-    python -m data_tools.bench --megatron-lm /path/to/Megatron-LM   # tag core_v0.16.1
+    cqk data bench --megatron-lm /path/to/Megatron-LM   # tag core_v0.16.1
 
 Every tool runs as a fresh subprocess, so each figure includes its start-up (Python,
 torch and Megatron imports); the processing-phase rates that each tool logs itself
@@ -12,7 +12,6 @@ torch and Megatron imports); the processing-phase rates that each tool logs itse
 
 from __future__ import annotations
 
-import argparse
 import filecmp
 import json
 import os
@@ -25,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from cqk_megatron.cli.args import new_parser
 from data_tools.cli import friendly_errors
 from data_tools.demo_corpus import DATASET_NAME, TOKENIZER_NAME, DemoSettings, build_demo
 from data_tools.sources import default_workers
@@ -125,15 +125,17 @@ def _row(run: Run, megabytes: float, tokens: int, baseline: Run | None) -> str:
 
 @friendly_errors
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cqk-data-bench", description=__doc__.split("\n\n")[0])
+    parser = new_parser("cqk data bench", __doc__.split("\n\n")[0])
     parser.add_argument("--demo", help="demo corpus folder, built if absent (default data/demo)")
     parser.add_argument("--max-mb", type=float, default=4.0, help="demo corpus size (0: all)")
     parser.add_argument(
         "--megatron-lm",
         default=os.environ.get("MEGATRON_LM"),
-        help="Megatron-LM checkout (tag core_v0.16.1) for the baseline",
+        help="Megatron-LM checkout (tag core_v0.16.1) for the baseline (default: $MEGATRON_LM)",
     )
-    parser.add_argument("--workers", type=int, default=default_workers())
+    parser.add_argument(
+        "--workers", type=int, default=default_workers(), help="tokenizing processes"
+    )
     parser.add_argument("--repeat", type=int, default=1, help="runs per tool (median)")
     args = parser.parse_args(argv)
 

@@ -1,7 +1,7 @@
 """The embedded demo corpus: the running interpreter's standard library, as documentation
 (docstrings rendered like reference pages) and as source, with no download.
 
-Builds, in ``--output`` (default ``data/demo``):
+Builds, in ``--out`` (default ``data/demo``):
 
 - ``corpus.jsonl``: one document per line (``text``, ``source``, ``kind``), modules in a
   fixed pseudo-random order (SHA-1 of their path), stopping at ``--max-mb``;
@@ -13,12 +13,11 @@ Re-running with the same settings finds the manifest, checks the files against i
 does nothing; a missing or half-written output (no manifest, or a file that does not
 match it) is rebuilt from scratch.
 
-    python -m data_tools.demo_corpus --output data/demo
+    cqk data demo-corpus --out data/demo
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
 import hashlib
 import json
@@ -31,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cqk_megatron.cli.args import add_force, add_out, new_parser
 from cqk_megatron.data.errors import DataError
 from cqk_megatron.data.metadata import write_json
 from cqk_megatron.run.file_hash import file_sha256
@@ -299,15 +299,19 @@ def config_snippet(outputs: DemoOutputs, vocab_size: int) -> str:
 
 @friendly_errors
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cqk-demo-corpus", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output", default="data/demo", help="folder for all outputs")
+    parser = new_parser("cqk data demo-corpus", __doc__.split("\n\n")[0])
+    add_out(parser, "folder for all outputs", old=("--output",), default="data/demo")
     parser.add_argument("--max-mb", type=float, default=4.0, help="corpus size limit (0: all)")
-    parser.add_argument("--vocab-size", type=int, default=8192)
-    parser.add_argument("--model-type", default="bpe", choices=["bpe", "unigram"])
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--workers", type=int, default=default_workers())
-    parser.add_argument("--force", action="store_true", help="rebuild even if complete")
-    parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--vocab-size", type=int, default=8192, help="tokenizer pieces")
+    parser.add_argument(
+        "--model-type", default="bpe", choices=["bpe", "unigram"], help="tokenizer algorithm"
+    )
+    parser.add_argument("--seed", type=int, default=1234, help="tokenizer's sampling seed")
+    parser.add_argument(
+        "--workers", type=int, default=default_workers(), help="tokenizing processes"
+    )
+    add_force(parser, "rebuild even if complete", old=())
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
     args = parser.parse_args(argv)
     if args.max_mb < 0:
         raise DataError("--max-mb must be >= 0 (0: the whole standard library)")
@@ -317,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         model_type=args.model_type,
         seed=args.seed,
     )
-    outputs = build_demo(args.output, settings, args.workers, args.force, not args.quiet)
+    outputs = build_demo(args.out, settings, args.workers, args.force, not args.quiet)
     if outputs.skipped:
         print(f"{outputs.folder}: complete (manifest matches), nothing to do")
     else:

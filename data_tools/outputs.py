@@ -26,14 +26,14 @@ def refuse_existing_dataset(prefix: Path, overwrite: bool) -> None:
         present = [name for name in present if (prefix.parent / name).exists()]
         raise DataError(
             f"output prefix '{prefix}' already holds a dataset ({', '.join(present)}); pass "
-            "--overwrite to replace it, or choose another --output-prefix"
+            "--force to replace it, or choose another --out"
         )
 
 
-def refuse_existing_file(path: Path, overwrite: bool, option: str = "--output-prefix") -> None:
+def refuse_existing_file(path: Path, overwrite: bool, option: str = "--out") -> None:
     if path.exists() and not overwrite:
         raise DataError(
-            f"'{path}' already exists; pass --overwrite to replace it, or choose another {option}"
+            f"'{path}' already exists; pass --force to replace it, or choose another {option}"
         )
 
 

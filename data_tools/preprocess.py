@@ -7,8 +7,8 @@ writes with Megatron's ``IndexedDatasetBuilder``. Output goes to a hidden tempor
 beside the prefix and is renamed into place at the end (index last), with
 ``PREFIX.meta.json`` recording the tokenizer and counts.
 
-    python -m data_tools.preprocess --input corpus.jsonl --tokenizer spm.model \\
-        --output-prefix data/corpus_text_document
+    cqk data preprocess --input corpus.jsonl --tokenizer spm.model \\
+        --out data/corpus_text_document
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from cqk_megatron.cli.args import add_force, add_out, new_parser
 from cqk_megatron.config import load_config
 from cqk_megatron.data.checks import index_fingerprint
 from cqk_megatron.data.errors import DataError
@@ -140,12 +141,12 @@ def _encoded(
 def _check_prefix_name(prefix: Path) -> None:
     if prefix.suffix in (".bin", ".idx"):
         raise DataError(
-            f"--output-prefix '{prefix}' ends in {prefix.suffix}; give the prefix without it: "
+            f"--out '{prefix}' ends in {prefix.suffix}; give the prefix without it: "
             f"'{prefix.with_suffix('')}'"
         )
     if prefix.is_dir():
         raise DataError(
-            f"--output-prefix '{prefix}' is a folder; give a file prefix inside it, e.g. "
+            f"--out '{prefix}' is a folder; give a file prefix inside it, e.g. "
             f"'{prefix / 'corpus_text_document'}'"
         )
 
@@ -303,13 +304,24 @@ def _metadata(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cqk-preprocess", description=__doc__.split("\n\n")[0])
+    parser = new_parser(
+        "cqk data preprocess", __doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1]
+    )
     add_input_arguments(parser)
-    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin/.idx/.meta.json")
+    add_out(
+        parser,
+        "prefix of the dataset to write: PREFIX.bin/.idx/.meta.json",
+        old=("--output-prefix",),
+        required=True,
+    )
     parser.add_argument("--tokenizer", required=True, help="SentencePiece .model or HF folder")
-    parser.add_argument("--workers", type=int, default=default_workers())
-    parser.add_argument("--docs-per-task", type=int, default=256)
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
+    parser.add_argument(
+        "--workers", type=int, default=default_workers(), help="tokenizing processes"
+    )
+    parser.add_argument(
+        "--docs-per-task", type=int, default=256, help="documents sent to a worker at a time"
+    )
+    add_force(parser, "replace an existing dataset at --out")
     parser.add_argument(
         "--config", help="a run config: check the tokenizer fits its model.vocab_size first"
     )
@@ -324,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         check_vocab_fits(load_tokenizer(args.tokenizer), load_config(args.config))
     result = preprocess(
         args.input,
-        args.output_prefix,
+        args.out,
         args.tokenizer,
         text_field=args.text_field,
         text_unit=args.text_unit,
@@ -334,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         max_invalid_utf8=args.max_invalid_utf8,
         workers=args.workers,
         docs_per_task=args.docs_per_task,
-        overwrite=args.overwrite,
+        overwrite=args.force,
         progress=not args.quiet,
         command=sys.argv if argv is None else ["cqk-preprocess", *argv],
     )

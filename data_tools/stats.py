@@ -1,12 +1,11 @@
 """Statistics of indexed datasets: documents, tokens, document lengths, the most frequent
 tokens (with their pieces when the tokenizer is at hand) and what the metadata records.
 
-    python -m data_tools.stats data/demo/demo_text_document --top-k 20
+    cqk data stats data/demo/demo_text_document --top-k 20
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass, field
@@ -15,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from cqk_megatron.cli.args import new_parser
 from cqk_megatron.data.errors import DataError
 from cqk_megatron.data.metadata import bin_path, read_meta
 from cqk_megatron.data.tokenizer import Tokenizer, load_tokenizer
@@ -153,9 +153,9 @@ def _tokenizer_for(prefix: str, explicit: str | None) -> Tokenizer | None:
 
 @friendly_errors
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cqk-data-stats", description=__doc__.split("\n\n")[0])
+    parser = new_parser("cqk data stats", __doc__.split("\n\n")[0])
     parser.add_argument("prefixes", nargs="+", help="dataset prefixes (without .bin/.idx)")
-    parser.add_argument("--top-k", type=int, default=20)
+    parser.add_argument("--top-k", type=int, default=20, help="most frequent tokens to show")
     parser.add_argument("--tokenizer", help="decode top tokens (default: from the metadata)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)

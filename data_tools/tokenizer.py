@@ -6,7 +6,7 @@ Defaults suit language-model pretraining on text and code: byte fallback (no unk
 tokens), NFKC normalisation that keeps whitespace (indentation and newlines survive),
 digits split, ids unk=0, bos=1, eos=2 (EOD), pad=3.
 
-    python -m data_tools.tokenizer --input corpus.jsonl --output-prefix out/spm \\
+    cqk data tokenizer --input corpus.jsonl --out out/spm \\
         --vocab-size 8192 --model-type bpe
 """
 
@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from cqk_megatron.cli.args import add_force, add_out, new_parser
 from cqk_megatron.data.errors import DataError
 from cqk_megatron.data.metadata import write_json
 from data_tools.cli import friendly_errors
@@ -248,29 +249,65 @@ def _recipe_record(
 
 def build_parser() -> argparse.ArgumentParser:
     defaults = TokenizerRecipe()
-    parser = argparse.ArgumentParser(
-        prog="cqk-train-tokenizer", description=__doc__.split("\n\n")[0]
+    parser = new_parser(
+        "cqk data tokenizer", __doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1]
     )
     add_input_arguments(parser)
-    parser.add_argument(
-        "--output-prefix", required=True, help="writes PREFIX.model, .vocab and .recipe.json"
+    add_out(
+        parser,
+        "prefix of the files to write: PREFIX.model, .vocab and .recipe.json",
+        old=("--output-prefix",),
+        required=True,
     )
-    parser.add_argument("--model-type", default=defaults.model_type, choices=["bpe", "unigram"])
-    parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
-    parser.add_argument("--character-coverage", type=float, default=defaults.character_coverage)
+    parser.add_argument(
+        "--model-type", default=defaults.model_type, choices=["bpe", "unigram"], help="algorithm"
+    )
+    parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size, help="pieces")
+    parser.add_argument(
+        "--character-coverage",
+        type=float,
+        default=defaults.character_coverage,
+        help="share of the characters the vocabulary covers (1.0 for code)",
+    )
     parser.add_argument(
         "--no-byte-fallback", dest="byte_fallback", action="store_false", help="unknown -> <unk>"
     )
-    parser.add_argument("--normalization", default=defaults.normalization, choices=NORMALIZATIONS)
-    parser.add_argument("--remove-extra-whitespaces", action="store_true")
-    parser.add_argument("--no-split-digits", dest="split_digits", action="store_false")
-    parser.add_argument("--sample-documents", type=int, default=defaults.sample_documents)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument(
+        "--normalization",
+        default=defaults.normalization,
+        choices=NORMALIZATIONS,
+        help="SentencePiece's normalization rule",
+    )
+    parser.add_argument(
+        "--remove-extra-whitespaces",
+        action="store_true",
+        help="collapse runs of whitespace (loses indentation)",
+    )
+    parser.add_argument(
+        "--no-split-digits",
+        dest="split_digits",
+        action="store_false",
+        help="let pieces span several digits",
+    )
+    parser.add_argument(
+        "--sample-documents",
+        type=int,
+        default=defaults.sample_documents,
+        help="documents drawn (uniformly, seeded) for training",
+    )
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the sample")
     for name in ("unk", "bos", "eos", "pad"):
-        parser.add_argument(f"--{name}-id", type=int, default=getattr(defaults, f"{name}_id"))
-    parser.add_argument("--user-defined-symbols", nargs="*", default=[])
-    parser.add_argument("--threads", type=int, default=defaults.threads)
-    parser.add_argument("--overwrite", action="store_true")
+        parser.add_argument(
+            f"--{name}-id",
+            type=int,
+            default=getattr(defaults, f"{name}_id"),
+            help=f"id of <{name}>" + ("" if name in ("unk", "eos") else " (-1: none)"),
+        )
+    parser.add_argument(
+        "--user-defined-symbols", nargs="*", default=[], help="pieces kept whole, never split"
+    )
+    parser.add_argument("--threads", type=int, default=defaults.threads, help="CPU threads")
+    add_force(parser, "replace an existing tokenizer at --out")
     parser.add_argument("--verbose", action="store_true", help="SentencePiece's own log")
     return parser
 
@@ -297,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     trained = train_tokenizer(
         args.input,
-        args.output_prefix,
+        args.out,
         recipe,
         text_field=args.text_field,
         text_unit=args.text_unit,
@@ -305,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         split=args.split,
         skip_missing_text=args.skip_missing_text,
         max_invalid_utf8=args.max_invalid_utf8,
-        overwrite=args.overwrite,
+        overwrite=args.force,
         verbose=args.verbose,
         command=sys.argv if argv is None else ["cqk-train-tokenizer", *argv],
     )

@@ -93,7 +93,12 @@ def main(argv: list[str]) -> int:
         nargs="+",
         help="run folders (log.root/name), or names of runs submitted from this account",
     )
-    parser.add_argument("--wait-s", type=float, default=180.0, help="how long to wait")
+    parser.add_argument(
+        "--wait-s",
+        type=float,
+        default=180.0,
+        help="seconds to wait for the jobs to end (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     failed = 0
     for run in args.runs:

@@ -143,7 +143,9 @@ def main(argv: list[str]) -> int:
         nargs="+",
         help="run folders (log.root/name), or names of runs submitted from this account",
     )
-    parser.add_argument("--lines", type=int, default=10, help="log lines to show per stream")
+    parser.add_argument(
+        "--lines", type=int, default=10, help="log lines to show per stream (default: %(default)s)"
+    )
     args = parser.parse_args(argv)
     missing = 0
     for i, run in enumerate(args.runs):

@@ -67,18 +67,18 @@ from launch.status import main as status_main  # noqa: E402
 
 def add_resource_options(parser: argparse.ArgumentParser) -> None:
     r = parser.add_argument_group("resources (override the profile and the sweep)")
-    r.add_argument("--nodes", type=int)
+    r.add_argument("--nodes", type=int, help="nodes per run")
     r.add_argument("--gpus-per-node", type=int, help="GPUs per node; one task per GPU")
     r.add_argument("--tasks", type=int, help="tasks (processes) per node on CPU nodes")
-    r.add_argument("--cpus-per-task", type=int)
+    r.add_argument("--cpus-per-task", type=int, help="CPU cores per task")
     r.add_argument("--mem", help="memory per node, Slurm syntax (64G; 0 = all)")
-    r.add_argument("--partition")
-    r.add_argument("--account")
-    r.add_argument("--qos")
+    r.add_argument("--partition", help="Slurm partition")
+    r.add_argument("--account", help="Slurm account to charge")
+    r.add_argument("--qos", help="Slurm quality of service")
     r.add_argument("--time", help="time limit per job: minutes, HH:MM:SS or D-HH:MM:SS")
-    r.add_argument("--constraint")
+    r.add_argument("--constraint", help="Slurm node features, e.g. h100")
     r.add_argument("--exclusive", action="store_true", default=None, help="whole nodes")
-    r.add_argument("--job-name")
+    r.add_argument("--job-name", help="Slurm job name (default: from the run or sweep)")
     r.add_argument(
         "--slurm-arg",
         action="append",
@@ -137,7 +137,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "overrides applied; each value that is not the default says where it was set) and "
         "exit without submitting",
     )
-    parser.add_argument("--resume", default="auto", help=RESUME_HELP)
+    parser.add_argument("--resume", default="auto", help=RESUME_HELP + " (default: %(default)s)")
     parser.add_argument(
         "--skip-preflight",
         action="store_true",
@@ -151,13 +151,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="wait for the jobs to end (the default with --cluster local)",
     )
-    wait.add_argument("--no-wait", action="store_false", dest="wait")
+    wait.add_argument("--no-wait", action="store_false", dest="wait", help="return once submitted")
     parser.add_argument(
         "--progress",
         choices=("auto", "bar", "lines"),
         default="auto",
-        help="while waiting: a progress bar per run (the default on a terminal) or a line "
-        "per run every 30 s",
+        help="while waiting: a progress bar per run (what auto shows on a terminal) or a line "
+        "per run every 30 s (default: %(default)s)",
     )
     return parser.parse_intermixed_args(argv)  # overrides may come between options
 

@@ -24,7 +24,7 @@ export DS_ACCELERATOR=cpu WANDB_SILENT=true PYTHONWARNINGS=ignore
 require_python
 
 echo "== 1/5 embedded corpus, tokenizer and indexed dataset -> $OUT/data"
-"$PY" -m data_tools.demo_corpus --output "$OUT/data" --quiet
+"$PY" -m data_tools.demo_corpus --out "$OUT/data" --quiet
 
 overrides=("log.root=$OUT/runs" "data.prefixes=[$OUT/data/demo_text_document]"
   "data.tokenizer=$OUT/data/tokenizer.model")

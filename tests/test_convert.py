@@ -623,7 +623,7 @@ def test_existing_output_folder_is_refused_unless_overwrite(exports, tmp_path):
     target = tmp_path / "out"
     target.mkdir()
     (target / "keep.txt").write_text("mine")
-    with pytest.raises(ConversionError, match="already exists.*--overwrite"):
+    with pytest.raises(ConversionError, match="already exists.*--force"):
         export_state_dict(state, config, target, with_tokenizer=False)
     assert (target / "keep.txt").read_text() == "mine"
     export_state_dict(state, config, target, with_tokenizer=False, overwrite=True)
@@ -799,7 +799,7 @@ def test_cli_reports_errors_with_exit_code_2(tmp_path, capsys):
     assert "not a Hugging Face model folder" in capsys.readouterr().err
     (tmp_path / "taken").mkdir()
     assert cli_main(["export", str(tmp_path), str(tmp_path / "taken")]) == 2
-    assert "--overwrite" in capsys.readouterr().err
+    assert "--force" in capsys.readouterr().err
 
 
 def test_exported_safetensors_weights_are_readable_by_the_team(tmp_path):

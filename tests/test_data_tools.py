@@ -129,7 +129,7 @@ def test_unigram_tokenizer_from_text_file(tmp_path, corpus):
 
 def test_tokenizer_refuses_to_overwrite_and_bad_vocab(tmp_path, spm_model, corpus):
     prefix = spm_model.model.with_suffix("")
-    with pytest.raises(DataError, match="--overwrite"):
+    with pytest.raises(DataError, match="--force"):
         tokenizer_tool.train_tokenizer([str(corpus[1])], prefix)
     with pytest.raises(DataError, match="--vocab-size 100 leaves no room"):
         tokenizer_tool.train_tokenizer(
@@ -453,7 +453,7 @@ def test_existing_output_is_refused_and_kept(dataset, corpus, spm_model):
     with pytest.raises(DataError) as error:
         preprocess.preprocess([str(corpus[1])], prefix, spm_model.model, progress=False)
     assert f"'{prefix}' already holds a dataset" in str(error.value)
-    assert "--overwrite" in str(error.value)
+    assert "--force" in str(error.value)
     assert {p: (sha256(p), p.stat().st_mtime_ns) for p in files} == before
 
 

@@ -664,7 +664,7 @@ def test_export_overwrite_never_deletes_a_run(source, target, prepared_run, tmp_
     copy_run(prepared_run, tmp_path)
     watch = Watch(tmp_path)
     outcome = convert(_export(tmp_path / source, tmp_path / target, "--overwrite"), capsys)
-    check(outcome, EXIT_REFUSED, "cqk-convert export: error: --overwrite would delete")
+    check(outcome, EXIT_REFUSED, "cqk convert export: error: --force would delete")
     watch.assert_unchanged()
     watch.assert_no_process_left()
 
@@ -711,7 +711,7 @@ EXPORT_CASES = {
         _another_shape,
         "runs/base/checkpoints/iter_0000004",
         EXIT_REFUSED,
-        "cqk-convert export: error: checkpoint {run}/checkpoints/iter_0000004 does not fit",
+        "cqk convert export: error: checkpoint {run}/checkpoints/iter_0000004 does not fit",
     ),
 }
 

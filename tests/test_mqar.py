@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from cqk_megatron.cli import mqar as mqar_cli
 from cqk_megatron.eval import mqar
 from cqk_megatron.eval.mqar import IGNORE_INDEX, MQARSetting, TrainOptions, generate
 from cqk_megatron.eval.mqar_train import Batches, examples_to_reach
@@ -177,13 +178,13 @@ def test_command_writes_every_seed_curve_table_and_plot(capsys, tmp_path):
     argv += ["--eval-every", "2", "--vocab-size", "128", "--eval-examples", "16"]
     # two shards train the runs between them; the command without --shard gathers them
     for shard in ("0/2", "1/2"):
-        mqar.main([*argv, "--out-dir", str(tmp_path), "--shard", shard])
+        mqar_cli.main([*argv, "--out", str(tmp_path), "--shard", shard])
     shard_lines = [
         len((tmp_path / f"runs.shard{k}.jsonl").read_text().splitlines()) for k in (0, 1)
     ]
     assert shard_lines == [5, 5] and not (tmp_path / "runs.jsonl").exists()
     capsys.readouterr()
-    mqar.main([*argv, "--out-dir", str(tmp_path)])
+    mqar_cli.main([*argv, "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     # nothing left to train: no progress line ("[i/n] ...")
     assert not any(line.startswith("[") for line in printed.splitlines())
@@ -204,7 +205,7 @@ def test_command_writes_every_seed_curve_table_and_plot(capsys, tmp_path):
     assert "64x4" in (tmp_path / "mqar_results.md").read_text()
     # the same command again trains nothing: every run is in runs.jsonl
     lines = (tmp_path / "runs.jsonl").read_text().splitlines()
-    mqar.main([*argv, "--out-dir", str(tmp_path)])
+    mqar_cli.main([*argv, "--out", str(tmp_path)])
     assert (tmp_path / "runs.jsonl").read_text().splitlines() == lines
 
 

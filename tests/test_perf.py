@@ -19,6 +19,8 @@ from _multiproc import run_ranks
 from _tiny import tiny_config
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from cqk_megatron.cli import bench as bench_cli
+from cqk_megatron.cli import plan as plan_cli
 from cqk_megatron.config import CONFIGS_DIR, VARIANTS, load_config
 from cqk_megatron.model.attention.fast_coupling import run_coupling
 from cqk_megatron.model.gpt import build_model, count_parameters
@@ -308,7 +310,7 @@ def test_recomputation_lowers_the_activation_estimate():
 @pytest.mark.parametrize("model", ["1b", "3b", "7b"])
 def test_planner_lists_layouts_on_8_gpus_of_80gib(model, capsys):
     path = str(CONFIGS_DIR / f"models/{model}.yaml")
-    code = plan.main(
+    code = plan_cli.main(
         ["--config", path, "--gpus", "8", "--gpu-mem", "80GiB", "--all", "--no-build-check"]
     )
     out = capsys.readouterr().out
@@ -382,7 +384,7 @@ BENCH_TINY = ["model.num_layers=2", "model.hidden_size=64", "model.vocab_size=25
 def test_bench_runs_end_to_end(tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = ["--variants", "standard,coupled", "--steps", "1", "--warmup", "0", "--seq", "32"]
-    assert bench.main([*args, "--json", str(out), *BENCH_TINY]) == 0
+    assert bench_cli.main([*args, "--json", str(out), *BENCH_TINY]) == 0
     printed = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(printed) if line.startswith("variant"))
     assert printed[header].split()[:4] == ["variant", "step", "ms", "tokens/s"]
@@ -407,5 +409,5 @@ def test_bench_attention_only():
 
 def test_bench_rejects_unknown_variant(capsys):
     with pytest.raises(SystemExit):
-        bench.main(["--variants", "standard,nonsense"])
+        bench_cli.main(["--variants", "standard,nonsense"])
     assert "nonsense" in capsys.readouterr().err

@@ -16,6 +16,7 @@ import re
 import pytest
 import torch
 
+from cqk_megatron.cli import plan as plan_cli
 from cqk_megatron.config import (
     CONFIGS_DIR,
     RECOMPUTE,
@@ -235,7 +236,7 @@ FIT = re.compile(r"(\d+) of (\d+) layouts fit")
 )
 def test_every_layout_the_planner_prints_as_fitting_passes_validate(capsys, config, gpus, options):
     argv = ["--config", config, "--gpus", str(gpus), "--show-overrides", "--no-build-check"]
-    plan.main([*argv, *options])
+    plan_cli.main([*argv, *options])
     out = capsys.readouterr().out
     fitting = int(FIT.search(out)[1])
     runs = [match[1].split() for match in RUN.finditer(out)]
@@ -262,4 +263,4 @@ def test_layouts_training_refuses_are_not_offered():
     offered = plan.enumerate_layouts(config, 8, micro_batch=1, global_batch=12)
     assert offered and all(12 % layout.dp == 0 for layout in offered)
     with pytest.raises(SystemExit):
-        plan.main(["--config", "configs/models/1b.yaml", "--gpus", "8", "--zero", "0"])
+        plan_cli.main(["--config", "configs/models/1b.yaml", "--gpus", "8", "--zero", "0"])

@@ -200,7 +200,7 @@ def test_export_with_a_config_of_another_shape_names_it_instead_of_megatrons_err
         timeout=300,
     )
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-3000:]
-    assert f"cqk-convert export: error: checkpoint {folder} does not fit this model" in out.stderr
+    assert f"cqk convert export: error: checkpoint {folder} does not fit this model" in out.stderr
     assert f"{runs / 'exported' / 'config.yaml'} is not the config this checkpoint" in out.stderr
     assert "Traceback" not in out.stderr and not (runs / "hf").exists()
 

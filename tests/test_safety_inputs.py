@@ -4,9 +4,9 @@
   exit 0 with a usage (in-process, through each script's ``main``);
 - a config with inf or nan in any float field, or a run name that is not one safe path
   segment, is refused (by ``cqk-train`` before it imports Megatron, and at submit);
-- ``cqk-convert export/import --overwrite`` never deletes a run folder, a checkpoint, a
-  folder holding or inside either, or its own input; an export of a run whose newest
-  checkpoint is damaged takes the newest one that verifies;
+- ``cqk convert export/import --force`` (old spelling ``--overwrite``) never deletes a run
+  folder, a checkpoint, a folder holding or inside either, or its own input; an export of
+  a run whose newest checkpoint is damaged takes the newest one that verifies;
 - a run whose weights stop being finite saves no checkpoint of them: ``latest`` stays on
   the last good one.
 
@@ -335,7 +335,7 @@ def test_overwrite_never_deletes_a_run_a_checkpoint_or_the_input(run_copy, capsy
         argv = [command, str(source), str(target), *flags, "--overwrite"]
         code, said = _convert(argv, capsys)
         assert code == 2, f"{case}: {said}"
-        assert said.startswith(f"cqk-convert {command}: error: --overwrite would delete"), said
+        assert said.startswith(f"cqk convert {command}: error: --force would delete"), said
         assert "nothing was deleted" in said, f"{case}: {said}"
         assert _hashes(root) == before, case
         assert sorted(p.name for p in root.iterdir()) == ["export"], case  # no staging left

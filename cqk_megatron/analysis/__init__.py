@@ -1,4 +1,5 @@
 """Scaling-law analysis over training runs: ingestion, fits, comparisons, reports, ladders.
 
-``cqk-analyze table|fit|report|gains`` (``cqk_megatron.analysis.cli``) is the front door.
+``cqk analyze table|fit|report|gains|ladder`` (``cqk_megatron.cli.analyze``) is the front
+door.
 """

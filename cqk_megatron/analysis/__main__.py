@@ -1,3 +1,5 @@
-from cqk_megatron.analysis.cli import main
+import sys
 
-main()
+from cqk_megatron.cli.analyze import main
+
+sys.exit(main())

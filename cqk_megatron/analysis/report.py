@@ -654,3 +654,22 @@ def _jsonable(value):
     if isinstance(value, np.bool_):
         return bool(value)
     return str(value)
+
+
+def gains_report(points: pd.DataFrame, baseline: str, crossovers) -> str:
+    """Markdown: % change against the baseline per size, and the crossovers, from points
+    (``cqk analyze gains``)."""
+    table = compare.percent_change_table(points, baseline, metric="ppl")
+    table["range"] = [
+        f"{low:.2f}-{high:.2f}" if high > low else ""
+        for low, high in zip(table["low"], table["high"], strict=True)
+    ]
+    view = table[["size", "variant", "value", "range", "percent"]].rename(
+        columns={"value": "ppl", "percent": f"vs {baseline}"}
+    )
+    lines = [markdown_table(view, {"ppl": "{:.2f}".format, f"vs {baseline}": "{:+.1f}%".format})]
+    for challenger, incumbent in crossovers:
+        size = compare.crossover_from_points(points, challenger, incumbent)
+        where = f"at about {humanize_count(size)} parameters" if size else "not within the sizes"
+        lines.append(f"\n{challenger} overtakes {incumbent} {where} (log-linear interpolation).")
+    return "\n".join(lines)

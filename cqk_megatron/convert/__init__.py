@@ -5,12 +5,25 @@
   standard attention, the remote-code ``CQKForCausalLM`` for every other variant.
 - ``import_hf_folder`` / ``import_checkpoint`` (``hf_import``): back to a full state dict
   and ``RunConfig`` (and a run checkpoint).
-- ``cqk-convert`` (``cli.main``) on the command line.
+- ``cqk convert`` (``cqk_megatron.cli.convert``) on the command line.
+
+The names below load on first use (PEP 562), so that importing a light module of the
+package (``errors``, ``options``) does not load torch and Megatron.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from cqk_megatron.convert.errors import ConversionError
-from cqk_megatron.convert.hf_export import export_checkpoint, export_state_dict
-from cqk_megatron.convert.hf_import import import_checkpoint, import_hf_folder
+
+_LAZY = {
+    "export_checkpoint": "cqk_megatron.convert.hf_export",
+    "export_state_dict": "cqk_megatron.convert.hf_export",
+    "import_checkpoint": "cqk_megatron.convert.hf_import",
+    "import_hf_folder": "cqk_megatron.convert.hf_import",
+}
 
 __all__ = [
     "ConversionError",
@@ -19,3 +32,9 @@ __all__ = [
     "import_checkpoint",
     "import_hf_folder",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

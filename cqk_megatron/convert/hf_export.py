@@ -38,6 +38,7 @@ from cqk_megatron.convert.layout import (
     megatron_to_hf,
 )
 from cqk_megatron.convert.model_card import model_card
+from cqk_megatron.convert.options import EXPORT_DTYPE_NAMES
 from cqk_megatron.convert.output_dir import check_target, staged_folder
 from cqk_megatron.convert.remote_source import MATH_FILE, VARIANT_FILE, variant_source
 from cqk_megatron.convert.safetensors_io import DEFAULT_MAX_SHARD, parse_size, save_weights
@@ -56,7 +57,7 @@ from cqk_megatron.variants import plain_math as coupling_module
 
 RUN_CONFIG_FILE = "cqk_run_config.yaml"
 COUPLING_FILE = MATH_FILE
-EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EXPORT_DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPE_NAMES}
 
 
 def export_state_dict(

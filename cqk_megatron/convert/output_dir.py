@@ -25,7 +25,7 @@ from cqk_megatron.run.folder import run_folder_file
 def check_target(
     out_dir: Path,
     overwrite: bool,
-    flag: str = "--overwrite",
+    flag: str = "--force",
     inputs: Sequence[Path] = (),
     replaceable: Callable[[Path], bool] | None = None,
 ) -> None:

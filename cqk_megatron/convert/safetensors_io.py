@@ -16,11 +16,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from cqk_megatron.convert.errors import ConversionError
+from cqk_megatron.convert.options import DEFAULT_MAX_SHARD
 from cqk_megatron.run.atomic import atomic_path, write_text_atomically
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-DEFAULT_MAX_SHARD = "5GB"
 _UNITS = {
     "": 1,
     "B": 1,

@@ -1,7 +1,7 @@
 """Multi-query associative recall (MQAR): how fast each attention variant learns to recall.
 
-    cqk-mqar --variants standard,coupled --settings 64x4,128x8 --seeds 0,1,2
-    cqk-mqar --benchmark --out-dir runs/mqar_benchmark      # the README's table and plot
+    cqk mqar --variants standard,coupled --settings 64x4,128x8 --seeds 0,1,2
+    cqk mqar --benchmark --out runs/mqar_benchmark      # the README's table and plot
 
 The task is ``mqar_data.py``'s (Zoology's ``multiquery_ar``). Each run trains a small
 model (``mqar_train.py``: the project's Megatron ``GPTModel``, Llama or GPT-2 family) on
@@ -20,16 +20,11 @@ coupling in a family with RoPE; the GPT-2 family has learned positions and no Ro
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import statistics
-import time
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
-
-import torch
 
 from cqk_megatron.config import MODEL_FAMILIES, VARIANTS
 from cqk_megatron.eval.mqar_data import (  # noqa: F401  (the task's public names)
@@ -40,7 +35,7 @@ from cqk_megatron.eval.mqar_data import (  # noqa: F401  (the task's public name
     gap_probabilities,
     generate,
 )
-from cqk_megatron.eval.mqar_models import REINIT_PARTS
+from cqk_megatron.eval.mqar_options import POSITIONS  # noqa: F401  (its old home)
 from cqk_megatron.eval.mqar_train import (  # noqa: F401
     SOLVED,
     TrainOptions,
@@ -51,7 +46,6 @@ from cqk_megatron.eval.mqar_train import (  # noqa: F401
 )
 from cqk_megatron.run.atomic import atomic_path, write_text_atomically
 
-POSITIONS = ("pre_rope", "post_rope")
 THRESHOLDS = (0.5, 0.9)
 
 # The benchmark of the README, sized from the gap study (mqar_gap.py) and a pilot: with the
@@ -288,127 +282,34 @@ def _gather_shards(out: Path) -> None:
             handle.writelines(json.dumps(run) + "\n" for run in new)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cqk-mqar", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", default="standard,coupled,differential")
-    parser.add_argument(
-        "--settings",
-        default=",".join(DEFAULT_SETTINGS),
-        help=f"SEQ_LENxNUM_KV_PAIRS list; harder ones: {','.join(HARDER_SETTINGS)}",
-    )
-    parser.add_argument("--seeds", default=None, help="e.g. 0,1,2 (default 0; benchmark 0,1,2)")
-    parser.add_argument("--families", default="llama", help=f"from {list(MODEL_FAMILIES)}")
-    parser.add_argument("--positions", default="pre_rope", help="pre_rope,post_rope")
-    parser.add_argument(
-        "--benchmark",
-        action="store_true",
-        help="the README's benchmark (BENCHMARK): every variant on 64x4, four on 128x8, "
-        "standard and coupled on 128x16 and in both families and coupling positions, 3 seeds",
-    )
-    defaults = TrainOptions()
-    for f in fields(TrainOptions):
-        if f.name in ("family", "position", "seed", "megatron", "plain"):
-            continue
-        value = getattr(defaults, f.name)
-        option = f"--{f.name.replace('_', '-')}"
-        if isinstance(value, bool):
-            parser.add_argument(option, action=argparse.BooleanOptionalAction, default=None)
-        elif f.name == "reinit":
-            parser.add_argument(option, choices=REINIT_PARTS, default=None)
-        elif value is None or f.name == "stop_at":
-            kind = float if f.name in ("stop_at", "init_std") else int
-            parser.add_argument(option, type=kind, default=None)
-        else:
-            parser.add_argument(option, type=type(value), default=None)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument(
-        "--shard",
-        default=None,
-        help="K/N: train only every N-th planned run from the K-th (0-based), so N processes "
-        "can share one --out-dir; the same command without --shard then writes the table",
-    )
-    parser.add_argument("--out-dir", default=None, help="write the results, table and plot here")
-    return parser
+def benchmark_runs(seeds: list[int]) -> list[dict]:
+    """Every run of ``BENCHMARK``'s grids with these seeds, each once."""
+    planned = [
+        run
+        for variants, settings, families, positions in BENCHMARK["grids"]
+        for run in grid(variants, settings, seeds, families, positions)
+    ]
+    return [dict(t) for t in dict.fromkeys(tuple(sorted(p.items())) for p in planned)]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    option_names = [f.name for f in fields(TrainOptions)]
-    given = {k: getattr(args, k) for k in option_names if getattr(args, k, None) is not None}
-    if args.benchmark:
-        options = TrainOptions(**{**BENCHMARK["options"], **given})
-        seeds = [int(s) for s in _csv(args.seeds)] if args.seeds else BENCHMARK["seeds"]
-        planned = [
-            run
-            for variants, settings, families, positions in BENCHMARK["grids"]
-            for run in grid(variants, settings, seeds, families, positions)
-        ]
-        planned = [dict(t) for t in dict.fromkeys(tuple(sorted(p.items())) for p in planned)]
-    else:
-        options = TrainOptions(**given)
-        variants, families = _csv(args.variants), _csv(args.families)
-        unknown = [v for v in variants if v not in VARIANTS]
-        if unknown:
-            parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
-        bad = [f for f in families if f not in MODEL_FAMILIES]
-        if bad:
-            parser.error(f"unknown families {bad}; choose from {list(MODEL_FAMILIES)}")
-        positions = _csv(args.positions)
-        if any(p not in POSITIONS for p in positions):
-            parser.error(f"--positions takes {list(POSITIONS)}")
-        seeds = [int(s) for s in _csv(args.seeds or "0")]
-        planned = grid(variants, _csv(args.settings), seeds, families, positions)
-    try:
-        options.check()
-        for label in dict.fromkeys(p["setting"] for p in planned):
-            MQARSetting.parse(label).check(options.vocab_size)
-    except ValueError as error:
-        parser.error(str(error))
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
-
-    out = Path(args.out_dir) if args.out_dir else None
-    shard = None
-    if args.shard:
-        try:
-            index, count = (int(part) for part in args.shard.split("/"))
-        except ValueError:
-            index = count = -1
-        if not 0 <= index < count:
-            parser.error(f"--shard {args.shard!r} must be K/N with 0 <= K < N, e.g. 0/2")
-        if out is None:
-            parser.error("--shard needs --out-dir (the shards share its runs.jsonl)")
-        shard = planned[index::count]
-    print(f"MQAR: {len(planned)} runs; options {asdict(options)}", flush=True)
-    started = time.perf_counter()
-    if shard is not None:  # this process's share only: the table needs every run
-        run_grid(shard, options, out / f"runs.shard{index}.jsonl")
-        wall = time.perf_counter() - started
-        print(f"shard {args.shard}: {len(shard)} runs, wall time {wall:.0f} s")
-        return
-    runs_file = out / "runs.jsonl" if out else None
-    if out is not None:
-        _gather_shards(out)
-    runs = run_grid(planned, options, runs_file)
-    wall = time.perf_counter() - started
-    rows = summarize(runs)
-    table = format_table(rows)
-    chance = runs[0]["chance"] if runs else float("nan")
-    print(f"\nMQAR held-out accuracy (chance {chance:.4f}), {len(runs)} runs:\n{table}")
-    if out:
-        payload = {
-            "options": asdict(options),
-            "wall_seconds_this_invocation": wall,
-            "cpu_seconds_all_runs": sum(r["train_cpu_seconds"] for r in runs),
-            "summary": rows,
-            "runs": runs,
-        }
-        write_text_atomically(out / "mqar_results.json", json.dumps(payload, indent=1))
-        write_text_atomically(out / "mqar_results.md", table + "\n")
-        plot_curves(runs, out / "mqar_curves.png")
-        print(f"wrote {out / 'mqar_results.json'}, mqar_results.md and mqar_curves.png")
-    print(f"wall time {wall:.0f} s")
+def write_results(
+    out: Path, options: TrainOptions, runs: list[dict], rows: list[dict], wall: float
+) -> None:
+    """``OUT/mqar_results.json`` (every run with its curve), ``mqar_results.md`` (the
+    table) and ``mqar_curves.png``."""
+    payload = {
+        "options": asdict(options),
+        "wall_seconds_this_invocation": wall,
+        "cpu_seconds_all_runs": sum(r["train_cpu_seconds"] for r in runs),
+        "summary": rows,
+        "runs": runs,
+    }
+    write_text_atomically(out / "mqar_results.json", json.dumps(payload, indent=1))
+    write_text_atomically(out / "mqar_results.md", format_table(rows) + "\n")
+    plot_curves(runs, out / "mqar_curves.png")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the old spelling of ``cqk mqar``
+    from cqk_megatron.cli.mqar import main
+
     main()

@@ -21,10 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cqk_megatron.eval.mqar_options import DEFAULT_SETTINGS, HARDER_SETTINGS  # noqa: F401
+
 IGNORE_INDEX = -100
-DEFAULT_SETTINGS = ("64x4", "128x8", "256x16")
-# Beyond the three above, the Zoology paper's harder points (longer sequences, more pairs).
-HARDER_SETTINGS = ("256x32", "512x64")
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """Why does the project's coupled model fall behind on MQAR where an independent one
 pulls ahead? One difference at a time between the two setups (issue 20).
 
-    python -m cqk_megatron.eval.mqar_gap --rungs project,independent --seeds 0,1,2 \\
+    cqk mqar gap --rungs project,independent --seeds 0,1,2 \\
         --out runs/mqar_gap/runs.jsonl            # appends one JSON line per run
-    python -m cqk_megatron.eval.mqar_gap --report runs/mqar_gap/runs.jsonl
+    cqk mqar gap --report runs/mqar_gap/runs.jsonl
 
 Both setups train on 128x8 (vocabulary 512, width 64, one head of 64, two layers) for
 2,500 steps of 128 sequences, evaluating 512 held-out sequences every 100 steps.
@@ -36,19 +36,14 @@ gap. ``--stop-after 1000`` cuts a probe there (the schedule still spans 2,500 st
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
 
-import torch
-
 from cqk_megatron.eval.mqar_data import MQARSetting
 from cqk_megatron.eval.mqar_train import TrainOptions, train_run
 from cqk_megatron.eval.plain_model import PROJECT_FIELDS
-from cqk_megatron.run.atomic import write_text_atomically
 
 SETTING = MQARSetting(128, 8)
 BASE = dict(
@@ -289,43 +284,7 @@ def report(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rungs", default="project,independent", help=f"from {list(RUNGS)}")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--steps", type=int, default=None, help="override the 2,500 steps")
-    parser.add_argument(
-        "--stop-after", type=int, default=None, help="stop there (the schedule keeps --steps)"
-    )
-    parser.add_argument("--out", default="runs/mqar_gap/runs.jsonl")
-    parser.add_argument("--report", default=None, help="print the table of a runs.jsonl")
-    parser.add_argument("--report-out", default=None, help="also write the table here")
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
-    if args.report:
-        records = [json.loads(x) for x in Path(args.report).read_text().splitlines() if x.strip()]
-        table = report(records)
-        print(table)
-        if args.report_out:
-            write_text_atomically(Path(args.report_out), table + "\n")
-        return
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    rungs = [r for r in args.rungs.split(",") if r]
-    unknown = [r for r in rungs if r not in RUNGS]
-    if unknown:
-        parser.error(f"unknown rungs {unknown}; choose from {list(RUNGS)}")
-    overrides = {"steps": args.steps} if args.steps else {}
-    if args.stop_after:
-        overrides["stop_after"] = args.stop_after
-    run(
-        rungs,
-        [v for v in args.variants.split(",") if v],
-        [int(s) for s in args.seeds.split(",") if s],
-        Path(args.out),
-        **overrides,
-    )
+if __name__ == "__main__":  # the old spelling of ``cqk mqar gap``
+    from cqk_megatron.cli.mqar_gap import main
 
-
-if __name__ == "__main__":
     sys.exit(main())

@@ -20,6 +20,7 @@ import math
 import torch
 
 from cqk_megatron.config import RunConfig
+from cqk_megatron.eval.mqar_options import REINIT_PARTS
 from cqk_megatron.eval.plain_model import PlainConfig, PlainLM
 
 
@@ -63,11 +64,6 @@ def dt_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     if isinstance(model, PlainLM):
         return model.dt_parameters()
     return [p for name, p in model.named_parameters() if name.endswith("coupling.dt.raw")]
-
-
-# PyTorch's defaults, per kind of weight: Linear weight and bias U(+-1/sqrt(fan_in))
-# (kaiming_uniform_ with a=sqrt(5)), Embedding N(0, 1). What plain_model's init="torch" draws.
-REINIT_PARTS = ("torch", "torch_embeddings", "torch_linears")
 
 
 @torch.no_grad()

@@ -1,11 +1,11 @@
 """One run of the README's MQAR benchmark setup with one thing changed: a probe.
 
-    python -m cqk_megatron.eval.mqar_probe standard --family gpt2 --seed 0 --steps 2000
-    python -m cqk_megatron.eval.mqar_probe standard --family gpt2 \\
+    cqk mqar probe standard --family gpt2 --seed 0 --steps 2000
+    cqk mqar probe standard --family gpt2 \\
         --megatron model.family=null model.normalization=LayerNorm model.swiglu=false \\
             model.position_embedding_type=learned_absolute model.add_bias_linear=true \\
             model.swiglu=true                       # GPT-2 with SwiGLU instead of GELU
-    python -m cqk_megatron.eval.mqar_probe invertible_differential --freeze-coupling
+    cqk mqar probe invertible_differential --freeze-coupling
 
 The run is ``mqar.BENCHMARK``'s options on 64x4 (or ``--setting``) with the given
 changes: ``--megatron`` RunConfig overrides after the family's (``model.family=null``
@@ -19,7 +19,7 @@ Used for the README's look at why the GPT-2 family and invertible_differential s
 
 from __future__ import annotations
 
-import argparse
+import sys
 
 import torch
 
@@ -64,47 +64,7 @@ def probe(
         mqar_train.build = build
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("variant")
-    parser.add_argument("--family", default="llama")
-    parser.add_argument("--position", default="pre_rope")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--setting", default="64x4")
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--lr", type=float, default=None)
-    parser.add_argument("--eval-every", type=int, default=None)
-    parser.add_argument("--megatron", nargs="*", default=[], help="RunConfig k=v overrides")
-    parser.add_argument("--freeze-coupling", action="store_true")
-    args = parser.parse_args(argv)
-    changes = {
-        "family": args.family,
-        "position": args.position,
-        "seed": args.seed,
-        "megatron": args.megatron,
-        **{
-            name: value
-            for name, value in (
-                ("steps", args.steps),
-                ("lr", args.lr),
-                ("eval_every", args.eval_every),
-            )
-            if value is not None
-        },
-    }
-    torch.set_num_threads(1)
-    setting = MQARSetting.parse(args.setting)
-    result = probe(args.variant, setting, changes, freeze=args.freeze_coupling)
-    curve = " ".join(f"{p['accuracy']:.2f}" for p in result["curve"])
-    print(
-        f"{args.variant} {args.family} seed {args.seed} {' '.join(args.megatron)}"
-        f"{' frozen coupling' if args.freeze_coupling else ''}: accuracy "
-        f"{result['accuracy']:.3f} after {result['steps']} steps, train loss "
-        f"{result['final_train_loss']:.3f}, {result['train_cpu_seconds']:.0f} CPU s; "
-        f"curve every {result['options']['eval_every']} steps: {curve}",
-        flush=True,
-    )
+if __name__ == "__main__":  # the old spelling of ``cqk mqar probe``
+    from cqk_megatron.cli.mqar_probe import main
 
-
-if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -21,87 +21,20 @@ import torch.nn.functional as F
 from cqk_megatron.config import VARIANTS, RunConfig, load_config, validate
 from cqk_megatron.eval.mqar_data import IGNORE_INDEX, MQARSetting, generate
 from cqk_megatron.eval.mqar_models import (
-    REINIT_PARTS,
     build_megatron,
     dt_parameters,
     query_logits,
     reinit_like_torch,
 )
+from cqk_megatron.eval.mqar_options import (  # noqa: F401  (their old home)
+    MODELS,
+    REINIT_PARTS,
+    SCHEDULES,
+    SOLVED,
+    TrainOptions,
+)
 from cqk_megatron.eval.plain_model import PlainConfig, PlainLM
 from cqk_megatron.parallel.device import device, to_device
-
-MODELS = ("megatron", "plain")
-SCHEDULES = ("wsd", "onecycle", "constant")
-SOLVED = 0.99  # held-out accuracy that counts as solving a setting
-
-
-@dataclass
-class TrainOptions:
-    """A small model and a short AdamW run (the defaults are the project's MQAR setup)."""
-
-    # the model
-    model: str = "megatron"  # megatron: the project's GPTModel | plain: plain_model.PlainLM
-    family: str = "llama"  # megatron: a model family of config.MODEL_FAMILIES
-    position: str = "pre_rope"  # megatron, coupled variants with RoPE: pre_rope | post_rope
-    megatron: list[str] = field(default_factory=list)  # extra RunConfig overrides (k=v)
-    # megatron: model.init_method_std; None: width_init_std(hidden_size). The project's
-    # 0.02 is GPT-2's choice for width 768; at width 64 it makes q.k 13x smaller than
-    # PyTorch's default and slowed recall for every variant (mqar_gap.py, README)
-    init_std: float | None = None
-    # megatron: redraw these weights from PyTorch's module defaults after Megatron's
-    # N(0, init_method_std) (mqar_models.REINIT_PARTS); None keeps Megatron's
-    reinit: str | None = None
-    plain: dict = field(default_factory=dict)  # PlainConfig fields for model=plain
-    vocab_size: int = 256
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4  # even, so differential scoring can pair heads
-    # the data
-    train_examples: int | None = None  # None: a fresh batch each step; N: a fixed set of N
-    batch_size: int = 64
-    # Keep tokens per step constant across settings: batch_size is for seq_len 64 and
-    # shrinks as sequences grow (each example also carries proportionally more queries).
-    scale_batch: bool = False
-    power_a: float = 0.01
-    # the optimiser
-    steps: int = 300
-    lr: float = 1e-3  # 3e-3, or weight decay 0.1, stalled 64x4 at ~25% in 500 steps
-    weight_decay: float = 0.0
-    decay_dt: bool = True  # whether weight decay touches the coupling's dt parameter
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.98
-    # wsd | onecycle (torch's OneCycleLR with its defaults: 30% warmup, cosine annealing,
-    # beta1 cycled between 0.85 and 0.95) | constant
-    schedule: str = "wsd"
-    warmup_fraction: float = 0.1
-    clip_grad: float = 1.0  # 0: no clipping
-    # held-out evaluation
-    eval_examples: int = 512
-    eval_every: int = 0  # steps between evaluations; 0: at the end only
-    stop_at: float | None = None  # stop once held-out accuracy reaches this
-    stop_after: int | None = None  # stop after this many steps; the schedule spans `steps`
-    seed: int = 0
-
-    def batch_for(self, setting: MQARSetting) -> int:
-        if not self.scale_batch:
-            return self.batch_size
-        return max(4, self.batch_size * 64 // setting.seq_len)
-
-    def check(self) -> None:
-        for name, value, allowed in (
-            ("model", self.model, MODELS),
-            ("schedule", self.schedule, SCHEDULES),
-        ):
-            if value not in allowed:
-                raise ValueError(f"MQAR option {name}={value!r}; choose one of {list(allowed)}")
-        if self.init_std is not None and not self.init_std > 0:
-            raise ValueError(f"MQAR option init_std={self.init_std}; must be positive (or None)")
-        if self.reinit is not None and self.reinit not in REINIT_PARTS:
-            raise ValueError(
-                f"MQAR option reinit={self.reinit!r}; choose one of {list(REINIT_PARTS)} or None"
-            )
-        if self.train_examples is not None and self.train_examples < 1:
-            raise ValueError("MQAR option train_examples must be positive (or None: fresh)")
 
 
 def width_init_std(hidden_size: int) -> float:

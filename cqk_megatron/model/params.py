@@ -1,6 +1,6 @@
 """Parameter counts and the overhead of each attention variant over standard attention.
 
-    cqk-params --config configs/models/150m.yaml [--variants coupled,invertible] [k=v ...]
+    cqk params --config configs/models/150m.yaml [--variants coupled,invertible] [k=v ...]
 
 The table is the experiment planner's count (``planner.parameters.count_parameters``: no
 Megatron model is built and no process group is started), of each variant's config as the
@@ -11,12 +11,10 @@ reported; ``--no-build-check`` skips that.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from cqk_megatron.config import VARIANTS, RunConfig, load_config, validate
+from cqk_megatron.config import RunConfig, validate
 from cqk_megatron.planner.parameters import count_parameters, variant_config
-from cqk_megatron.variants import UnknownVariantError, pair
 
 
 def count_variant_parameters(config: RunConfig, variant: str) -> int:
@@ -76,31 +74,7 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default=None, help="YAML config (default: built-in tiny)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names")
-    parser.add_argument(
-        "--no-build-check",
-        dest="build_check",
-        action="store_false",
-        help="skip comparing the planner's count with the model built on the meta device",
-    )
-    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    args = parser.parse_args(argv)
-    config = load_config(args.config, args.overrides)
-    variants = [v for v in args.variants.split(",") if v]
-    for variant in variants:
-        try:
-            pair(variant)
-        except UnknownVariantError as error:
-            parser.error(str(error))
-    rows = overhead_table(config, variants)
-    print(format_table(rows))
-    if args.build_check:
-        for line in built_differences(config, rows):
-            print(line, file=sys.stderr)
+if __name__ == "__main__":  # the old spelling of ``cqk params``
+    from cqk_megatron.cli.params import main
 
-
-if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Benchmark the attention variants against standard attention, in one run.
 
-    python -m cqk_megatron.perf.bench [--config tiny|configs/models/350m.yaml]
+    cqk bench [--config tiny|configs/models/350m.yaml]
         [--variants standard,coupled,differential] [--steps 5] [--warmup 1]
         [--micro-batch B] [--seq S] [--attention-only] [--optimizer adamw]
         [--precision fp32|bf16] [--json out.json] [section.key=value ...]
@@ -39,19 +39,17 @@ says otherwise; on CPU in the config's precision (fp32 by default).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from cqk_megatron.config import VARIANTS, ConfigError, RunConfig, load_config
+from cqk_megatron.config import RunConfig, load_config
 from cqk_megatron.model.attention.fast_coupling import RUN_IMPLS
 from cqk_megatron.perf.flops import flops_breakdown, flops_per_token, mfu, peak_flops
 from cqk_megatron.perf.measure import saved_activation_bytes
@@ -283,6 +281,98 @@ def timed_step(work: Workload, device: torch.device, clock: str = "wall") -> Non
         work.step_bytes.append(torch.cuda.max_memory_allocated(device) - before)
 
 
+def build_workloads(
+    config: RunConfig,
+    variants: list[str],
+    micro_batch: int,
+    device: torch.device,
+    attention_only: bool,
+    optimizer: str,
+    log: Callable[[str], None],
+) -> list[Workload]:
+    """Every variant built (all resident at once), with its activation bytes and the
+    kernels its attention runs on, measured apart from the timed steps."""
+    works = []
+    for variant in variants:
+        log(f"building {variant}")
+        works.append(
+            build_workload(config, variant, micro_batch, device, attention_only, optimizer)
+        )
+    for work in works:
+        work.activation_bytes = saved_activation_bytes(work.module, work.forward)
+        work.attention = attention_kernels(work.module, work.forward)
+    return works
+
+
+def time_rounds(
+    works: list[Workload],
+    device: torch.device,
+    rounds: int,
+    warmup: int,
+    clock: str,
+    log: Callable[[str], None],
+) -> None:
+    """``A B C A B C ...``: each round steps every variant once, so that drift in the
+    machine's speed hits them alike; the warm-up rounds' times are dropped."""
+    for round_index in range(warmup + rounds):
+        for work in works:
+            timed_step(work, device, clock)
+            if round_index < warmup:
+                work.times.pop()
+                if work.step_bytes:
+                    work.step_bytes.pop()
+        log(f"round {round_index + 1 - warmup}/{rounds}" if round_index >= warmup else "warm-up")
+
+
+def result_row(
+    work: Workload,
+    baseline: Workload,
+    micro_batch: int,
+    seq: int,
+    attention_only: bool,
+    peak: float | None,
+) -> dict:
+    """One variant's line of the report: median step time, ratio to the baseline, FLOPs,
+    MFU and memory (measured and estimated)."""
+    vconfig = work.config
+    median = statistics.median(work.times)
+    ratio = statistics.median(t / b for t, b in zip(work.times, baseline.times, strict=True))
+    tokens_per_s = micro_batch * seq / median
+    if attention_only:
+        flops = 3 * attention_layer_flops(vconfig, seq)
+        estimate = None
+        utilisation = tokens_per_s * flops / peak if peak else None
+    else:
+        flops = flops_per_token(vconfig, training=True, seq_length=seq)
+        act = activation_estimate(
+            vconfig,
+            micro_batch,
+            seq,
+            recompute_coupling=vconfig.attention.recompute_coupling,
+            sdpa_kernel=sdpa_kernel_for(work.attention["kernels"]),
+        )
+        layers = vconfig.model.num_layers
+        estimate = layers * act.layer_bytes + act.embedding_bytes + act.output_bytes
+        utilisation = mfu(tokens_per_s, vconfig, peak, seq_length=seq)
+    return {
+        "variant": work.variant,
+        "coupling_impl": vconfig.attention.coupling_impl,
+        "recompute_coupling": vconfig.attention.recompute_coupling,
+        "differential_kernel": work.attention["differential_kernel"],
+        "sdpa_kernels": work.attention["kernels"],
+        "parameters": work.parameters,
+        "step_ms": 1000 * median,
+        "step_ms_all": [1000 * t for t in work.times],
+        "tokens_per_s": tokens_per_s,
+        "ratio": ratio,
+        "gflop_per_token": flops / 1e9,
+        "mfu": utilisation,
+        "activation_mib": work.activation_bytes / MIB,
+        "activation_estimate_mib": None if estimate is None else estimate / MIB,
+        "step_peak_mib": max(work.step_bytes) / MIB if work.step_bytes else None,
+    }
+
+
 def run_benchmark(
     config: RunConfig,
     variants: list[str],
@@ -308,75 +398,16 @@ def run_benchmark(
     if clock == "cpu" and device.type == "cuda":
         raise ValueError("clock=cpu measures host CPU time; use the wall clock on GPU")
     micro_batch = micro_batch or config.train.micro_batch_size
-    seq = config.model.seq_length
-    tokens = micro_batch * seq
-    works = []
-    for variant in variants:
-        log(f"building {variant}")
-        works.append(
-            build_workload(config, variant, micro_batch, device, attention_only, optimizer)
-        )
-    for work in works:  # activation bytes and kernels, measured apart from the timed steps
-        work.activation_bytes = saved_activation_bytes(work.module, work.forward)
-        work.attention = attention_kernels(work.module, work.forward)
-    for round_index in range(warmup + rounds):
-        for work in works:
-            timed_step(work, device, clock)
-            if round_index < warmup:
-                work.times.pop()
-                if work.step_bytes:
-                    work.step_bytes.pop()
-        log(f"round {round_index + 1 - warmup}/{rounds}" if round_index >= warmup else "warm-up")
-
+    works = build_workloads(config, variants, micro_batch, device, attention_only, optimizer, log)
+    time_rounds(works, device, rounds, warmup, clock, log)
     baseline = next((w for w in works if split_variant(w.variant)[0] == "standard"), works[0])
     peak = peak_flops() if device.type == "cuda" else None
-    precision = config.train.precision
-    rows = []
-    for work in works:
-        median = statistics.median(work.times)
-        ratio = statistics.median(t / b for t, b in zip(work.times, baseline.times, strict=True))
-        vconfig = work.config
-        tokens_per_s = tokens / median
-        if attention_only:
-            flops = 3 * attention_layer_flops(vconfig, seq)
-            estimate = None
-            utilisation = tokens_per_s * flops / peak if peak else None
-        else:
-            flops = flops_per_token(vconfig, training=True, seq_length=seq)
-            act = activation_estimate(
-                vconfig,
-                micro_batch,
-                seq,
-                recompute_coupling=vconfig.attention.recompute_coupling,
-                sdpa_kernel=sdpa_kernel_for(work.attention["kernels"]),
-            )
-            estimate = (
-                vconfig.model.num_layers * act.layer_bytes + act.embedding_bytes + act.output_bytes
-            )
-            utilisation = mfu(tokens_per_s, vconfig, peak, seq_length=seq)
-        rows.append(
-            {
-                "variant": work.variant,
-                "coupling_impl": vconfig.attention.coupling_impl,
-                "recompute_coupling": vconfig.attention.recompute_coupling,
-                "differential_kernel": work.attention["differential_kernel"],
-                "sdpa_kernels": work.attention["kernels"],
-                "parameters": work.parameters,
-                "step_ms": 1000 * median,
-                "step_ms_all": [1000 * t for t in work.times],
-                "tokens_per_s": tokens_per_s,
-                "ratio": ratio,
-                "gflop_per_token": flops / 1e9,
-                "mfu": utilisation,
-                "activation_mib": work.activation_bytes / MIB,
-                "activation_estimate_mib": None if estimate is None else estimate / MIB,
-                "step_peak_mib": max(work.step_bytes) / MIB if work.step_bytes else None,
-            }
-        )
+    seq = config.model.seq_length
+    rows = [result_row(w, baseline, micro_batch, seq, attention_only, peak) for w in works]
     meta = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "threads": torch.get_num_threads(),
-        "precision": precision,
+        "precision": config.train.precision,
         "layers": config.model.num_layers,
         "hidden": config.model.hidden_size,
         "heads": config.model.num_attention_heads,
@@ -440,87 +471,7 @@ def write_json(result: dict, path: str) -> None:
     write_text_atomically(path, json.dumps(result, indent=2))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="tiny", help="tiny (default) or a YAML path")
-    parser.add_argument(
-        "--variants",
-        default=DEFAULT_VARIANTS,
-        help="comma-separated names, each optionally tagged @eager, @compiled, @reference, "
-        "@recompute, and on differential variants @paired or @split (e.g. "
-        "standard,coupled,coupled@compiled,differential@paired,differential@split)",
-    )
-    parser.add_argument("--steps", type=int, default=5, help="timed rounds (default 5)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds (default 1)")
-    parser.add_argument("--micro-batch", type=int, default=None, help="default: config's")
-    parser.add_argument("--seq", type=int, default=None, help="default: model.seq_length")
-    parser.add_argument("--attention-only", action="store_true", help="one attention layer")
-    parser.add_argument("--optimizer", choices=("none", "adamw"), default="none")
-    parser.add_argument(
-        "--precision", choices=("fp32", "bf16"), default=None, help="default: bf16 on GPU"
-    )
-    parser.add_argument(
-        "--clock",
-        choices=tuple(CLOCKS),
-        default="wall",
-        help="wall (default) or cpu: process CPU time, for a CPU shared with other jobs",
-    )
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--json", default=None, help="also write the results to this file")
-    parser.add_argument("overrides", nargs="*", help="section.key=value config overrides")
-    return parser
+if __name__ == "__main__":  # the old spelling of ``cqk bench``
+    from cqk_megatron.cli.bench import main
 
-
-def parse_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> RunConfig:
-    variants = [v for v in args.variants.split(",") if v]
-    if not variants:
-        parser.error(f"--variants: none given; choose from {list(VARIANTS)}")
-    for variant in variants:
-        try:
-            split_variant(variant)
-        except ValueError as error:
-            parser.error(f"--variants: {error}")
-    args.variant_list = variants
-    if args.steps < 1 or args.warmup < 0:
-        parser.error("--steps must be at least 1 and --warmup at least 0")
-    overrides = list(args.overrides)
-    if args.seq is not None:
-        overrides.append(f"model.seq_length={args.seq}")
-    precision = args.precision or ("bf16" if torch.cuda.is_available() else None)
-    if precision is not None:
-        overrides.append(f"train.precision={precision}")
-    try:
-        config = load_bench_config(args.config, overrides)
-        for variant in variants:
-            variant_of(config, variant)
-    except ConfigError as error:
-        parser.error(str(error))
-    return config
-
-
-def main(argv: list[str] | None = None) -> int:
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    config = parse_config(args, parser)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    result = run_benchmark(
-        config,
-        args.variant_list,
-        rounds=args.steps,
-        warmup=args.warmup,
-        micro_batch=args.micro_batch,
-        attention_only=args.attention_only,
-        optimizer=args.optimizer,
-        clock=args.clock,
-        log=lambda line: print(line, file=sys.stderr, flush=True),
-    )
-    print(format_report(result))
-    if args.json:
-        write_json(result, args.json)
-    return 0
-
-
-if __name__ == "__main__":
     sys.exit(main())

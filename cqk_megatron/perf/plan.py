@@ -1,15 +1,10 @@
 """Memory planner: will a layout fit, and which layouts fit?
 
-    python -m cqk_megatron.perf.plan --config configs/models/1b.yaml --gpus 8 --gpu-mem 80GiB
-        [--micro-batch 1] [--seq 2048] [--zero 1|2|3|distopt|all]
-        [--recompute none|selective|full|all] [--recompute-method uniform|block]
-        [--recompute-num-layers N] [--tp 2 --pp 1] [--variant coupled] [--all]
-        [section.key=value ...]
-
-With ``--tp/--pp`` it prints one layout stage by stage; otherwise every layout of
-``--gpus`` GPUs (TP in 1, 2, 4, 8; PP dividing the layers; DP = the rest; each ZeRO
-stage) and whether it fits. ``check_fits`` is what the training command calls before it
-launches. All numbers are per GPU, for the pipeline stage that needs the most.
+``check_fits`` is what the training command calls before it launches; ``plan_layout``
+gives one layout's memory stage by stage and ``plan_all`` every layout of a number of
+GPUs (TP in 1, 2, 4, 8; PP dividing the layers; DP = the rest; each ZeRO stage). All
+numbers are per GPU, for the pipeline stage that needs the most. The command line is
+``cqk plan`` (``cqk_megatron.cli.plan``).
 
 The planner offers exactly what training runs: each layout is a training config
 (``training_config``: parallel sizes, ``train.engine``/``zero_stage``, ``train.recompute*``)
@@ -19,26 +14,22 @@ layouts that fit, the overrides that run them.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import re
-import sys
 from dataclasses import dataclass, field
 
-from cqk_megatron.config import VARIANTS, ConfigError, RunConfig, load_config, validate
+from cqk_megatron.config import ConfigError, RunConfig, load_config, validate
 from cqk_megatron.parallel.layout import ENGINE_SETTINGS, Layout, engine_name
 from cqk_megatron.perf.memory import (
     BYTES,
     ENGINES,
     RECOMPUTE,
-    RECOMPUTE_METHODS,
     activation_estimate,
     layer_parameters,
     microbatches_in_flight,
     model_state_bytes,
     stage_activation_bytes,
     stage_parameters,
-    total_parameters,
 )
 from cqk_megatron.planner.runs import variant_overrides
 
@@ -342,7 +333,7 @@ def enumerate_layouts(
     return layouts
 
 
-def _microbatches(global_batch: int | None, micro_batch: int, dp: int) -> int | None:
+def microbatches_per_step(global_batch: int | None, micro_batch: int, dp: int) -> int | None:
     """Micro-batches per step on each DP rank; None (a full pipeline) when unknown."""
     if not global_batch:
         return None
@@ -368,7 +359,7 @@ def plan_all(
             layout,
             micro_batch,
             gpu_mem_bytes,
-            num_microbatches=_microbatches(global_batch, micro_batch, layout.dp),
+            num_microbatches=microbatches_per_step(global_batch, micro_batch, layout.dp),
             **options,
         )
         for layout in enumerate_layouts(
@@ -389,6 +380,78 @@ def gpu_memory_bytes() -> int | None:
     return torch.cuda.get_device_properties(here).total_memory
 
 
+def own_layout(
+    config: RunConfig, world_size: int, engine: str | int | None, recompute: str | None
+) -> Layout:
+    """``config``'s own layout on ``world_size`` GPUs (``engine``/``recompute`` None: the
+    config's)."""
+    p, t = config.parallel, config.train
+    if recompute is None:
+        recompute = t.recompute
+    if recompute not in RECOMPUTE:
+        raise ConfigError(f"recompute={recompute!r} is unknown; choose one of {list(RECOMPUTE)}")
+    engine = engine_of(config) if engine is None else normalize_engine(engine)
+    tp, pp = p.tensor_parallel, p.pipeline_parallel
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.tensor_parallel={tp} x "
+            f"parallel.pipeline_parallel={pp}"
+        )
+    full = recompute == "full"
+    return Layout(
+        tp,
+        pp,
+        world_size // (tp * pp),
+        engine,
+        recompute,
+        p.virtual_pipeline,
+        p.sequence_parallel,
+        t.recompute_method if full else "uniform",
+        t.recompute_num_layers if full else None,
+    )
+
+
+def layouts_that_fit_hint(
+    config: RunConfig, world_size: int, gpu_mem_bytes: int, reserve_bytes: int
+) -> str:
+    """The three layouts of the same GPUs that fit, with the overrides that train them
+    (least model parallelism and recomputation first: usually the fastest), or what to
+    change when none does."""
+    t = config.train
+    alternatives = [
+        r
+        for r in plan_all(
+            config,
+            world_size,
+            gpu_mem_bytes,
+            t.micro_batch_size,
+            global_batch=t.global_batch_size,
+            recomputes=RECOMPUTE,
+            reserve_bytes=reserve_bytes,
+            offload_optimizer=t.offload_optimizer,
+        )
+        if r.fits
+    ]
+    if not alternatives:
+        return (
+            "no layout of these GPUs fits at this micro-batch; lower "
+            "train.micro_batch_size or model.seq_length, or use more GPUs"
+        )
+    alternatives.sort(
+        key=lambda r: (
+            r.layout.tp * r.layout.pp,
+            RECOMPUTE.index(r.layout.recompute),
+            r.worst.total,
+        )
+    )
+
+    def how(r: PlanResult) -> str:
+        built = training_config(config, r.layout, t.micro_batch_size, t.global_batch_size)
+        return f"{r.layout.describe()} ({gib(r.worst.total)}: {' '.join(layout_overrides(built))})"
+
+    return "layouts of these GPUs that fit: " + "; ".join(how(r) for r in alternatives[:3])
+
+
 def check_fits(
     config: RunConfig,
     world_size: int,
@@ -407,88 +470,29 @@ def check_fits(
     None: ``train.recompute`` (with its method and number of layers);
     ``recompute_coupling`` None: ``config.attention.recompute_coupling``.
     """
-    p, t = config.parallel, config.train
-    if recompute is None:
-        recompute = t.recompute
+    t = config.train
     if recompute_coupling is None:
         recompute_coupling = config.attention.recompute_coupling
-    if recompute not in RECOMPUTE:
-        raise ConfigError(f"recompute={recompute!r} is unknown; choose one of {list(RECOMPUTE)}")
-    engine = engine_of(config) if engine is None else normalize_engine(engine)
-    tp, pp = p.tensor_parallel, p.pipeline_parallel
-    if world_size % (tp * pp):
-        raise ConfigError(
-            f"world size {world_size} is not divisible by parallel.tensor_parallel={tp} x "
-            f"parallel.pipeline_parallel={pp}"
-        )
-    dp = world_size // (tp * pp)
-    num_microbatches = _microbatches(t.global_batch_size, t.micro_batch_size, dp)
-    full = recompute == "full"
-    layout = Layout(
-        tp,
-        pp,
-        dp,
-        engine,
-        recompute,
-        p.virtual_pipeline,
-        p.sequence_parallel,
-        t.recompute_method if full else "uniform",
-        t.recompute_num_layers if full else None,
-    )
-    offload = t.offload_optimizer
+    layout = own_layout(config, world_size, engine, recompute)
     result = plan_layout(
         config,
         layout,
         t.micro_batch_size,
         gpu_mem_bytes,
-        num_microbatches=num_microbatches,
+        num_microbatches=microbatches_per_step(t.global_batch_size, t.micro_batch_size, layout.dp),
         reserve_bytes=reserve_bytes,
         recompute_coupling=recompute_coupling,
-        offload_optimizer=offload,
+        offload_optimizer=t.offload_optimizer,
         config_name=config.name,
     )
     if not result.fits:
-        alternatives = [
-            r
-            for r in plan_all(
-                config,
-                world_size,
-                gpu_mem_bytes,
-                t.micro_batch_size,
-                global_batch=t.global_batch_size,
-                recomputes=RECOMPUTE,
-                reserve_bytes=reserve_bytes,
-                offload_optimizer=offload,
-            )
-            if r.fits
-        ]
-        # least model parallelism and recomputation first: usually the fastest
-        alternatives.sort(
-            key=lambda r: (
-                r.layout.tp * r.layout.pp,
-                RECOMPUTE.index(r.layout.recompute),
-                r.worst.total,
-            )
-        )
-
-        def how(r: PlanResult) -> str:
-            built = training_config(config, r.layout, t.micro_batch_size, t.global_batch_size)
-            return (
-                f"{r.layout.describe()} ({gib(r.worst.total)}: {' '.join(layout_overrides(built))})"
-            )
-
-        hint = (
-            "layouts of these GPUs that fit: " + "; ".join(how(r) for r in alternatives[:3])
-            if alternatives
-            else "no layout of these GPUs fits at this micro-batch; lower "
-            "train.micro_batch_size or model.seq_length, or use more GPUs"
-        )
+        hint = layouts_that_fit_hint(config, world_size, gpu_mem_bytes, reserve_bytes)
         result.message += f"; {hint}"
     return result
 
 
 # ---------------------------------------------------------------------------------------
-# command line
+# the planner's tables (``cqk plan`` prints them)
 # ---------------------------------------------------------------------------------------
 
 
@@ -545,180 +549,9 @@ def load_plan_config(path: str, variant: str | None, overrides: list[str]) -> Ru
     return load_config(path, overrides)
 
 
-def _check_against_built_model(config: RunConfig) -> None:
-    """Build the model on the meta device (seconds, no memory) and compare the totals
-    (``cqk-params``' check)."""
-    from cqk_megatron.model.params import built_differences
+if __name__ == "__main__":  # the old spelling of ``cqk plan``
+    import sys
 
-    variant = config.attention.variant
-    if variant not in VARIANTS:
-        return
-    row = {"variant": variant, "parameters": total_parameters(config)}
-    for line in built_differences(config, [row]):
-        print(f"{line}; per-rank memory below is off by that difference")
+    from cqk_megatron.cli.plan import main
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="model YAML, e.g. configs/models/1b.yaml")
-    parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    parser.add_argument("--gpu-mem", default="80GiB", help="memory per GPU (default 80GiB)")
-    parser.add_argument("--reserve", default="4GiB", help="per-GPU memory kept back (4GiB)")
-    parser.add_argument("--micro-batch", type=int, default=1)
-    parser.add_argument("--seq", type=int, default=None, help="default: model.seq_length")
-    parser.add_argument(
-        "--global-batch",
-        type=int,
-        default=None,
-        help="default: the config's where it divides, else one micro-batch per DP rank "
-        "(activations then assume a full pipeline)",
-    )
-    parser.add_argument("--zero", default="all", help="1, 2, 3 (DeepSpeed), distopt or all")
-    parser.add_argument(
-        "--recompute", default="none", help=f"train.recompute: {', '.join(RECOMPUTE)} or all"
-    )
-    parser.add_argument(
-        "--recompute-method",
-        default="uniform",
-        choices=RECOMPUTE_METHODS,
-        help="train.recompute_method, for full",
-    )
-    parser.add_argument(
-        "--recompute-num-layers", type=int, default=None, help="train.recompute_num_layers"
-    )
-    parser.add_argument("--recompute-coupling", action="store_true")
-    parser.add_argument(
-        "--offload-optimizer", action="store_true", help="DeepSpeed: Adam states in CPU memory"
-    )
-    parser.add_argument("--tp", type=int, default=None, help="one layout: tensor parallel")
-    parser.add_argument("--pp", type=int, default=None, help="one layout: pipeline parallel")
-    parser.add_argument("--vp", type=int, default=None, help="virtual pipeline chunks")
-    parser.add_argument("--sequence-parallel", choices=("auto", "on", "off"), default="auto")
-    parser.add_argument("--variant", default=None, help=f"one of {list(VARIANTS)}")
-    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
-    parser.add_argument("--all", action="store_true", help="list layouts that do not fit too")
-    parser.add_argument(
-        "--show-overrides",
-        action="store_true",
-        help="print, for each layout that fits, the section.key=value overrides that train it",
-    )
-    parser.add_argument(
-        "--no-build-check",
-        dest="build_check",
-        action="store_false",
-        help="skip comparing the parameter formula with the model built on the meta device",
-    )
-    parser.add_argument("overrides", nargs="*", help="section.key=value config overrides")
-    args = parser.parse_args(argv)
-
-    overrides = [f"train.precision={args.precision}", *args.overrides]
-    if args.seq is not None:
-        overrides.append(f"model.seq_length={args.seq}")
-    if args.recompute_coupling:
-        overrides.append("attention.recompute_coupling=true")
-    if args.variant is not None:
-        if args.variant not in VARIANTS:
-            parser.error(f"--variant {args.variant!r} is unknown; choose from {list(VARIANTS)}")
-    try:
-        config = load_plan_config(args.config, args.variant, overrides)
-        gpu_mem, reserve = parse_bytes(args.gpu_mem), parse_bytes(args.reserve)
-        engines = TRAINING_ENGINES if args.zero == "all" else (normalize_engine(args.zero),)
-    except (ConfigError, ValueError) as error:
-        parser.error(str(error))
-    refused = [e for e in engines if e not in TRAINING_ENGINES]
-    if refused:
-        parser.error(
-            f"--zero {args.zero}: training has no {refused[0]!r} engine; use 1, 2, 3 or distopt"
-        )
-    recomputes = RECOMPUTE if args.recompute == "all" else (args.recompute,)
-    if any(r not in RECOMPUTE for r in recomputes):
-        parser.error(f"--recompute {args.recompute!r}: choose one of {list(RECOMPUTE)} or all")
-    sp = {"auto": None, "on": True, "off": False}[args.sequence_parallel]
-    name = args.config
-    options = dict(
-        reserve_bytes=reserve,
-        recompute_coupling=args.recompute_coupling,
-        offload_optimizer=args.offload_optimizer,
-        config_name=name,
-    )
-    print(
-        f"{name}: {config.attention.variant}, {total_parameters(config):,} parameters, "
-        f"{args.precision}; {args.gpus} GPUs x {gib(gpu_mem)}"
-    )
-    if args.build_check:
-        _check_against_built_model(config)
-
-    if args.tp is not None or args.pp is not None:
-        tp, pp = args.tp or 1, args.pp or 1
-        if args.gpus % (tp * pp):
-            parser.error(f"--gpus {args.gpus} is not divisible by TP x PP = {tp * pp}")
-        dp = args.gpus // (tp * pp)
-        use_sp = (tp > 1) if sp is None else (sp and tp > 1)
-        layouts, errors = [], []
-        for engine in engines:
-            for recompute in recomputes:
-                full = recompute == "full"
-                layout = Layout(
-                    tp,
-                    pp,
-                    dp,
-                    engine,
-                    recompute,
-                    args.vp,
-                    use_sp,
-                    args.recompute_method if full else "uniform",
-                    args.recompute_num_layers if full else None,
-                )
-                try:
-                    built = training_config(
-                        config, layout, args.micro_batch, args.global_batch, args.offload_optimizer
-                    )
-                    validate(built, args.gpus)
-                    layouts.append(layout)
-                except ConfigError as error:
-                    errors.append(f"{layout.describe()}: {error}")
-        if not layouts:
-            parser.error("\n".join(errors))
-        for error in errors:
-            print(f"refused by training: {error}")
-        num_micro = _microbatches(args.global_batch, args.micro_batch, dp)
-        results = [
-            plan_layout(
-                config, layout, args.micro_batch, gpu_mem, num_microbatches=num_micro, **options
-            )
-            for layout in layouts
-        ]
-        for result in results:
-            print(f"\n{result.message}\n{format_stages(result)}")
-        if args.show_overrides:
-            print(format_overrides(config, results, args.micro_batch, args.global_batch))
-        return 0 if any(r.fits for r in results) else 1
-
-    results = plan_all(
-        config,
-        args.gpus,
-        gpu_mem,
-        args.micro_batch,
-        global_batch=args.global_batch,
-        engines=engines,
-        recomputes=recomputes,
-        sequence_parallel=sp,
-        recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
-        **options,
-    )
-    shown = results if args.all else [r for r in results if r.fits]
-    fitting = sum(r.fits for r in results)
-    print(
-        f"{fitting} of {len(results)} layouts fit (micro-batch {args.micro_batch}, seq "
-        f"{config.model.seq_length}, {gib(reserve)} reserved per GPU)"
-    )
-    if shown:
-        print(format_layouts(shown))
-    if args.show_overrides and fitting:
-        print(format_overrides(config, results, args.micro_batch, args.global_batch))
-    return 0 if fitting else 1
-
-
-if __name__ == "__main__":
     sys.exit(main())

@@ -1,9 +1,10 @@
-"""``python -m cqk_megatron.repro``: the paper's attention comparison in one command.
+"""``cqk repro`` (``python -m cqk_megatron.repro``): the paper's attention comparison in
+one command.
 
-    python -m cqk_megatron.repro --preset cpu-tiny
-    python -m cqk_megatron.repro --preset paper-60m --data data/wikitext103/wt103_text_document \\
+    cqk repro --preset cpu-tiny
+    cqk repro --preset paper-60m --data data/wikitext103/wt103_text_document \\
         --tokens 80M --variants standard,hamiltonian [--seeds 0,1] [train.lr=8e-4 ...]
-    python -m cqk_megatron.repro --preset cpu-tiny --family gpt2   # the GPT-2 model family
+    cqk repro --preset cpu-tiny --family gpt2   # the GPT-2 model family
 
 Trains every variant x seed one after the other, each as a local job of the launcher
 (the path of ``launch/submit.py --cluster local``), with the same data order, schedule and
@@ -18,6 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from cqk_megatron.cli.args import HelpFormatter, program
 from cqk_megatron.repro.presets import (
     PRESETS,
     ReproError,
@@ -36,7 +38,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m cqk_megatron.repro", description=__doc__.split("\n\n")[0])
+    parser = _Parser(
+        prog=program("cqk repro"),
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=HelpFormatter,
+    )
     parser.add_argument("--preset", required=True, help=f"one of: {', '.join(PRESETS)}")
     parser.add_argument(
         "--data",
@@ -52,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(TEXT_UNITS),
         default="paragraph",
         help="what one document is in a plain text file: a line, a blank-line-separated "
-        "paragraph (default), or the whole file",
+        "paragraph, or the whole file",
     )
     corpus.add_argument("--text-field", default="text", help="JSONL/Parquet field of the text")
     corpus.add_argument("--input-format", choices=FORMATS, help="override the file extension")
@@ -78,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         "positions, LayerNorm, GELU MLP of 4 x hidden, biases",
     )
     parser.add_argument("--out", help="output folder (default: runs/repro/PRESET)")
-    parser.add_argument("--nproc", type=int, default=1, help="processes per run (default 1)")
+    parser.add_argument("--nproc", type=int, default=1, help="processes per run")
     parser.add_argument("--quiet", action="store_true", help="training output to logs only")
     parser.add_argument(
         "--time",

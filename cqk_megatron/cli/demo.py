@@ -1,0 +1,59 @@
+"""``cqk demo``: the stack's jobs end to end on CPU (``scripts/demo.sh``): the embedded
+corpus, a tokenizer and dataset, a mini-ladder of 3 sizes x {standard, coupled} as one
+sweep, validation perplexity, a Hugging Face export, and the scaling-law report.
+
+Interrupt it and run it again: finished stages and runs are skipped, the others resume.
+It needs the repository's checkout (``scripts/``), as an editable install has it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from cqk_megatron.cli.args import new_parser
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "demo.sh"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = new_parser("cqk demo", __doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument(
+        "--out", default="demo_out", help="folder for the data, runs, export and report"
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="train every run for this many steps (default: the sweep's budget)",
+    )
+    parser.add_argument("--bootstrap", type=int, default=200, help="the report's resamples")
+    parser.add_argument(
+        "--install", action="store_true", help="run scripts/install.sh first (a fresh clone)"
+    )
+    return parser
+
+
+def demo_environment(args: argparse.Namespace) -> dict[str, str]:
+    """``scripts/demo.sh``'s settings (``DEMO_*``) from the flags; its Python environment
+    (``VENV``) is this one unless set."""
+    env = {"VENV": sys.prefix, **os.environ}
+    env |= {"DEMO_OUT": args.out, "DEMO_BOOTSTRAP": str(args.bootstrap)}
+    env["DEMO_SKIP_INSTALL"] = "0" if args.install else "1"
+    if args.steps is not None:
+        env["DEMO_STEPS"] = str(args.steps)
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not SCRIPT.is_file():
+        parser.error(
+            f"{SCRIPT} is not there: the demo runs from the repository's checkout; clone it "
+            "and install it editable (scripts/install.sh)"
+        )
+    return subprocess.run(["bash", str(SCRIPT)], env=demo_environment(args)).returncode

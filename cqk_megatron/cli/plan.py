@@ -1,0 +1,294 @@
+"""``cqk plan`` (``cqk-plan``): will a layout fit in GPU memory, and which layouts fit?
+
+    cqk plan --config configs/models/1b.yaml --gpus 8 --gpu-mem 80GiB
+        [--micro-batch 1] [--seq 2048] [--zero 1|2|3|distopt|all]
+        [--recompute none|selective|full|all] [--recompute-method uniform|block]
+        [--recompute-num-layers N] [--tp 2 --pp 1] [--variants coupled] [--all]
+        [section.key=value ...]
+
+With ``--tp/--pp`` it prints one layout stage by stage; otherwise every layout of
+``--gpus`` GPUs (TP in 1, 2, 4, 8; PP dividing the layers; DP = the rest; each ZeRO
+stage) and whether it fits, and with ``--show-overrides`` the ``section.key=value``
+overrides that train each layout that fits. All numbers are per GPU, for the pipeline
+stage that needs the most. The planner itself is ``cqk_megatron.perf.plan``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from cqk_megatron.cli.args import add_renamed, new_parser
+from cqk_megatron.config import VARIANTS, ConfigError, RunConfig, validate
+from cqk_megatron.parallel.layout import Layout
+from cqk_megatron.perf.memory import RECOMPUTE, RECOMPUTE_METHODS, total_parameters
+from cqk_megatron.perf.plan import (
+    TRAINING_ENGINES,
+    PlanResult,
+    format_layouts,
+    format_overrides,
+    format_stages,
+    gib,
+    load_plan_config,
+    microbatches_per_step,
+    normalize_engine,
+    parse_bytes,
+    plan_all,
+    plan_layout,
+    training_config,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = new_parser("cqk plan", __doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--config",
+        required=True,
+        help="model or run config YAML, e.g. configs/models/1b.yaml or configs/runs/1b_4x8.yaml",
+    )
+    parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    parser.add_argument("--gpu-mem", default="80GiB", help="memory per GPU (80GiB, 80GB, ...)")
+    parser.add_argument("--reserve", default="4GiB", help="per-GPU memory kept back")
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    parser.add_argument(
+        "--seq", type=int, default=None, help="sequence length (default: model.seq_length)"
+    )
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="default: the config's where it divides, else one micro-batch per DP rank "
+        "(activations then assume a full pipeline)",
+    )
+    parser.add_argument("--zero", default="all", help="1, 2, 3 (DeepSpeed), distopt or all")
+    parser.add_argument(
+        "--recompute", default="none", help=f"train.recompute: {', '.join(RECOMPUTE)} or all"
+    )
+    parser.add_argument(
+        "--recompute-method",
+        default="uniform",
+        choices=RECOMPUTE_METHODS,
+        help="train.recompute_method, for full",
+    )
+    parser.add_argument(
+        "--recompute-num-layers", type=int, default=None, help="train.recompute_num_layers"
+    )
+    parser.add_argument(
+        "--recompute-coupling",
+        action="store_true",
+        help="attention.recompute_coupling: recompute the coupling in the backward",
+    )
+    parser.add_argument(
+        "--offload-optimizer", action="store_true", help="DeepSpeed: Adam states in CPU memory"
+    )
+    parser.add_argument("--tp", type=int, default=None, help="one layout: tensor parallel")
+    parser.add_argument("--pp", type=int, default=None, help="one layout: pipeline parallel")
+    parser.add_argument("--vp", type=int, default=None, help="virtual pipeline chunks")
+    parser.add_argument(
+        "--sequence-parallel",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="auto: on where TP > 1",
+    )
+    add_renamed(
+        parser,
+        "--variants",
+        ["--variant"],
+        default=None,
+        help=f"comma-separated attention variants, each planned in turn, from {list(VARIANTS)} "
+        "(default: the config's)",
+    )
+    parser.add_argument(
+        "--precision", default="bf16", choices=("bf16", "fp32"), help="train.precision"
+    )
+    parser.add_argument("--all", action="store_true", help="list layouts that do not fit too")
+    parser.add_argument(
+        "--show-overrides",
+        action="store_true",
+        help="print, for each layout that fits, the section.key=value overrides that train it",
+    )
+    parser.add_argument(
+        "--no-build-check",
+        dest="build_check",
+        action="store_false",
+        help="skip comparing the parameter formula with the model built on the meta device",
+    )
+    parser.add_argument("overrides", nargs="*", help="section.key=value config overrides")
+    return parser
+
+
+@dataclass
+class Choices:
+    """What the command line asks for, read and checked once for every variant."""
+
+    engines: tuple[str, ...]
+    recomputes: tuple[str, ...]
+    sequence_parallel: bool | None
+    gpu_mem: int
+    reserve: int
+    variants: list[str | None]
+
+
+def read_choices(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Choices:
+    """The options checked (``parser.error`` names the bad one)."""
+    variants = [v for v in (args.variants or "").split(",") if v] or [None]
+    unknown = [v for v in variants if v is not None and v not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants {unknown[0]!r} is unknown; choose from {list(VARIANTS)}")
+    try:
+        gpu_mem, reserve = parse_bytes(args.gpu_mem), parse_bytes(args.reserve)
+        engines = TRAINING_ENGINES if args.zero == "all" else (normalize_engine(args.zero),)
+    except ValueError as error:
+        parser.error(str(error))
+    refused = [e for e in engines if e not in TRAINING_ENGINES]
+    if refused:
+        parser.error(
+            f"--zero {args.zero}: training has no {refused[0]!r} engine; use 1, 2, 3 or distopt"
+        )
+    recomputes = RECOMPUTE if args.recompute == "all" else (args.recompute,)
+    if any(r not in RECOMPUTE for r in recomputes):
+        parser.error(f"--recompute {args.recompute!r}: choose one of {list(RECOMPUTE)} or all")
+    sp = {"auto": None, "on": True, "off": False}[args.sequence_parallel]
+    return Choices(engines, recomputes, sp, gpu_mem, reserve, variants)
+
+
+def load_variant_config(args: argparse.Namespace, variant: str | None) -> RunConfig:
+    overrides = [f"train.precision={args.precision}", *args.overrides]
+    if args.seq is not None:
+        overrides.append(f"model.seq_length={args.seq}")
+    if args.recompute_coupling:
+        overrides.append("attention.recompute_coupling=true")
+    return load_plan_config(args.config, variant, overrides)
+
+
+def check_against_built_model(config: RunConfig) -> None:
+    """Build the model on the meta device (seconds, no memory) and compare the totals
+    (``cqk params``' check)."""
+    from cqk_megatron.model.params import built_differences
+
+    variant = config.attention.variant
+    if variant not in VARIANTS:
+        return
+    row = {"variant": variant, "parameters": total_parameters(config)}
+    for line in built_differences(config, [row]):
+        print(f"{line}; per-rank memory below is off by that difference")
+
+
+def plan_options(args: argparse.Namespace, choices: Choices) -> dict:
+    """``plan_layout``'s keyword options that the command line sets."""
+    return dict(
+        reserve_bytes=choices.reserve,
+        recompute_coupling=args.recompute_coupling,
+        offload_optimizer=args.offload_optimizer,
+        config_name=args.config,
+    )
+
+
+def one_layout_results(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, config: RunConfig, c: Choices
+) -> list[PlanResult]:
+    """``--tp/--pp``: that layout with each engine and recompute choice training accepts
+    (the others are printed as refused; none accepted is an error)."""
+    tp, pp = args.tp or 1, args.pp or 1
+    if args.gpus % (tp * pp):
+        parser.error(f"--gpus {args.gpus} is not divisible by TP x PP = {tp * pp}")
+    dp = args.gpus // (tp * pp)
+    use_sp = (tp > 1) if c.sequence_parallel is None else (c.sequence_parallel and tp > 1)
+    layouts, errors = [], []
+    for engine in c.engines:
+        for recompute in c.recomputes:
+            full = recompute == "full"
+            layout = Layout(
+                tp,
+                pp,
+                dp,
+                engine,
+                recompute,
+                args.vp,
+                use_sp,
+                args.recompute_method if full else "uniform",
+                args.recompute_num_layers if full else None,
+            )
+            try:
+                built = training_config(
+                    config, layout, args.micro_batch, args.global_batch, args.offload_optimizer
+                )
+                validate(built, args.gpus)
+                layouts.append(layout)
+            except ConfigError as error:
+                errors.append(f"{layout.describe()}: {error}")
+    if not layouts:
+        parser.error("\n".join(errors))
+    for error in errors:
+        print(f"refused by training: {error}")
+    num_micro = microbatches_per_step(args.global_batch, args.micro_batch, dp)
+    options = plan_options(args, c)
+    return [
+        plan_layout(
+            config, layout, args.micro_batch, c.gpu_mem, num_microbatches=num_micro, **options
+        )
+        for layout in layouts
+    ]
+
+
+def print_one_layout(args: argparse.Namespace, config: RunConfig, results: list[PlanResult]) -> int:
+    for result in results:
+        print(f"\n{result.message}\n{format_stages(result)}")
+    if args.show_overrides:
+        print(format_overrides(config, results, args.micro_batch, args.global_batch))
+    return 0 if any(r.fits for r in results) else 1
+
+
+def print_every_layout(args: argparse.Namespace, config: RunConfig, c: Choices) -> int:
+    """Every layout of ``--gpus`` GPUs; 0 when at least one fits."""
+    results = plan_all(
+        config,
+        args.gpus,
+        c.gpu_mem,
+        args.micro_batch,
+        global_batch=args.global_batch,
+        engines=c.engines,
+        recomputes=c.recomputes,
+        sequence_parallel=c.sequence_parallel,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        **plan_options(args, c),
+    )
+    shown = results if args.all else [r for r in results if r.fits]
+    fitting = sum(r.fits for r in results)
+    print(
+        f"{fitting} of {len(results)} layouts fit (micro-batch {args.micro_batch}, seq "
+        f"{config.model.seq_length}, {gib(c.reserve)} reserved per GPU)"
+    )
+    if shown:
+        print(format_layouts(shown))
+    if args.show_overrides and fitting:
+        print(format_overrides(config, results, args.micro_batch, args.global_batch))
+    return 0 if fitting else 1
+
+
+def plan_variant(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, c: Choices, variant: str | None
+) -> int:
+    try:
+        config = load_variant_config(args, variant)
+    except ConfigError as error:
+        parser.error(str(error))
+    print(
+        f"{args.config}: {config.attention.variant}, {total_parameters(config):,} parameters, "
+        f"{args.precision}; {args.gpus} GPUs x {gib(c.gpu_mem)}"
+    )
+    if args.build_check:
+        check_against_built_model(config)
+    if args.tp is not None or args.pp is not None:
+        return print_one_layout(args, config, one_layout_results(args, parser, config, c))
+    return print_every_layout(args, config, c)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """0 when every variant asked for has a layout that fits, else 1."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    choices = read_choices(args, parser)
+    codes = [plan_variant(args, parser, choices, variant) for variant in choices.variants]
+    return max(codes)
