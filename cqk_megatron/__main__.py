@@ -61,6 +61,10 @@ COMMANDS: dict[str, Command] = {
         "parameter counts and each variant's overhead", "cqk_megatron.cli.params:main"
     ),
     "demo": Command("the end-to-end CPU demo (scripts/demo.sh)", "cqk_megatron.cli.demo:main"),
+    "check": Command(
+        "check the install: versions, CUDA/NCCL, a one-rank process group",
+        "cqk_megatron.cli.check:main",
+    ),
     "data": Command("corpus, tokenizer and dataset tools", subcommands=DATA),
     "convert": Command(
         "run checkpoints to Hugging Face folders and back", "cqk_megatron.cli.convert:main"
