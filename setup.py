@@ -44,7 +44,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "cqk-params=cqk_megatron.params:main",
+            "cqk-params=cqk_megatron.perf.overhead:main",
             "cqk-train=cqk_megatron.train:main",
             "cqk-torchrun=cqk_megatron.torchrun:main",
             "cqk-plan=cqk_megatron.perf.plan:main",

@@ -21,7 +21,7 @@ from cqk_megatron.coupling import (
 )
 from cqk_megatron.distributed import init_single_process
 from cqk_megatron.model import build_model
-from cqk_megatron.params import format_table, overhead_table
+from cqk_megatron.perf.overhead import format_table, overhead_table
 
 # The classes each shipped name must build, written out here (not read from the registry).
 COUPLING_CLASSES = {

@@ -23,7 +23,7 @@ from cqk_megatron.attention.fast_coupling import run_coupling
 from cqk_megatron.config import CONFIGS_DIR, VARIANTS, load_config
 from cqk_megatron.distributed import init_single_process
 from cqk_megatron.model import build_model, count_parameters
-from cqk_megatron.params import count_variant_parameters
+from cqk_megatron.params import stage_parameters, total_parameters
 from cqk_megatron.perf import bench, plan
 from cqk_megatron.perf.flops import (
     coupling_flops,
@@ -33,12 +33,8 @@ from cqk_megatron.perf.flops import (
     peak_flops,
 )
 from cqk_megatron.perf.measure import SavedTensorMeter, saved_activation_bytes
-from cqk_megatron.perf.memory import (
-    activation_estimate,
-    model_state_bytes,
-    stage_parameters,
-    total_parameters,
-)
+from cqk_megatron.perf.memory import activation_estimate, model_state_bytes
+from cqk_megatron.perf.overhead import count_variant_parameters
 from cqk_megatron.planner.parameters import variant_config
 from cqk_megatron.specs import coupling_spec
 

@@ -23,8 +23,9 @@ from cqk_megatron.convert.hf_config import check_exportable, run_config_from_cqk
 from cqk_megatron.coupling import PositiveStep, QKCoupling
 from cqk_megatron.distributed import init_single_process
 from cqk_megatron.model import build_model, count_parameters
+from cqk_megatron.params import coupling_parameters, total_parameters
 from cqk_megatron.perf.flops import flops_breakdown, flops_per_token
-from cqk_megatron.perf.memory import activation_estimate, coupling_parameters, total_parameters
+from cqk_megatron.perf.memory import activation_estimate
 from cqk_megatron.specs import coupling_spec, layer_spec_from_config
 from cqk_megatron.variants import (
     CouplingCost,

@@ -27,18 +27,16 @@ from dataclasses import dataclass, field
 
 from cqk_megatron.config import VARIANTS, ConfigError, RunConfig, load_config, validate
 from cqk_megatron.parallel_plan import ENGINE_SETTINGS, Layout, engine_name
+from cqk_megatron.params import layer_parameters, stage_parameters, total_parameters
 from cqk_megatron.perf.memory import (
     BYTES,
     ENGINES,
     RECOMPUTE,
     RECOMPUTE_METHODS,
     activation_estimate,
-    layer_parameters,
     microbatches_in_flight,
     model_state_bytes,
     stage_activation_bytes,
-    stage_parameters,
-    total_parameters,
 )
 from cqk_megatron.planner.runs import variant_overrides
 
@@ -548,7 +546,7 @@ def load_plan_config(path: str, variant: str | None, overrides: list[str]) -> Ru
 def _check_against_built_model(config: RunConfig) -> None:
     """Build the model on the meta device (seconds, no memory) and compare the totals
     (``cqk-params``' check)."""
-    from cqk_megatron.params import built_differences
+    from cqk_megatron.perf.overhead import built_differences
 
     variant = config.attention.variant
     if variant not in VARIANTS:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from cqk_megatron import checkpoint_files, run_lease
+from cqk_megatron import checkpoint_files, params, run_lease
 from cqk_megatron.config import RunConfig, validate
 from cqk_megatron.data.checks import run_samples
 from cqk_megatron.device import device
@@ -61,20 +61,6 @@ def make_engine(model: torch.nn.Module, config: RunConfig) -> Engine:
 
         return MegatronEngine(model, config)
     return DeepSpeedEngine(model, config)
-
-
-def count_model_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """(total, non-embedding) parameters of the whole model, from this rank's shard."""
-    tp_rank = ps.get_tensor_model_parallel_rank()
-    total = non_embedding = 0
-    for name, param in model.named_parameters():
-        if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
-            numel = getattr(param, "ds_numel", param.numel())  # ZeRO-3 partitions params
-            total += numel
-            if "word_embeddings" not in name and "output_layer" not in name:
-                non_embedding += numel
-    summed = collectives.sum_numbers([total, non_embedding], group=ps.get_model_parallel_group())
-    return int(summed[0]), int(summed[1])
 
 
 def peak_memory_gb() -> float:
@@ -231,7 +217,6 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
             "train.init_from at a checkpoint of this model's shape"
         )
         checkpoint.load_model_weights(init_from, model, config, fix)
-    params_total, params_non_embedding = count_model_parameters(model)
     engine = make_engine(model, config)
     if keeps_optimizer:
         state = checkpoint.load_exact(folder, engine, plan)
@@ -339,8 +324,8 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
         logger.log(
             {
                 "kind": SUMMARY,
-                "params_total": params_total,
-                "params_non_embedding": params_non_embedding,
+                "params_total": params.total_parameters(config),
+                "params_non_embedding": params.non_embedding_parameters(config),
                 "flops_per_token": train_flops_per_token,
                 "tokens": state.tokens,
                 "steps": state.step,
