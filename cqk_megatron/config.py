@@ -34,7 +34,7 @@ from cqk_megatron.variants import (
     DIFFERENTIAL_KERNEL_SETTINGS,
     INTEGRATOR_STEPS,
     SCORINGS,  # noqa: F401
-    VARIANTS,  # noqa: F401
+    VARIANTS,
     check_config,
     unknown_names,
     variant_name,
@@ -398,18 +398,36 @@ def _deep_merge(base: dict, update: dict) -> dict:
     return merged
 
 
+def variant_preset(path: str | Path) -> dict | None:
+    """``variants/<preset>.yaml`` (any folder named ``variants``, the file absent) as the
+    registry's preset: its ``attention.coupling`` and ``attention.scoring``. The presets
+    live in the registry only (``variants/builtin.py``, or registered from code), so that
+    no YAML copy of them can drift; a real file of that name wins."""
+    path = Path(path)
+    if path.parent.name != "variants" or path.suffix != ".yaml" or path.is_file():
+        return None
+    if path.stem not in VARIANTS:
+        return None
+    coupling, scoring = VARIANTS[path.stem]
+    return {"attention": {"coupling": coupling, "scoring": scoring}}
+
+
 def _resolve_include(name: str, relative_to: Path) -> Path:
     for candidate in (relative_to / name, CONFIGS_DIR / name):
-        if candidate.is_file():
+        if candidate.is_file() or variant_preset(candidate) is not None:
             return candidate
     raise ConfigError(
         f"{relative_to}: included file '{name}' not found next to it or under {CONFIGS_DIR}"
+        f" (variants/NAME.yaml names a registered preset: one of {list(VARIANTS)})"
     )
 
 
 def load_yaml_dict(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     """Read a config file with its includes resolved into one nested dict."""
     path = Path(path)
+    preset = variant_preset(path)
+    if preset is not None:
+        return preset
     if not path.is_file():
         raise ConfigError(f"config file '{path}' does not exist")
     if path.resolve() in _seen:
