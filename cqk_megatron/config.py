@@ -24,6 +24,8 @@ from typing import Any
 
 import yaml
 
+from cqk_megatron.refusals import Refusal
+
 # The couplings, scorings and named variants (presets of the two) are the registry's, as
 # live views: a coupling registered later (README, "Adding a variant") is in them too. The
 # registry is torch-free, like this module.
@@ -82,7 +84,7 @@ RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 
 
-class ConfigError(ValueError):
+class ConfigError(Refusal, ValueError):
     """A configuration that cannot work; the message names the field(s) and the fix."""
 
 
