@@ -30,7 +30,7 @@ from cqk_megatron.config import RECOMPUTE, RECOMPUTE_METHODS, RunConfig
 from cqk_megatron.variants import ActivationTerm, Heads, coupling, scoring
 
 BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}
-ENGINES = ("ddp", "zero1", "zero2", "zero3", "distopt")
+SHARDINGS = ("ddp", "zero1", "zero2", "zero3", "distopt")  # Layout.optimizer_sharding
 # train.recompute's choices, from config.py; ActivationTerm, from the variant registry
 __all__ = ["RECOMPUTE", "RECOMPUTE_METHODS", "ActivationTerm"]
 SDPA_KERNELS = ("fused", "math")
@@ -42,7 +42,7 @@ SDPA_KERNELS = ("fused", "math")
 
 
 def model_state_bytes(
-    parameters: int, precision: str, engine: str, dp: int, offload_optimizer: bool = False
+    parameters: int, precision: str, sharding: str, dp: int, offload_optimizer: bool = False
 ) -> dict[str, float]:
     """Bytes of parameters, gradients and Adam states for ``parameters`` on one rank.
 
@@ -53,16 +53,16 @@ def model_state_bytes(
     optimizer shard master + moments; ZeRO-2 also gradients; ZeRO-3 also parameters.
     ``offload_optimizer`` (DeepSpeed): master and moments live in CPU memory.
     """
-    if engine not in ENGINES:
-        raise ValueError(f"engine={engine!r} is unknown; choose one of {list(ENGINES)}")
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding={sharding!r} is unknown; choose one of {list(SHARDINGS)}")
     param_bytes = BYTES[precision]
     grad_bytes = max(4, param_bytes)
     master_bytes = 4 if param_bytes < 4 else 0
     moment_bytes = 2 * max(4, param_bytes)
-    shard_optimizer = engine in ("zero1", "zero2", "zero3", "distopt")
+    shard_optimizer = sharding in ("zero1", "zero2", "zero3", "distopt")
     return {
-        "parameters": parameters * param_bytes / (dp if engine == "zero3" else 1),
-        "gradients": parameters * grad_bytes / (dp if engine in ("zero2", "zero3") else 1),
+        "parameters": parameters * param_bytes / (dp if sharding == "zero3" else 1),
+        "gradients": parameters * grad_bytes / (dp if sharding in ("zero2", "zero3") else 1),
         "optimizer": 0.0
         if offload_optimizer
         else parameters * (master_bytes + moment_bytes) / (dp if shard_optimizer else 1),

@@ -362,7 +362,7 @@ def _start_run(run_dir: Path, config: RunConfig, choice, plan, state) -> None:
             print(
                 f"warning: the optimizer restarts from zero moments at step {state.step}: "
                 f"{plan.reason}. To keep it, resume in the saved layout "
-                f"({plan.saved.describe_sizes()} {plan.saved.engine})",
+                f"({plan.saved.describe_sizes()} {plan.saved.optimizer_sharding})",
                 file=sys.stderr,
                 flush=True,
             )
