@@ -17,8 +17,8 @@ fails before anything is submitted. Run names are deterministic: ``{name}-{size}
 [-t{tokens per param}]-s{seed}`` (the budget part only when a size has several budgets).
 A variant is a preset of the registry (``variants.VARIANTS``): its coupling and scoring
 become the ``attention.coupling`` / ``attention.scoring`` overrides
-(``planner.runs.variant_overrides``), so a preset registered from code needs no file under
-``configs/variants/``. A size's token budget in tokens per parameter is read against its
+(``planner.runs.variant_overrides``), so a preset registered from code needs no file.
+A size's token budget in tokens per parameter is read against its
 standard-attention model, counted without building it (``planner.parameters``).
 
 Training-schedule values (learning rate, steps, warmup, evaluation interval) go into
