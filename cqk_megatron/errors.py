@@ -18,13 +18,16 @@ Exit codes:
 - ``EXIT_INJECTED`` (3): a fault drill's ``action=exit`` (``cqk_megatron.training.faults``):
   a bad exit that is none of the above, as an unknown failure would be.
 
-Refusals: a refused run (its folder held by another job, checkpoints that do not verify, bad data or
-config) ends with ``EXIT_REFUSED`` and one line, is never relaunched (a relaunch cannot
-change it), and leaves its folder as it was. A failed save is a failure, not a refusal,
-unless its disk is full (``CheckpointSaveError.disk_full``): the run stops with the
+Refusals: one base class, ``Refusal``. A refused run (its folder held by another job,
+checkpoints that do not verify, bad data or config, a pre-flight check) ends with
+``EXIT_REFUSED`` and one line, is never relaunched (a relaunch cannot change it), and
+leaves its folder as it was. Each such error derives from ``Refusal`` in the torch-free
+module of its concern (``ConfigError``, ``PreflightError``, ``DataError``,
+``CheckpointError``, ``LeaseHeld``). An error says whether it refuses with ``refuses``:
+true for a ``Refusal``, except a failed save (``CheckpointSaveError``), which is a failure
+unless its disk is full (its ``refuses`` is its ``disk_full``): the run stops with the
 previous checkpoint intact, and a relaunch onto the same disk would fail the same way.
 ``cqk-train``, the launcher's job and the watchdog all ask :func:`is_refusal`.
-Each error class lives in a torch-free module of its own concern.
 """
 
 from __future__ import annotations
@@ -35,12 +38,11 @@ EXIT_REFUSED = 2
 EXIT_INJECTED = 3
 
 
-def is_refusal(error: BaseException) -> bool:
-    from cqk_megatron.config import ConfigError
-    from cqk_megatron.data.errors import DataError
-    from cqk_megatron.run.checkpoint_files import CheckpointError, CheckpointSaveError
-    from cqk_megatron.run.lease import LeaseHeld
+class Refusal(Exception):
+    """An error that refuses the run: running it again as it is cannot help."""
 
-    if isinstance(error, CheckpointSaveError):
-        return error.disk_full
-    return isinstance(error, (LeaseHeld, CheckpointError, DataError, ConfigError))
+    refuses: bool = True
+
+
+def is_refusal(error: BaseException) -> bool:
+    return isinstance(error, Refusal) and error.refuses

@@ -17,9 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from cqk_megatron.config import ConfigError
+from cqk_megatron.config import ConfigError, from_dict, read_yaml
 
 # The launch backends' names as registered at each use (launch.backends.register_backend).
 from launch.backends.registry import BACKEND_NAMES as CLUSTERS
@@ -81,82 +79,71 @@ class ClusterProfile:
 
 _PROFILE_KEYS = {f.name for f in dataclasses.fields(ClusterProfile)} - {"source", "resources"}
 _RESOURCE_KEYS = {f.name for f in dataclasses.fields(Resources)}
+# Whole-number resources and their least values (the rest start at 1).
+_AT_LEAST_ZERO = ("gpus_per_node", "max_restarts")
 
 
-def _check_types(values: dict, where: str) -> None:
-    ints = (
-        "nodes",
-        "gpus_per_node",
-        "tasks_per_node",
-        "cpus_per_task",
-        "signal_delay_s",
-        "max_requeues",
-        "max_restarts",
-        "max_identical_failures",
-        "array_parallelism",
-    )
-    for key in ints:
-        value = values.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-            raise ConfigError(f"{where}: '{key}' must be a whole number, got {value!r}")
-        low = 0 if key in ("gpus_per_node", "max_restarts") else 1
-        if value is not None and value < low:
-            raise ConfigError(f"{where}: '{key}' must be at least {low}, got {value}")
-    if "exclusive" in values and not isinstance(values["exclusive"], bool):
-        raise ConfigError(f"{where}: 'exclusive' must be true or false")
-    if "slurm_args" in values and not isinstance(values["slurm_args"], dict):
-        raise ConfigError(f"{where}: 'slurm_args' must map sbatch option names to values")
-    if "srun_args" in values and not isinstance(values["srun_args"], list):
-        raise ConfigError(f"{where}: 'srun_args' must be a list of srun arguments")
-    if values.get("time") is not None:
-        time_minutes(values["time"], where)
+def _check_ranges(resources: Resources, keys: set[str], where: str) -> None:
+    """The bounds of the given (already typed) resource values."""
+    for key in sorted(keys):
+        value = getattr(resources, key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            low = 0 if key in _AT_LEAST_ZERO else 1
+            if value < low:
+                raise ConfigError(f"{where}: '{key}' must be at least {low}, got {value}")
+    if "time" in keys:
+        time_minutes(resources.time, where)
+
+
+def _as_strings(values: dict[str, Any]) -> dict[str, Any]:
+    """Slurm's values as the text they stand for (``time: 90``, ``mem: 0``, an sbatch
+    option's number); what they mean is checked on the text."""
+    values = dict(values)
+    for key in ("time", "mem"):
+        if key in values:
+            values[key] = str(values[key])
+    if isinstance(values.get("slurm_args"), dict):
+        values["slurm_args"] = {str(k): str(v) for k, v in values["slurm_args"].items()}
+    return values
 
 
 def merge_resources(base: Resources, values: dict[str, Any], where: str) -> Resources:
-    """``base`` with ``values`` (resource keys, ``None`` meaning unset) laid over it."""
+    """``base`` with ``values`` (resource keys, ``None`` meaning unset) laid over it, typed
+    as ``Resources`` declares them (``config.from_dict``)."""
     unknown = set(values) - _RESOURCE_KEYS
     if unknown:
         raise ConfigError(
             f"{where}: unknown resource keys {sorted(unknown)}; known: {sorted(_RESOURCE_KEYS)}"
         )
-    _check_types({k: v for k, v in values.items() if v is not None}, where)
-    updates = {k: v for k, v in values.items() if v is not None}
-    if "time" in updates:
-        updates["time"] = str(updates["time"])
-    if "mem" in updates:
-        updates["mem"] = str(updates["mem"])
+    updates = _as_strings({k: v for k, v in values.items() if v is not None})
+    typed = from_dict(Resources, updates, where)
+    _check_ranges(typed, set(updates), where)
+    updates = {key: getattr(typed, key) for key in updates}
     if "slurm_args" in updates:
-        updates["slurm_args"] = {
-            **base.slurm_args,
-            **{str(k): str(v) for k, v in updates["slurm_args"].items()},
-        }
+        updates["slurm_args"] = {**base.slurm_args, **updates["slurm_args"]}
     return dataclasses.replace(base, **updates)
 
 
 def load_profile(path: str | Path | None) -> ClusterProfile:
-    """Read a cluster profile; ``None`` gives the built-in defaults."""
+    """Read a cluster profile (``config.read_yaml``, typed by ``config.from_dict``);
+    ``None`` gives the built-in defaults."""
     if path is None:
         return ClusterProfile()
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"cluster profile '{path}' does not exist (see configs/clusters/)")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: not valid YAML: {error}") from error
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: top level must be a mapping of profile keys")
-    profile_values = {k: data.pop(k) for k in list(data) if k in _PROFILE_KEYS}
-    cluster = profile_values.get("cluster")
-    if cluster is not None and cluster not in CLUSTERS:
-        raise ConfigError(f"{path}: cluster={cluster!r} is unknown; use one of {list(CLUSTERS)}")
-    if not isinstance(profile_values.get("setup", []), list):
-        raise ConfigError(f"{path}: 'setup' must be a list of shell lines")
-    if not isinstance(profile_values.get("env", {}), dict):
-        raise ConfigError(f"{path}: 'env' must map variable names to values")
-    profile_values["env"] = {str(k): str(v) for k, v in profile_values.get("env", {}).items()}
+    data = read_yaml(path, "cluster profile", "see configs/clusters/")
+    unknown = sorted(set(data) - _PROFILE_KEYS - _RESOURCE_KEYS)
+    if unknown:
+        known = sorted(_PROFILE_KEYS | _RESOURCE_KEYS)
+        raise ConfigError(f"{path}: unknown keys {unknown}; known: {known}")
+    values = {k: data.pop(k) for k in list(data) if k in _PROFILE_KEYS}
+    if isinstance(values.get("env"), dict):  # exported as text: OMP_NUM_THREADS: 8 is "8"
+        values["env"] = {str(k): str(v) for k, v in values["env"].items()}
+    profile = from_dict(ClusterProfile, values, str(path))
+    if profile.cluster is not None and profile.cluster not in CLUSTERS:
+        raise ConfigError(
+            f"{path}: cluster={profile.cluster!r} is unknown; use one of {list(CLUSTERS)}"
+        )
     resources = merge_resources(Resources(), data, str(path))
-    return ClusterProfile(source=str(path), resources=resources, **profile_values)
+    return dataclasses.replace(profile, source=str(path), resources=resources)
 
 
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")

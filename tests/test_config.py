@@ -133,9 +133,9 @@ def write(path: Path, text: str) -> Path:
 # ---------------------------------------------------------------------------------------
 
 
-def test_model_and_variant_files_are_the_expected_sets():
+def test_model_files_are_the_expected_set_and_variants_live_in_the_registry_only():
     assert {p.stem for p in MODELS_DIR.glob("*.yaml")} >= set(MODEL_DIMS)
-    assert {p.stem for p in VARIANTS_DIR.glob("*.yaml")} == set(VARIANTS)
+    assert not VARIANTS_DIR.exists()  # include: variants/NAME.yaml reads the registry
 
 
 @pytest.mark.parametrize("name", sorted(MODEL_DIMS))
@@ -173,13 +173,28 @@ def test_model_file_validates_at_its_layouts(name, layout):
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_variant_file_matches_VARIANTS(variant):
-    path = VARIANTS_DIR / f"{variant}.yaml"
-    assert set(yaml.safe_load(path.read_text())) == {"attention"}
-    attention = load_config(path).attention
-    assert (attention.coupling, attention.scoring) == VARIANTS[variant]
-    assert attention.variant == variant
-    assert validate(load_config(path)).attention.variant == variant
+def test_a_variant_include_is_the_registrys_preset(tmp_path, variant):
+    for text in (f"include: variants/{variant}.yaml", f"include: [../variants/{variant}.yaml]"):
+        run = write(tmp_path / "runs" / "run.yaml", f"{text}\nname: r\n")
+        attention = load_config(run).attention
+        assert (attention.coupling, attention.scoring) == VARIANTS[variant]
+        assert validate(load_config(run)).attention.variant == variant
+    # as a --config of its own, as the files were
+    assert load_config(VARIANTS_DIR / f"{variant}.yaml").attention.variant == variant
+
+
+def test_a_variant_registered_from_code_is_includable_and_a_file_wins(tmp_path, monkeypatch):
+    from cqk_megatron.variants import registry
+
+    monkeypatch.setitem(registry._VARIANTS, "euler_diff_coded", ("euler", "differential"))
+    run = write(tmp_path / "run.yaml", "include: variants/euler_diff_coded.yaml\n")
+    assert load_config(run).attention.variant == "euler_diff_coded"
+    write(tmp_path / "variants" / "coupled.yaml", "attention: {coupling: euler}\n")
+    run = write(tmp_path / "run.yaml", "include: variants/coupled.yaml\n")
+    assert load_config(run).attention.coupling == "euler"  # the file next to it, not the preset
+    missing = write(tmp_path / "bad.yaml", "include: variants/nonesuch.yaml\n")
+    with pytest.raises(ConfigError, match="registered preset"):
+        load_config(missing)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -116,7 +116,7 @@ def _entry_point_configs(tmp_path: Path, capsys) -> dict[str, RunConfig]:
 
 @pytest.mark.parametrize("rewired", [False, True], ids=["registry", "rewired-planner"])
 def test_every_entry_point_plans_the_same_run(tmp_path, capsys, monkeypatch, rewired):
-    from cqk_megatron.model.params import overhead_table
+    from cqk_megatron.perf.overhead import overhead_table
 
     expected = ("hamiltonian", "standard")
     if rewired:  # the planner's one variant lookup says otherwise: everyone must follow
@@ -141,7 +141,7 @@ def test_every_entry_point_plans_the_same_run(tmp_path, capsys, monkeypatch, rew
 
 
 def test_cqk_params_table_is_the_built_models_count():
-    from cqk_megatron.model.params import (
+    from cqk_megatron.perf.overhead import (
         built_differences,
         count_variant_parameters,
         overhead_table,

@@ -17,9 +17,9 @@ from cqk_megatron.model.attention import (
     SDPACoreAttention,
 )
 from cqk_megatron.model.gpt import build_model
-from cqk_megatron.model.params import format_table, overhead_table
 from cqk_megatron.parallel import cpu_bridge
 from cqk_megatron.parallel.process_groups import init_single_process
+from cqk_megatron.perf.overhead import format_table, overhead_table
 from cqk_megatron.variants.plain_math import (
     EulerCoupling,
     HamiltonianCoupling,

@@ -69,7 +69,7 @@ def test_bad_family_settings_name_the_field_and_fix(overrides, message):
 
 def test_gpt2_model_files_are_gpt2_family():
     from cqk_megatron.config import CONFIGS_DIR
-    from cqk_megatron.model.params import count_variant_parameters
+    from cqk_megatron.perf.overhead import count_variant_parameters
 
     counts = {}
     for size in ("60m", "150m", "350m"):
@@ -189,8 +189,8 @@ def test_gpt2_flops_and_stage_parameters_match_the_built_model(variant):
     from test_perf import MODEL_FLOPS_SDPA, counted_flops_per_token, tiny
 
     from cqk_megatron.model.gpt import build_model, count_parameters
+    from cqk_megatron.model.params import stage_parameters
     from cqk_megatron.perf.flops import flops_per_token
-    from cqk_megatron.perf.memory import stage_parameters
 
     config = tiny(variant, "model.family=gpt2")
     model = build_model(config)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cqk_megatron.config import load_config
-from cqk_megatron.parallel.layout import ENGINE_SETTINGS, Layout, engine_name
+from cqk_megatron.parallel.layout import SHARDING_SETTINGS, Layout, sharding_name
 from cqk_megatron.perf import plan
 
 # layout.json as the code before parallel_plan wrote it (json.dumps of the checkpoint's own
@@ -40,16 +40,16 @@ def test_a_checkpoint_records_the_sharding_not_the_rest_of_the_layout():
     assert planned.sharding() == Layout(2, 2, 2, "zero1")
     assert Layout.from_checkpoint_record(planned.checkpoint_record()) == planned.sharding()
     # Megatron's distributed optimizer ignores train.zero_stage: any stage is the same one
-    assert engine_name("megatron", 3) == engine_name("megatron", 1) == "distopt"
+    assert sharding_name("megatron", 3) == sharding_name("megatron", 1) == "distopt"
 
 
-def test_the_planner_and_training_agree_on_engine_names():
-    # each training engine of the planner is the one that train.engine/zero_stage name
-    assert set(ENGINE_SETTINGS) == set(plan.TRAINING_ENGINES)
-    for name, settings in ENGINE_SETTINGS.items():
-        assert engine_name(settings["engine"], settings["zero_stage"]) == name
+def test_the_planner_and_training_agree_on_sharding_names():
+    # each optimizer sharding of the planner is the one that train.engine/zero_stage name
+    assert set(SHARDING_SETTINGS) == set(plan.TRAINING_SHARDINGS)
+    for name, settings in SHARDING_SETTINGS.items():
+        assert sharding_name(settings["engine"], settings["zero_stage"]) == name
         overrides = [f"train.{key}={value}" for key, value in settings.items()]
-        assert plan.engine_of(load_config(None, overrides)) == name
+        assert plan.sharding_of(load_config(None, overrides)) == name
     assert plan.Layout is Layout  # one class, not a look-alike
 
 
@@ -81,3 +81,25 @@ def test_the_layout_and_the_config_checks_import_no_torch():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_checkpoint_written_before_the_rename_resumes(tmp_path):
+    """``Layout.engine`` became ``Layout.optimizer_sharding``; ``layout.json`` keeps the
+    keys it always had ("engine" there is ``train.engine``), so a checkpoint saved before
+    the rename (its ``layout.json`` as the old code wrote it) resumes in another layout."""
+    from _multiproc import run_ranks
+    from _training import exits, records, train_runs
+
+    zero1 = ["train.engine=deepspeed", "train.zero_stage=1", "train.train_steps=4"]
+    zero1 += ["train.eval_interval=100", "train.save_interval=100"]
+    run_ranks(train_runs, 2, str(tmp_path), [("old", [*zero1, "train.exit_after_steps=2"])])
+    layout_json = tmp_path / "old" / "checkpoints" / "iter_0000002" / "layout.json"
+    old = (
+        '{"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 2, "engine": '
+        '"deepspeed", "zero_stage": 1}'
+    )
+    assert json.loads(layout_json.read_text()) == json.loads(old)
+    layout_json.write_text(old)  # byte for byte what the code before the rename wrote
+    run_ranks(train_runs, 1, str(tmp_path), [("old", zero1)])  # DP=2 -> DP=1: resharded
+    assert exits(tmp_path, "old")[-1] == "0"
+    assert [r["step"] for r in records(tmp_path, "old", "train")][-2:] == [3, 4]

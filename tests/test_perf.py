@@ -24,7 +24,7 @@ from cqk_megatron.cli import plan as plan_cli
 from cqk_megatron.config import CONFIGS_DIR, VARIANTS, load_config
 from cqk_megatron.model.attention.fast_coupling import run_coupling
 from cqk_megatron.model.gpt import build_model, count_parameters
-from cqk_megatron.model.params import count_variant_parameters
+from cqk_megatron.model.params import stage_parameters, total_parameters
 from cqk_megatron.model.specs import coupling_spec
 from cqk_megatron.parallel.process_groups import init_single_process
 from cqk_megatron.perf import bench, plan
@@ -36,12 +36,8 @@ from cqk_megatron.perf.flops import (
     peak_flops,
 )
 from cqk_megatron.perf.measure import SavedTensorMeter, saved_activation_bytes
-from cqk_megatron.perf.memory import (
-    activation_estimate,
-    model_state_bytes,
-    stage_parameters,
-    total_parameters,
-)
+from cqk_megatron.perf.memory import activation_estimate, model_state_bytes
+from cqk_megatron.perf.overhead import count_variant_parameters
 from cqk_megatron.planner.parameters import variant_config
 
 SEQ, BATCH, VOCAB = 32, 2, 256
@@ -326,7 +322,7 @@ def test_planner_lists_layouts_on_8_gpus_of_80gib(model, capsys):
 
 def test_check_fits_refuses_an_impossible_layout():
     config = load_config(CONFIGS_DIR / "models/7b.yaml", ["train.precision=bf16"])
-    result = plan.check_fits(config, world_size=1, gpu_mem_bytes=80 * 2**30, engine="zero1")
+    result = plan.check_fits(config, world_size=1, gpu_mem_bytes=80 * 2**30, sharding="zero1")
     assert not result.fits
     worst = result.worst
     assert worst.total > 7.2e9 * 16  # 2 B params + 4 B grads + 12 B Adam, unsharded
@@ -343,26 +339,26 @@ def test_check_fits_accepts_and_suggests():
         CONFIGS_DIR / "models/7b.yaml",
         ["train.precision=bf16", "train.micro_batch_size=1", "train.global_batch_size=64"],
     )
-    ok = plan.check_fits(config, world_size=8, gpu_mem_bytes=80 * 2**30, engine="distopt")
+    ok = plan.check_fits(config, world_size=8, gpu_mem_bytes=80 * 2**30, sharding="distopt")
     assert not ok.fits  # TP=1 x PP=1 replicates 7B's weights and gradients on each GPU
     assert "layouts of these GPUs that fit: TP=" in ok.message
     sharded = load_config(
         CONFIGS_DIR / "models/7b.yaml",
         ["train.precision=bf16", "parallel.tensor_parallel=8", "parallel.sequence_parallel=true"],
     )
-    result = plan.check_fits(sharded, world_size=8, gpu_mem_bytes=80 * 2**30, engine=1)
+    result = plan.check_fits(sharded, world_size=8, gpu_mem_bytes=80 * 2**30, sharding=1)
     assert result.fits and result.require() is result
-    assert result.layout.engine == "zero1" and result.layout.dp == 1
+    assert result.layout.optimizer_sharding == "zero1" and result.layout.dp == 1
 
 
 def test_check_fits_reads_the_engine_from_the_config():
     base = ["train.precision=bf16", "parallel.tensor_parallel=8"]
     path = CONFIGS_DIR / "models/7b.yaml"
     zero3 = load_config(path, [*base, "train.engine=deepspeed", "train.zero_stage=3"])
-    assert plan.engine_of(zero3) == "zero3"
-    assert plan.check_fits(zero3, 64, 80 * 2**30).layout.engine == "zero3"
+    assert plan.sharding_of(zero3) == "zero3"
+    assert plan.check_fits(zero3, 64, 80 * 2**30).layout.optimizer_sharding == "zero3"
     megatron = load_config(path, [*base, "train.engine=megatron"])
-    assert plan.engine_of(megatron) == "distopt"
+    assert plan.sharding_of(megatron) == "distopt"
     offload = load_config(path, [*base, "train.offload_optimizer=true"])
     on_gpu = plan.check_fits(offload, 8, 80 * 2**30)
     assert on_gpu.worst.parts["optimizer"] == 0  # Adam states in CPU memory

@@ -27,9 +27,9 @@ from cqk_megatron.eval.mqar_models import (
     plain_copy_of,
     plain_state_from_megatron,
 )
-from cqk_megatron.eval.plain_model import PlainLM
+from cqk_megatron.eval.plain_model import COUPLINGS, PlainLM
+from cqk_megatron.variants import COUPLINGS as REGISTERED_COUPLINGS
 
-COUPLINGS = ("none", "hamiltonian", "euler", "mlp_only", "invertible")
 TOLERANCE = 1e-9
 VOCAB, SEQ, BATCH = 64, 12, 3
 
@@ -100,6 +100,12 @@ CASES = [
     for coupling, position, kv in itertools.product(COUPLINGS, ("pre_rope", "post_rope"), (4, 2))
     if not (coupling == "none" and position == "post_rope")
 ] + [(coupling, "pre_rope", "gpt2", kv) for coupling in COUPLINGS for kv in (4, 2)]
+
+
+def test_the_plain_model_writes_out_every_registered_coupling():
+    """The independent model (its own list, by design) covers the registry's couplings,
+    so each is checked against it below."""
+    assert set(COUPLINGS) == set(REGISTERED_COUPLINGS)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-kv{c[3]}")

@@ -162,6 +162,18 @@ def test_missing_data_and_tokenizer(capsys, tmp_path, corpus):
     assert code == 2 and "--nproc 3" in stderr and "global_batch_size=16" in stderr
 
 
+def test_a_variant_registered_with_aliases_is_a_repro_variant_by_each_name(monkeypatch):
+    from cqk_megatron.variants import register_variant, registry
+
+    monkeypatch.setattr(registry, "_VARIANTS", dict(registry._VARIANTS))
+    monkeypatch.setattr(registry, "_ALIASES", dict(registry._ALIASES))
+    register_variant("euler_differential", "euler", "differential", aliases=("ediff",))
+    assert canonical_variant("EDiff") == canonical_variant("euler_differential")
+    assert canonical_variant("ediff") == "euler_differential"
+    with pytest.raises(ValueError, match="names another variant"):
+        register_variant("coupled_euler2", "euler", "standard", aliases=("euler",))
+
+
 def test_variant_aliases_and_token_suffixes():
     assert canonical_variant("hamiltonian") == "coupled"
     assert canonical_variant("Euler") == "coupled_euler"

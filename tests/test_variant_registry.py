@@ -21,10 +21,11 @@ from cqk_megatron.config import COUPLINGS, SCORINGS, ConfigError, RunConfig, loa
 from cqk_megatron.convert import ConversionError, export_state_dict
 from cqk_megatron.convert.hf_config import check_exportable, run_config_from_cqk
 from cqk_megatron.model.gpt import build_model, count_parameters
+from cqk_megatron.model.params import coupling_parameters, total_parameters
 from cqk_megatron.model.specs import coupling_spec, layer_spec_from_config
 from cqk_megatron.parallel.process_groups import init_single_process
 from cqk_megatron.perf.flops import flops_breakdown, flops_per_token
-from cqk_megatron.perf.memory import activation_estimate, coupling_parameters, total_parameters
+from cqk_megatron.perf.memory import activation_estimate
 from cqk_megatron.variants import (
     CouplingCost,
     CouplingVariant,

@@ -29,6 +29,7 @@ import pandas as pd
 from cqk_megatron.analysis import wandb_runs
 from cqk_megatron.analysis.step_time import run_step_time
 from cqk_megatron.config import ConfigError, RunConfig, from_dict, load_config
+from cqk_megatron.model.params import vocabulary_parameters
 from cqk_megatron.planner.parameters import count_parameters
 from cqk_megatron.run.folder import (
     CONFIG,
@@ -107,12 +108,6 @@ def count_total_parameters(config: RunConfig) -> int:
         config = RunConfig(name=config.name, model=config.model, attention=config.attention)
         _PARAM_CACHE[key] = count_parameters(config)
     return _PARAM_CACHE[key]
-
-
-def embedding_parameters(config: RunConfig) -> int:
-    """Input embedding plus, when untied, the output layer: ``padded_vocab * hidden`` each."""
-    m = config.model
-    return m.padded_vocab_size * m.hidden_size * (1 if m.tie_embeddings else 2)
 
 
 def shape_key(config: RunConfig) -> str:
@@ -227,7 +222,7 @@ def record_rows(record: RunRecord) -> tuple[list[dict], list[str]]:
                 f"{record.path}: cannot count parameters from the config: {error}"
             ) from error
     if non_embedding is None:
-        non_embedding = total - embedding_parameters(config)
+        non_embedding = total - vocabulary_parameters(config)
     flops_per_token = summary.get("flops_per_token")
     base = {
         "run": config.name,

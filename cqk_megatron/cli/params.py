@@ -14,7 +14,7 @@ import sys
 
 from cqk_megatron.cli.args import new_parser
 from cqk_megatron.config import VARIANTS, load_config
-from cqk_megatron.model.params import built_differences, format_table, overhead_table
+from cqk_megatron.perf.overhead import built_differences, format_table, overhead_table
 from cqk_megatron.variants import UnknownVariantError, pair
 
 

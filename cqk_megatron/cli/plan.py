@@ -23,7 +23,7 @@ from cqk_megatron.config import VARIANTS, ConfigError, RunConfig, validate
 from cqk_megatron.parallel.layout import Layout
 from cqk_megatron.perf.memory import RECOMPUTE, RECOMPUTE_METHODS, total_parameters
 from cqk_megatron.perf.plan import (
-    TRAINING_ENGINES,
+    TRAINING_SHARDINGS,
     PlanResult,
     format_layouts,
     format_overrides,
@@ -31,7 +31,7 @@ from cqk_megatron.perf.plan import (
     gib,
     load_plan_config,
     microbatches_per_step,
-    normalize_engine,
+    normalize_sharding,
     parse_bytes,
     plan_all,
     plan_layout,
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 class Choices:
     """What the command line asks for, read and checked once for every variant."""
 
-    engines: tuple[str, ...]
+    shardings: tuple[str, ...]
     recomputes: tuple[str, ...]
     sequence_parallel: bool | None
     gpu_mem: int
@@ -137,19 +137,19 @@ def read_choices(args: argparse.Namespace, parser: argparse.ArgumentParser) -> C
         parser.error(f"--variants {unknown[0]!r} is unknown; choose from {list(VARIANTS)}")
     try:
         gpu_mem, reserve = parse_bytes(args.gpu_mem), parse_bytes(args.reserve)
-        engines = TRAINING_ENGINES if args.zero == "all" else (normalize_engine(args.zero),)
+        shardings = TRAINING_SHARDINGS if args.zero == "all" else (normalize_sharding(args.zero),)
     except ValueError as error:
         parser.error(str(error))
-    refused = [e for e in engines if e not in TRAINING_ENGINES]
+    refused = [e for e in shardings if e not in TRAINING_SHARDINGS]
     if refused:
         parser.error(
-            f"--zero {args.zero}: training has no {refused[0]!r} engine; use 1, 2, 3 or distopt"
+            f"--zero {args.zero}: training has no {refused[0]!r} sharding; use 1, 2, 3 or distopt"
         )
     recomputes = RECOMPUTE if args.recompute == "all" else (args.recompute,)
     if any(r not in RECOMPUTE for r in recomputes):
         parser.error(f"--recompute {args.recompute!r}: choose one of {list(RECOMPUTE)} or all")
     sp = {"auto": None, "on": True, "off": False}[args.sequence_parallel]
-    return Choices(engines, recomputes, sp, gpu_mem, reserve, variants)
+    return Choices(shardings, recomputes, sp, gpu_mem, reserve, variants)
 
 
 def load_variant_config(args: argparse.Namespace, variant: str | None) -> RunConfig:
@@ -187,7 +187,7 @@ def plan_options(args: argparse.Namespace, choices: Choices) -> dict:
 def one_layout_results(
     args: argparse.Namespace, parser: argparse.ArgumentParser, config: RunConfig, c: Choices
 ) -> list[PlanResult]:
-    """``--tp/--pp``: that layout with each engine and recompute choice training accepts
+    """``--tp/--pp``: that layout with each sharding and recompute choice training accepts
     (the others are printed as refused; none accepted is an error)."""
     tp, pp = args.tp or 1, args.pp or 1
     if args.gpus % (tp * pp):
@@ -195,14 +195,14 @@ def one_layout_results(
     dp = args.gpus // (tp * pp)
     use_sp = (tp > 1) if c.sequence_parallel is None else (c.sequence_parallel and tp > 1)
     layouts, errors = [], []
-    for engine in c.engines:
+    for sharding in c.shardings:
         for recompute in c.recomputes:
             full = recompute == "full"
             layout = Layout(
                 tp,
                 pp,
                 dp,
-                engine,
+                sharding,
                 recompute,
                 args.vp,
                 use_sp,
@@ -247,7 +247,7 @@ def print_every_layout(args: argparse.Namespace, config: RunConfig, c: Choices) 
         c.gpu_mem,
         args.micro_batch,
         global_batch=args.global_batch,
-        engines=c.engines,
+        shardings=c.shardings,
         recomputes=c.recomputes,
         sequence_parallel=c.sequence_parallel,
         recompute_method=args.recompute_method,

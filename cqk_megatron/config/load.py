@@ -24,6 +24,7 @@ from cqk_megatron.config.schema import (
     from_dict,
     to_dict,
 )
+from cqk_megatron.variants import VARIANTS
 
 # The couplings, scorings and named variants (presets of the two) are the registry's, as
 # live views: a coupling registered later (README, "Adding a variant") is in them too. The
@@ -46,28 +47,55 @@ def _deep_merge(base: dict, update: dict) -> dict:
     return merged
 
 
+def variant_preset(path: str | Path) -> dict | None:
+    """``variants/<preset>.yaml`` (any folder named ``variants``, the file absent) as the
+    registry's preset: its ``attention.coupling`` and ``attention.scoring``. The presets
+    live in the registry only (``variants/builtin.py``, or registered from code), so that
+    no YAML copy of them can drift; a real file of that name wins."""
+    path = Path(path)
+    if path.parent.name != "variants" or path.suffix != ".yaml" or path.is_file():
+        return None
+    if path.stem not in VARIANTS:
+        return None
+    coupling, scoring = VARIANTS[path.stem]
+    return {"attention": {"coupling": coupling, "scoring": scoring}}
+
+
 def _resolve_include(name: str, relative_to: Path) -> Path:
     for candidate in (relative_to / name, CONFIGS_DIR / name):
-        if candidate.is_file():
+        if candidate.is_file() or variant_preset(candidate) is not None:
             return candidate
     raise ConfigError(
         f"{relative_to}: included file '{name}' not found next to it or under {CONFIGS_DIR}"
+        f" (variants/NAME.yaml names a registered preset: one of {list(VARIANTS)})"
     )
 
 
-def load_yaml_dict(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
-    """Read a config file with its includes resolved into one nested dict."""
+def read_yaml(path: str | Path, what: str = "config file", fix: str = "") -> dict:
+    """The top-level mapping of one YAML file: the one reader of run configs, sweeps and
+    cluster profiles, with one error format (the file, what is wrong, the fix); the
+    caller types the mapping with ``from_dict``, whose errors name the key."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file '{path}' does not exist")
-    if path.resolve() in _seen:
-        raise ConfigError(f"{path}: include cycle through {[str(p) for p in _seen]}")
+        raise ConfigError(f"{what} '{path}' does not exist" + (f" ({fix})" if fix else ""))
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML: {error}") from error
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: top level must be a mapping of sections")
+        raise ConfigError(f"{path}: top level must be a mapping of keys")
+    return data
+
+
+def load_yaml_dict(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
+    """Read a config file with its includes resolved into one nested dict."""
+    path = Path(path)
+    preset = variant_preset(path)
+    if preset is not None:
+        return preset
+    if path.resolve() in _seen:
+        raise ConfigError(f"{path}: include cycle through {[str(p) for p in _seen]}")
+    data = read_yaml(path)
     includes = data.pop("include", []) or []
     if isinstance(includes, str):
         includes = [includes]

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cqk_megatron.errors import Refusal
+
 # The couplings, scorings and named variants (presets of the two) are the registry's, as
 # live views: a coupling registered later (README, "Adding a variant") is in them too. The
 # registry is torch-free, like this module.
@@ -64,7 +66,7 @@ RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 
 
-class ConfigError(ValueError):
+class ConfigError(Refusal, ValueError):
     """A configuration that cannot work; the message names the field(s) and the fix."""
 
 
@@ -332,12 +334,22 @@ def _unknown_key_error(key: str, where: str, cls: type, source: str) -> ConfigEr
 
 
 def _coerce(value: Any, annotation: Any, dotted: str, source: str) -> Any:
-    """Check ``value`` against a field's annotation (int, float, bool, str, optional)."""
+    """Check ``value`` against a field's annotation (int, float, bool, str, optional,
+    ``list[X]``, ``dict[str, X]``, a dataclass, ``A | B``: the first that takes it)."""
     args = typing.get_args(annotation)
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        (annotation,) = [a for a in args if a is not type(None)]
+        return _coerce_union([a for a in args if a is not type(None)], value, dotted, source)
+    if annotation is Any:
+        return value
+    if dataclasses.is_dataclass(annotation):
+        return from_dict(annotation, {} if value is None else value, source, f"{dotted}.")
+    if typing.get_origin(annotation) is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: '{dotted}' must be a mapping, got {value!r}")
+        _, item = typing.get_args(annotation)
+        return {str(k): _coerce(v, item, f"{dotted}.{k}", source) for k, v in value.items()}
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if annotation is float and isinstance(value, str):
@@ -357,22 +369,45 @@ def _coerce(value: Any, annotation: Any, dotted: str, source: str) -> Any:
     return value
 
 
+def _coerce_union(options: list, value: Any, dotted: str, source: str) -> Any:
+    errors = []
+    for option in options:
+        try:
+            return _coerce(value, option, dotted, source)
+        except ConfigError as error:
+            errors.append(error)
+    raise (
+        errors[-1]
+        if len(errors) == 1
+        else ConfigError(
+            f"{source}: '{dotted}' must be one of {' or '.join(_type_name(o) for o in options)}, "
+            f"got {value!r}"
+        )
+    )
+
+
+def _type_name(annotation: Any) -> str:
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+
+
 def from_dict(cls: type, data: dict, source: str = "config", prefix: str = "") -> Any:
-    """Build dataclass ``cls`` from a nested dict, refusing unknown keys and bad types."""
+    """Build dataclass ``cls`` from a nested dict, refusing unknown keys, bad types and
+    missing required keys: the one typed reader of runs, sweeps and cluster profiles."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: '{prefix.rstrip('.') or 'top level'}' must be a mapping")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
     for key, value in data.items():
-        if key not in names:
+        if key not in fields:
             raise _unknown_key_error(key, prefix, cls, source)
-        hint = hints[key]
-        if dataclasses.is_dataclass(hint):
-            section = {} if value is None else value  # an empty section keeps defaults
-            kwargs[key] = from_dict(hint, section, source, f"{prefix}{key}.")
-        else:
-            kwargs[key] = _coerce(value, hint, prefix + key, source)
+        kwargs[key] = _coerce(value, hints[key], prefix + key, source)
+    for name, spec in fields.items():
+        required = (
+            spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING
+        )
+        if required and name not in kwargs:
+            raise ConfigError(f"{source}: '{prefix}{name}' is required")
     return cls(**kwargs)
 
 

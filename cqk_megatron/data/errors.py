@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from cqk_megatron.errors import Refusal
 
-class DataError(ValueError):
+
+class DataError(Refusal, ValueError):
     """Bad input data or output location; the message names the file and the fix."""

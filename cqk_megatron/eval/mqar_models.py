@@ -21,6 +21,7 @@ import torch
 
 from cqk_megatron.config import RunConfig
 from cqk_megatron.eval.mqar_options import REINIT_PARTS
+from cqk_megatron.eval.plain_model import COUPLINGS as PLAIN_COUPLINGS
 from cqk_megatron.eval.plain_model import PlainConfig, PlainLM
 
 
@@ -94,14 +95,6 @@ def reinit_like_torch(model: torch.nn.Module, part: str = "torch") -> None:
 
 # --- the project's model as a PlainLM ------------------------------------------------------
 
-_PLAIN_COUPLINGS = {
-    "none": "none",
-    "hamiltonian": "hamiltonian",
-    "euler": "euler",
-    "mlp_only": "mlp_only",
-    "invertible": "invertible",
-}
-
 
 def plain_config_for(config: RunConfig) -> PlainConfig:
     """The ``PlainConfig`` computing the same function as ``config``'s Megatron model
@@ -109,6 +102,11 @@ def plain_config_for(config: RunConfig) -> PlainConfig:
     m, a = config.model, config.attention
     if a.scoring != "standard":
         raise ValueError("the plain model implements standard scoring only")
+    if a.coupling not in PLAIN_COUPLINGS:
+        raise ValueError(
+            f"attention.coupling={a.coupling!r} has no plain form (eval/plain_model.py writes "
+            f"out {list(PLAIN_COUPLINGS)})"
+        )
     return PlainConfig(
         vocab_size=m.padded_vocab_size,
         hidden=m.hidden_size,
@@ -125,7 +123,7 @@ def plain_config_for(config: RunConfig) -> PlainConfig:
         rotary_base=float(m.rotary_base),
         tie_embeddings=m.tie_embeddings,
         init="gpt2",
-        coupling=_PLAIN_COUPLINGS[a.coupling],
+        coupling=a.coupling,  # the registry's names are the plain model's
         coupling_position=a.position,
         steps=a.steps,
         f_hidden=a.coupling_hidden,

@@ -34,6 +34,9 @@ from torch import nn
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
 POSITIONS = ("learned", "rope")
+# The couplings written out below, under the registry's names (``cqk_megatron.variants``;
+# not imported: this model is independent by design). tests/test_plain_reference.py checks
+# each one against the Megatron model and that every registered coupling is here.
 COUPLINGS = ("none", "hamiltonian", "euler", "mlp_only", "invertible")
 DT_PARAMS = ("exp", "softplus")
 INITS = ("torch", "gpt2")

@@ -3,19 +3,20 @@ optimizer. The planner (``perf/plan.py``) proposes layouts; a checkpoint records
 it was saved under (``layout.json``), so that a resume in the same layout loads it exactly,
 and one in another layout knows what it resharded from (``training/checkpoint.resume_plan``).
 
-``engine`` names the data-parallel engine as the planner does: ``zero1``/``zero2``/``zero3``
-(DeepSpeed ZeRO, ``train.engine=deepspeed``), ``distopt`` (Megatron's distributed
-optimizer, ``train.engine=megatron``), ``ddp`` (plain data parallel: an estimate for the
-benchmark's own optimizer only; training has no such engine).
+``optimizer_sharding`` says who shards the optimizer state over data parallel, and how:
+``zero1``/``zero2``/``zero3`` (DeepSpeed ZeRO, ``train.engine=deepspeed``), ``distopt``
+(Megatron's distributed optimizer, ``train.engine=megatron``), ``ddp`` (plain data
+parallel: an estimate for the benchmark's own optimizer only; training has none such).
+"Engine" means ``train.engine`` (deepspeed | megatron) alone, in ``layout.json`` too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The training engines as ``train.engine`` / ``train.zero_stage`` settings. Megatron's
+# Each optimizer sharding as ``train.engine`` / ``train.zero_stage`` settings. Megatron's
 # distributed optimizer ignores train.zero_stage; it is written as 1 there.
-ENGINE_SETTINGS = {
+SHARDING_SETTINGS = {
     "zero1": {"engine": "deepspeed", "zero_stage": 1},
     "zero2": {"engine": "deepspeed", "zero_stage": 2},
     "zero3": {"engine": "deepspeed", "zero_stage": 3},
@@ -23,8 +24,8 @@ ENGINE_SETTINGS = {
 }
 
 
-def engine_name(train_engine: str, zero_stage: int) -> str:
-    """The layout's engine name for ``train.engine`` and ``train.zero_stage``."""
+def sharding_name(train_engine: str, zero_stage: int) -> str:
+    """The layout's optimizer sharding for ``train.engine`` and ``train.zero_stage``."""
     return "distopt" if train_engine == "megatron" else f"zero{zero_stage}"
 
 
@@ -33,7 +34,7 @@ class Layout:
     tp: int
     pp: int
     dp: int
-    engine: str = "distopt"
+    optimizer_sharding: str = "distopt"
     recompute: str = "none"
     vp: int | None = None
     sequence_parallel: bool = False
@@ -44,7 +45,7 @@ class Layout:
         vp = f" VP={self.vp}" if self.vp else ""
         sp = " SP" if self.sequence_parallel else ""
         return (
-            f"TP={self.tp} PP={self.pp}{vp} DP={self.dp}{sp} {self.engine} "
+            f"TP={self.tp} PP={self.pp}{vp} DP={self.dp}{sp} {self.optimizer_sharding} "
             f"recompute={self.recompute_label()}"
         )
 
@@ -59,17 +60,18 @@ class Layout:
         return f"full/{self.recompute_method}" + (f"/{unit}" if unit else "")
 
     # -- what a checkpoint records -------------------------------------------------------
-    # The sizes and the engine decide how the optimizer state is sharded, so whether a
-    # checkpoint loads exactly; the rest of the layout (recompute, VP, SP) does not. The
-    # keys are those of every layout.json written so far.
+    # The sizes and the optimizer sharding decide how the optimizer state is split, so
+    # whether a checkpoint loads exactly; the rest of the layout (recompute, VP, SP) does
+    # not. The keys are those of every layout.json written so far: the sharding as the
+    # training engine and its ZeRO stage ("engine": deepspeed | megatron, "zero_stage").
 
     def sharding(self) -> Layout:
-        """This layout as a checkpoint records it: sizes and engine only."""
-        return Layout(self.tp, self.pp, self.dp, self.engine)
+        """This layout as a checkpoint records it: sizes and optimizer sharding only."""
+        return Layout(self.tp, self.pp, self.dp, self.optimizer_sharding)
 
     def checkpoint_record(self) -> dict:
         """The ``layout.json`` of a checkpoint saved under this layout."""
-        settings = ENGINE_SETTINGS[self.engine]
+        settings = SHARDING_SETTINGS[self.optimizer_sharding]
         return {
             "tensor_parallel": self.tp,
             "pipeline_parallel": self.pp,
@@ -85,5 +87,5 @@ class Layout:
             record["tensor_parallel"],
             record["pipeline_parallel"],
             record["data_parallel"],
-            engine_name(record["engine"], record["zero_stage"]),
+            sharding_name(record["engine"], record["zero_stage"]),
         )

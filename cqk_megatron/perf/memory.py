@@ -1,8 +1,7 @@
 """Memory of one GPU under a TP x PP x DP layout: parameters, gradients, optimizer
 states and activations, as pure functions of the ``RunConfig``.
 
-Parameters are counted tensor by tensor as Megatron-Core's ``GPTModel`` (local spec)
-allocates them on each rank; tests compare every count with built models.
+Parameters per rank are the one count's (``cqk_megatron.model.params.stage_parameters``).
 
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models"), whose ``s b h (34 + 5 a s / h)`` bytes per layer counts the
@@ -31,93 +30,10 @@ from cqk_megatron.config import RECOMPUTE, RECOMPUTE_METHODS, RunConfig
 from cqk_megatron.variants import ActivationTerm, Heads, coupling, scoring
 
 BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}
-ENGINES = ("ddp", "zero1", "zero2", "zero3", "distopt")
+SHARDINGS = ("ddp", "zero1", "zero2", "zero3", "distopt")  # Layout.optimizer_sharding
 # train.recompute's choices, from config.py; ActivationTerm, from the variant registry
 __all__ = ["RECOMPUTE", "RECOMPUTE_METHODS", "ActivationTerm"]
 SDPA_KERNELS = ("fused", "math")
-
-
-# ---------------------------------------------------------------------------------------
-# parameters
-# ---------------------------------------------------------------------------------------
-
-
-def norm_parameters(config: RunConfig) -> int:
-    """One norm over the hidden size: RMSNorm has a weight, LayerNorm a weight and bias."""
-    h = config.model.hidden_size
-    return h if config.model.normalization == "RMSNorm" else 2 * h
-
-
-def coupling_parameters(config: RunConfig) -> int:
-    """One layer's coupling (whole on every TP rank), counted on its module as built."""
-    a, d = config.attention, config.model.head_dim
-    variant = coupling(a.coupling)
-    return variant.parameters(d, variant.constructor_options(a, d))
-
-
-def scoring_parameters(config: RunConfig) -> int:
-    """One layer's scoring parameters (differential: lambda and its norm), counted on its
-    math module as built."""
-    return scoring(config.attention.scoring).parameters(config.model.head_dim)
-
-
-def layer_parameters(config: RunConfig, tp: int = 1) -> int:
-    """One transformer layer on one TP rank.
-
-    With ``add_bias_linear`` the column-parallel biases (QKV, fc1) are split like their
-    rows; the row-parallel ones (attention output, fc2) are whole on every rank.
-    """
-    m = config.model
-    h, d, hq, hkv, f = m.hidden_size, m.head_dim, m.num_attention_heads, m.kv_heads, m.ffn_size
-    fc1_rows = f * (2 if m.swiglu else 1)  # gate and up fused
-    sharded = (
-        h * (hq + 2 * hkv) * d  # linear_qkv (column parallel)
-        + hq * d * h  # linear_proj (row parallel)
-        + h * fc1_rows  # linear_fc1
-        + f * h  # linear_fc2
-    )
-    if m.add_bias_linear:
-        sharded += (hq + 2 * hkv) * d + fc1_rows
-    if sharded % tp:
-        raise ValueError(f"layer weights do not split evenly over tensor_parallel={tp}")
-    replicated = 2 * norm_parameters(config) + coupling_parameters(config)
-    if m.add_bias_linear:
-        replicated += 2 * h
-    return sharded // tp + replicated + scoring_parameters(config)
-
-
-def embedding_parameters(config: RunConfig, tp: int = 1) -> int:
-    return config.model.padded_vocab_size // tp * config.model.hidden_size
-
-
-def stage_parameters(
-    config: RunConfig, tp: int = 1, pp: int = 1, first: bool = True, last: bool = True
-) -> int:
-    """Parameters on one rank of a pipeline stage holding ``num_layers / pp`` layers.
-
-    The first stage has the word embeddings (and the learned position table, whole on
-    every TP rank); the last the final norm and the output layer, whose weight is the
-    embedding's when tied and both are on one stage (a tied output on a later stage keeps
-    its own copy, kept equal by Megatron).
-    """
-    m = config.model
-    if m.num_layers % pp:
-        raise ValueError(f"model.num_layers={m.num_layers} does not split over pp={pp}")
-    total = m.num_layers // pp * layer_parameters(config, tp)
-    if first:
-        total += embedding_parameters(config, tp)
-        if m.position_embedding_type == "learned_absolute":
-            total += m.seq_length * m.hidden_size
-    if last:
-        total += norm_parameters(config)
-        if not (m.tie_embeddings and first):
-            total += embedding_parameters(config, tp)
-    return total
-
-
-def total_parameters(config: RunConfig) -> int:
-    """Parameters of the whole model (TP = PP = 1)."""
-    return stage_parameters(config, 1, 1, first=True, last=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -126,7 +42,7 @@ def total_parameters(config: RunConfig) -> int:
 
 
 def model_state_bytes(
-    parameters: int, precision: str, engine: str, dp: int, offload_optimizer: bool = False
+    parameters: int, precision: str, sharding: str, dp: int, offload_optimizer: bool = False
 ) -> dict[str, float]:
     """Bytes of parameters, gradients and Adam states for ``parameters`` on one rank.
 
@@ -137,16 +53,16 @@ def model_state_bytes(
     optimizer shard master + moments; ZeRO-2 also gradients; ZeRO-3 also parameters.
     ``offload_optimizer`` (DeepSpeed): master and moments live in CPU memory.
     """
-    if engine not in ENGINES:
-        raise ValueError(f"engine={engine!r} is unknown; choose one of {list(ENGINES)}")
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding={sharding!r} is unknown; choose one of {list(SHARDINGS)}")
     param_bytes = BYTES[precision]
     grad_bytes = max(4, param_bytes)
     master_bytes = 4 if param_bytes < 4 else 0
     moment_bytes = 2 * max(4, param_bytes)
-    shard_optimizer = engine in ("zero1", "zero2", "zero3", "distopt")
+    shard_optimizer = sharding in ("zero1", "zero2", "zero3", "distopt")
     return {
-        "parameters": parameters * param_bytes / (dp if engine == "zero3" else 1),
-        "gradients": parameters * grad_bytes / (dp if engine in ("zero2", "zero3") else 1),
+        "parameters": parameters * param_bytes / (dp if sharding == "zero3" else 1),
+        "gradients": parameters * grad_bytes / (dp if sharding in ("zero2", "zero3") else 1),
         "optimizer": 0.0
         if offload_optimizer
         else parameters * (master_bytes + moment_bytes) / (dp if shard_optimizer else 1),

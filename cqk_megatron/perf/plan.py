@@ -19,17 +19,16 @@ import re
 from dataclasses import dataclass, field
 
 from cqk_megatron.config import ConfigError, RunConfig, load_config, validate
-from cqk_megatron.parallel.layout import ENGINE_SETTINGS, Layout, engine_name
+from cqk_megatron.model.params import layer_parameters, stage_parameters
+from cqk_megatron.parallel.layout import SHARDING_SETTINGS, Layout, sharding_name
 from cqk_megatron.perf.memory import (
     BYTES,
-    ENGINES,
     RECOMPUTE,
+    SHARDINGS,
     activation_estimate,
-    layer_parameters,
     microbatches_in_flight,
     model_state_bytes,
     stage_activation_bytes,
-    stage_parameters,
 )
 from cqk_megatron.planner.runs import variant_overrides
 
@@ -40,11 +39,11 @@ TP_SIZES = (1, 2, 4, 8)
 # DeepSpeed partitions gradients (ZeRO-2) and parameters (ZeRO-3) per step, which its
 # pipeline engine refuses and Megatron's schedules do not drive: only ZeRO-1 and the
 # distributed optimizer are offered with PP > 1.
-ENGINES_WITH_PIPELINE = ("zero1", "distopt")
+SHARDINGS_WITH_PIPELINE = ("zero1", "distopt")
 # What training runs: DeepSpeed ZeRO-1/2/3 and Megatron's distributed optimizer (plain DDP,
-# "ddp", is an estimate for the benchmark's own optimizer only: training has no such engine).
-TRAINING_ENGINES = ("zero1", "zero2", "zero3", "distopt")
-_ENGINE_ALIASES = {"0": "ddp", "1": "zero1", "2": "zero2", "3": "zero3"}
+# "ddp", is an estimate for the benchmark's own optimizer only: training has no such sharding).
+TRAINING_SHARDINGS = ("zero1", "zero2", "zero3", "distopt")
+_SHARDING_ALIASES = {"0": "ddp", "1": "zero1", "2": "zero2", "3": "zero3"}
 
 
 class PlanError(ConfigError):
@@ -61,10 +60,12 @@ def parse_bytes(text: str) -> int:
     return int(float(match[1]) * units[match[2].lower()])
 
 
-def normalize_engine(engine: str | int) -> str:
-    name = _ENGINE_ALIASES.get(str(engine), str(engine))
-    if name not in ENGINES:
-        raise ValueError(f"engine {engine!r} is unknown; choose one of {list(ENGINES)} or 0-3")
+def normalize_sharding(sharding: str | int) -> str:
+    name = _SHARDING_ALIASES.get(str(sharding), str(sharding))
+    if name not in SHARDINGS:
+        raise ValueError(
+            f"sharding {sharding!r} is unknown; choose one of {list(SHARDINGS)} or 0-3"
+        )
     return name
 
 
@@ -163,12 +164,14 @@ def plan_layout(
         layout.recompute_method,
         layout.recompute_num_layers,
     )
-    offload = offload_optimizer and layout.engine.startswith("zero")  # DeepSpeed only
+    offload = offload_optimizer and layout.optimizer_sharding.startswith("zero")  # DeepSpeed only
     stages = []
     for stage in range(pp):
         first, last = stage == 0, stage == pp - 1
         params = stage_parameters(config, tp, pp, first=first, last=last)
-        parts = model_state_bytes(params, config.train.precision, layout.engine, layout.dp, offload)
+        parts = model_state_bytes(
+            params, config.train.precision, layout.optimizer_sharding, layout.dp, offload
+        )
         in_flight = microbatches_in_flight(pp, stage, num_microbatches, layout.vp)
         one_microbatch = (
             layer_bytes
@@ -177,7 +180,7 @@ def plan_layout(
         )
         parts["activations"] = one_microbatch * in_flight
         transient = max(act.logits_transient_bytes if last else 0.0, rebuild_bytes)
-        if layout.engine == "zero3":  # the gathered layer and the prefetched next one
+        if layout.optimizer_sharding == "zero3":  # the gathered layer and the prefetched next one
             transient += 2 * layer_parameters(config, tp) * BYTES[config.train.precision]
         parts["transient"] = transient
         stages.append(StageMemory(stage=stage, parameters=params, parts=parts))
@@ -210,10 +213,10 @@ def training_config(
     offload_optimizer: bool | None = None,
 ) -> RunConfig:
     """``config`` set up to train ``layout`` (what ``layout_overrides`` prints)."""
-    if layout.engine not in ENGINE_SETTINGS:
+    if layout.optimizer_sharding not in SHARDING_SETTINGS:
         raise ConfigError(
-            f"engine {layout.engine!r} is not a training engine; choose one of "
-            f"{list(ENGINE_SETTINGS)}"
+            f"sharding {layout.optimizer_sharding!r} is not one that training runs; choose one of "
+            f"{list(SHARDING_SETTINGS)}"
         )
     parallel = dataclasses.replace(
         config.parallel,
@@ -226,7 +229,7 @@ def training_config(
     full = layout.recompute == "full"
     train = dataclasses.replace(
         config.train,
-        **ENGINE_SETTINGS[layout.engine],
+        **SHARDING_SETTINGS[layout.optimizer_sharding],
         micro_batch_size=micro_batch,
         global_batch_size=global_batch or default_global_batch(config, micro_batch, layout.dp),
         recompute=layout.recompute,
@@ -281,18 +284,18 @@ def runnable(
     return True
 
 
-def engine_of(config: RunConfig) -> str:
-    """The planner's engine name for ``train.engine`` / ``train.zero_stage``."""
+def sharding_of(config: RunConfig) -> str:
+    """The planner's sharding name for ``train.engine`` / ``train.zero_stage``."""
     t = config.train
-    return normalize_engine(
-        engine_name(getattr(t, "engine", "deepspeed"), getattr(t, "zero_stage", 1))
+    return normalize_sharding(
+        sharding_name(getattr(t, "engine", "deepspeed"), getattr(t, "zero_stage", 1))
     )
 
 
 def enumerate_layouts(
     config: RunConfig,
     gpus: int,
-    engines: tuple[str, ...] = TRAINING_ENGINES,
+    shardings: tuple[str, ...] = TRAINING_SHARDINGS,
     recomputes: tuple[str, ...] = ("none",),
     sequence_parallel: bool | None = None,
     micro_batch: int | None = None,
@@ -302,7 +305,7 @@ def enumerate_layouts(
     offload_optimizer: bool | None = None,
 ) -> list[Layout]:
     """Every layout of ``gpus`` GPUs that training accepts: TP in 1, 2, 4, 8, PP dividing
-    the layers, DP the rest, each engine and recompute choice, each checked with
+    the layers, DP the rest, each sharding and recompute choice, each checked with
     ``validate`` as the training config it stands for (``micro_batch`` None: the
     config's); ``sequence_parallel`` None: on when TP > 1."""
     micro_batch = micro_batch or config.train.micro_batch_size
@@ -312,8 +315,8 @@ def enumerate_layouts(
             if config.model.num_layers % pp or gpus % (tp * pp):
                 continue
             sp = (tp > 1) if sequence_parallel is None else (sequence_parallel and tp > 1)
-            for engine in engines:
-                if pp > 1 and engine not in ENGINES_WITH_PIPELINE:
+            for sharding in shardings:
+                if pp > 1 and sharding not in SHARDINGS_WITH_PIPELINE:
                     continue
                 for recompute in recomputes:
                     full = recompute == "full"
@@ -321,7 +324,7 @@ def enumerate_layouts(
                         tp,
                         pp,
                         gpus // (tp * pp),
-                        engine,
+                        sharding,
                         recompute,
                         None,
                         sp,
@@ -349,8 +352,8 @@ def plan_all(
     **options,
 ) -> list[PlanResult]:
     """``plan_layout`` for every layout of ``enumerate_layouts`` (whose options
-    ``engines``, ``recomputes``, ``sequence_parallel`` pass through)."""
-    names = ("engines", "recomputes", "sequence_parallel", "recompute_method")
+    ``shardings``, ``recomputes``, ``sequence_parallel`` pass through)."""
+    names = ("shardings", "recomputes", "sequence_parallel", "recompute_method")
     layout_options = {k: options.pop(k) for k in (*names, "recompute_num_layers") if k in options}
     layout_options["offload_optimizer"] = options.get("offload_optimizer")
     return [
@@ -381,16 +384,16 @@ def gpu_memory_bytes() -> int | None:
 
 
 def own_layout(
-    config: RunConfig, world_size: int, engine: str | int | None, recompute: str | None
+    config: RunConfig, world_size: int, sharding: str | int | None, recompute: str | None
 ) -> Layout:
-    """``config``'s own layout on ``world_size`` GPUs (``engine``/``recompute`` None: the
+    """``config``'s own layout on ``world_size`` GPUs (``sharding``/``recompute`` None: the
     config's)."""
     p, t = config.parallel, config.train
     if recompute is None:
         recompute = t.recompute
     if recompute not in RECOMPUTE:
         raise ConfigError(f"recompute={recompute!r} is unknown; choose one of {list(RECOMPUTE)}")
-    engine = engine_of(config) if engine is None else normalize_engine(engine)
+    sharding = sharding_of(config) if sharding is None else normalize_sharding(sharding)
     tp, pp = p.tensor_parallel, p.pipeline_parallel
     if world_size % (tp * pp):
         raise ConfigError(
@@ -402,7 +405,7 @@ def own_layout(
         tp,
         pp,
         world_size // (tp * pp),
-        engine,
+        sharding,
         recompute,
         p.virtual_pipeline,
         p.sequence_parallel,
@@ -456,7 +459,7 @@ def check_fits(
     config: RunConfig,
     world_size: int,
     gpu_mem_bytes: int,
-    engine: str | int | None = None,
+    sharding: str | int | None = None,
     recompute: str | None = None,
     reserve_bytes: int = DEFAULT_RESERVE_BYTES,
     recompute_coupling: bool | None = None,
@@ -465,7 +468,7 @@ def check_fits(
 
     ``result.fits`` says whether it fits, ``result.message`` gives the numbers (and, if it
     does not fit, layouts of the same GPUs that do); ``result.require()`` raises
-    ``PlanError`` with that message. ``engine``: ``ddp``, ``zero1``-``zero3`` (or 0-3),
+    ``PlanError`` with that message. ``sharding``: ``ddp``, ``zero1``-``zero3`` (or 0-3),
     ``distopt``; None: from ``train.engine`` and ``train.zero_stage``. ``recompute``
     None: ``train.recompute`` (with its method and number of layers);
     ``recompute_coupling`` None: ``config.attention.recompute_coupling``.
@@ -473,7 +476,7 @@ def check_fits(
     t = config.train
     if recompute_coupling is None:
         recompute_coupling = config.attention.recompute_coupling
-    layout = own_layout(config, world_size, engine, recompute)
+    layout = own_layout(config, world_size, sharding, recompute)
     result = plan_layout(
         config,
         layout,
@@ -518,7 +521,7 @@ def format_layouts(results: list[PlanResult]) -> str:
         states = w.parts["parameters"] + w.parts["gradients"] + w.parts["optimizer"]
         lines.append(
             f"{lay.tp:>3} {lay.pp:>3} {lay.dp:>3} {'on' if lay.sequence_parallel else '-':>3} "
-            f"{lay.engine:>8} {lay.recompute_label():>16} {states / GIB:>8.1f} "
+            f"{lay.optimizer_sharding:>8} {lay.recompute_label():>16} {states / GIB:>8.1f} "
             f"{w.parts['activations'] / GIB:>8.1f} {w.parts['transient'] / GIB:>9.1f} "
             f"{w.total / GIB:>8.1f} {'yes' if r.fits else 'no':>5}"
         )

@@ -9,7 +9,7 @@ before it starts training; each refusal is one ``PreflightError`` line (exit 2).
    ``--resume none``); its checkpoints (refused if some exist and none verifies; the
    launcher verifies by hash, as the job will, and names the one the run resumes from);
 3. the disk: room for one checkpoint, estimated from the model's parameter count
-   (``perf.memory.total_parameters``) and the precision.
+   (``params.total_parameters``) and the precision.
 
 Torch-free: nothing here imports Megatron.
 """
@@ -22,7 +22,8 @@ from cqk_megatron.config import ConfigError, RunConfig, load_config
 from cqk_megatron.config.changes import LOCATION_KEYS, changes, listed, shape_changes
 from cqk_megatron.data.checks import check_run_data
 from cqk_megatron.data.errors import DataError
-from cqk_megatron.perf.memory import BYTES, total_parameters
+from cqk_megatron.model.params import total_parameters
+from cqk_megatron.perf.memory import BYTES
 from cqk_megatron.run import checkpoint_files
 from cqk_megatron.run import lease as run_lease
 from cqk_megatron.run.folder import (

@@ -9,15 +9,16 @@
     #   "schedule": {"tokens": ..., "train_steps": ..., "lr": ..., ...},
     #   "pending": []}, ...]
 
-The schema is documented at the top of ``configs/sweeps/ladder.yaml``. Every run is
+The schema is documented at the top of ``configs/sweeps/ladder.yaml`` and typed by
+``Sweep`` (read by ``config.read_yaml`` and ``config.from_dict``, as run configs are). Every run is
 planned by ``planner.runs.plan_config`` (the config file with the run's overrides, checked
 by ``validate`` on ``world_size=nodes * gpus_per_node``) here, so an impossible layout
 fails before anything is submitted. Run names are deterministic: ``{name}-{size}-{variant}
 [-t{tokens per param}]-s{seed}`` (the budget part only when a size has several budgets).
 A variant is a preset of the registry (``variants.VARIANTS``): its coupling and scoring
 become the ``attention.coupling`` / ``attention.scoring`` overrides
-(``planner.runs.variant_overrides``), so a preset registered from code needs no file under
-``configs/variants/``. A size's token budget in tokens per parameter is read against its
+(``planner.runs.variant_overrides``), so a preset registered from code needs no file.
+A size's token budget in tokens per parameter is read against its
 standard-attention model, counted without building it (``planner.parameters``).
 
 Training-schedule values (learning rate, steps, warmup, evaluation interval) go into
@@ -31,7 +32,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -40,7 +43,9 @@ from cqk_megatron.config import (
     VARIANTS,
     ConfigError,
     RunConfig,
+    from_dict,
     load_config,
+    read_yaml,
 )
 from cqk_megatron.planner.parameters import count_parameters
 from cqk_megatron.planner.runs import plan_config, run_overrides
@@ -53,30 +58,75 @@ SCHEDULE_FIELDS = {
     "warmup_steps": "train.warmup_steps",
     "eval_interval": "train.eval_interval",
 }
-LAYOUT_KEYS = ("tensor_parallel", "pipeline_parallel", "nodes", "gpus_per_node")
-SIZE_KEYS = {
-    "model",
-    "lr",
-    "global_batch_size",
-    "micro_batch_size",
-    "layout",
-    "resources",
-    "seeds",
-    "tokens_per_param",
-    "tokens",
-    "overrides",
-    "variants",
-}
-TOP_KEYS = {"name", "variants", "seeds", "tokens_per_param", "common", "schedule", "sizes"}
+Several = list | int | float | str | None  # a list, or one value standing for a list of it
 
 
-def _fail(path: Path, message: str) -> ConfigError:
-    return ConfigError(f"{path}: {message}")
+# --- the sweep file, typed (``config.from_dict``: unknown keys, types, required keys) --------
 
 
-def _as_list(value, default):
-    if value is None:
-        return list(default)
+@dataclass
+class SizeLayout:
+    tensor_parallel: int
+    pipeline_parallel: int
+    nodes: int
+    gpus_per_node: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass
+class SweepSize:
+    """One entry of ``sizes``: a model, its optimiser settings and layout."""
+
+    model: str
+    lr: float
+    global_batch_size: int
+    micro_batch_size: int
+    layout: SizeLayout
+    resources: dict[str, Any] = field(default_factory=dict)
+    seeds: list[int] | int | None = None
+    tokens_per_param: list[float] | float | None = None
+    tokens: int | float | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+    variants: list[str] | str | None = None
+
+
+@dataclass
+class SweepSchedule:
+    warmup_fraction: float = 0.01
+    min_lr_ratio: float = 0.1
+    eval_fraction: float = 0.05
+
+
+@dataclass
+class Sweep:
+    sizes: dict[str, SweepSize]
+    name: str | None = None
+    variants: list[str] | str = field(default_factory=lambda: ["standard"])
+    seeds: list[int] | int = field(default_factory=lambda: [0])
+    tokens_per_param: list[float] | float = field(default_factory=lambda: [20])
+    common: dict[str, Any] = field(default_factory=dict)
+    schedule: SweepSchedule = field(default_factory=SweepSchedule)
+
+
+def load_sweep(path: str | Path) -> Sweep:
+    """The sweep file, typed; a clear error naming the file and key otherwise."""
+    sweep = from_dict(Sweep, read_yaml(path, "sweep file"), str(path))
+    if not sweep.sizes:
+        raise ConfigError(f"{path}: 'sizes' must map size names (e.g. 1b) to their settings")
+    for size, spec in sweep.sizes.items():
+        bad = [v for v in _listed(spec.variants, sweep.variants) if v not in VARIANTS]
+        if bad:
+            raise ConfigError(
+                f"{path}: 'sizes.{size}': unknown variants {bad}; choose from {list(VARIANTS)}"
+            )
+    return sweep
+
+
+def _listed(value: Several, default: Several) -> list:
+    value = default if value is None else value
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
@@ -103,7 +153,9 @@ def _resolve_model(path: Path, model: str) -> Path:
     for candidate in (path.parent / model, CONFIGS_DIR / model):
         if candidate.is_file():
             return candidate.resolve()
-    raise _fail(path, f"model file '{model}' not found next to the sweep or under {CONFIGS_DIR}")
+    raise ConfigError(
+        f"{path}: model file '{model}' not found next to the sweep or under {CONFIGS_DIR}"
+    )
 
 
 _TOTALS: dict[str, int] = {}
@@ -118,120 +170,79 @@ def standard_parameters(model_path: Path, overrides: list[str]) -> int:
     return _TOTALS[key]
 
 
+# --- expansion --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Size:
+    """One size of a sweep, resolved: its model file, overrides and step size."""
+
+    name: str
+    spec: SweepSize
+    model_path: Path
+    overrides: list[str]
+    tokens_per_step: int
+    params: int | None  # the standard model's count (None: a fixed token budget)
+
+
+def _resolve_size(path: Path, name: str, spec: SweepSize) -> _Size:
+    model_path = _resolve_model(path, spec.model)
+    overrides = [_override(k, v) for k, v in spec.overrides.items()]
+    seq_length = load_config(model_path, overrides).model.seq_length
+    params = None if spec.tokens is not None else standard_parameters(model_path, overrides)
+    return _Size(name, spec, model_path, overrides, spec.global_batch_size * seq_length, params)
+
+
+def _schedule(size: _Size, budget: float, schedule: SweepSchedule) -> dict:
+    """Tokens, steps and learning-rate schedule of one token budget of ``size``."""
+    tokens = int(size.spec.tokens) if size.params is None else int(budget * size.params)
+    train_steps = math.ceil(tokens / size.tokens_per_step)
+    lr = float(size.spec.lr)
+    return {
+        "tokens": tokens,
+        "tokens_per_param": None if size.params is None else tokens / size.params,
+        "train_steps": train_steps,
+        "lr": lr,
+        "min_lr": lr * schedule.min_lr_ratio,
+        "warmup_steps": max(1, round(schedule.warmup_fraction * train_steps)),
+        "eval_interval": max(1, round(schedule.eval_fraction * train_steps)),
+    }
+
+
 def expand_sweep(path: str | Path) -> list[dict]:
     """Every run of the sweep, validated; see the module docstring for the shape."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"sweep file '{path}' does not exist")
-    try:
-        sweep = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise _fail(path, f"not valid YAML: {error}") from error
-    unknown = set(sweep) - TOP_KEYS
-    if unknown:
-        raise _fail(path, f"unknown top-level keys {sorted(unknown)}; allowed: {sorted(TOP_KEYS)}")
-    if not isinstance(sweep.get("sizes"), dict) or not sweep["sizes"]:
-        raise _fail(path, "'sizes' must map size names (e.g. 1b) to their settings")
-    sweep_name = sweep.get("name", path.stem)
-    common = {str(k): v for k, v in (sweep.get("common") or {}).items()}
-    schedule_defaults = sweep.get("schedule") or {}
-
+    sweep = load_sweep(path)
+    sweep_name = sweep.name or path.stem
     runs, names = [], set()
-    for size, spec in sweep["sizes"].items():
-        where = f"sizes.{size}"
-        if not isinstance(spec, dict):
-            raise _fail(path, f"'{where}' must be a mapping")
-        unknown = set(spec) - SIZE_KEYS
-        if unknown:
-            raise _fail(
-                path, f"'{where}': unknown keys {sorted(unknown)}; allowed: {sorted(SIZE_KEYS)}"
-            )
-        for key in ("model", "lr", "global_batch_size", "micro_batch_size", "layout"):
-            if key not in spec:
-                raise _fail(path, f"'{where}.{key}' is required")
-        layout = spec["layout"]
-        missing = [k for k in LAYOUT_KEYS if k not in (layout or {})]
-        if missing:
-            raise _fail(path, f"'{where}.layout' lacks {missing}")
-        model_path = _resolve_model(path, spec["model"])
-        size_overrides = [_override(k, v) for k, v in (spec.get("overrides") or {}).items()]
-        variants = _as_list(spec.get("variants"), _as_list(sweep.get("variants"), ["standard"]))
-        bad = [v for v in variants if v not in VARIANTS]
-        if bad:
-            raise _fail(path, f"'{where}': unknown variants {bad}; choose from {list(VARIANTS)}")
-        seeds = _as_list(spec.get("seeds"), _as_list(sweep.get("seeds"), [0]))
-        budgets = _as_list(
-            spec.get("tokens_per_param"), _as_list(sweep.get("tokens_per_param"), [20])
-        )
-        seq_length = load_config(model_path, size_overrides).model.seq_length
-        tokens_per_step = spec["global_batch_size"] * seq_length
-        params = None if "tokens" in spec else standard_parameters(model_path, size_overrides)
-        world_size = layout["nodes"] * layout["gpus_per_node"]
-
+    for size_name, spec in sweep.sizes.items():
+        size = _resolve_size(path, size_name, spec)
+        budgets = _listed(spec.tokens_per_param, sweep.tokens_per_param)
         for budget in budgets:
-            tokens = int(spec["tokens"]) if "tokens" in spec else int(budget * params)
-            train_steps = math.ceil(tokens / tokens_per_step)
-            schedule = {
-                "tokens": tokens,
-                "tokens_per_param": None if params is None else tokens / params,
-                "train_steps": train_steps,
-                "lr": float(spec["lr"]),
-                "min_lr": float(spec["lr"]) * float(schedule_defaults.get("min_lr_ratio", 0.1)),
-                "warmup_steps": max(
-                    1, round(float(schedule_defaults.get("warmup_fraction", 0.01)) * train_steps)
-                ),
-                "eval_interval": max(
-                    1, round(float(schedule_defaults.get("eval_fraction", 0.05)) * train_steps)
-                ),
-            }
-            for variant in variants:
-                for seed in seeds:
+            schedule = _schedule(size, budget, sweep.schedule)
+            for variant in _listed(spec.variants, sweep.variants):
+                for seed in _listed(spec.seeds, sweep.seeds):
                     budget_part = f"-t{budget:g}" if len(budgets) > 1 else ""
-                    name = f"{sweep_name}-{size}-{variant}{budget_part}-s{seed}"
+                    name = f"{sweep_name}-{size_name}-{variant}{budget_part}-s{seed}"
                     if name in names:
-                        raise _fail(path, f"two runs are named '{name}'; make sizes unique")
+                        raise ConfigError(f"{path}: two runs are named '{name}'; make sizes unique")
                     names.add(name)
-                    runs.append(
-                        _make_run(
-                            path,
-                            name,
-                            model_path,
-                            variant,
-                            seed,
-                            spec,
-                            layout,
-                            common,
-                            size_overrides,
-                            schedule,
-                            world_size,
-                            tokens_per_step,
-                        )
-                    )
+                    runs.append(_make_run(path, name, size, variant, seed, sweep.common, schedule))
     return runs
 
 
 def _make_run(
-    path,
-    name,
-    model_path,
-    variant,
-    seed,
-    spec,
-    layout,
-    common,
-    size_overrides,
-    schedule,
-    world_size,
-    tokens_per_step,
+    path: Path, name: str, size: _Size, variant: str, seed: int, common: dict, schedule: dict
 ) -> dict:
-    # the registry's preset (not configs/variants/*.yaml), through the planner
+    # the registry's preset, through the planner
+    spec, layout = size.spec, size.spec.layout
     rest = [_override(k, v) for k, v in common.items()]
-    rest += size_overrides
+    rest += size.overrides
     rest += [
-        f"parallel.tensor_parallel={layout['tensor_parallel']}",
-        f"parallel.pipeline_parallel={layout['pipeline_parallel']}",
-        f"train.global_batch_size={spec['global_batch_size']}",
-        f"train.micro_batch_size={spec['micro_batch_size']}",
+        f"parallel.tensor_parallel={layout.tensor_parallel}",
+        f"parallel.pipeline_parallel={layout.pipeline_parallel}",
+        f"train.global_batch_size={spec.global_batch_size}",
+        f"train.micro_batch_size={spec.micro_batch_size}",
     ]
     pending = []
     for key, dotted in SCHEDULE_FIELDS.items():
@@ -239,18 +250,18 @@ def _make_run(
             rest.append(_override(dotted, schedule[key]))
         else:
             pending.append(dotted)
+    world_size = layout.world_size
     try:
         plan_config(
-            model_path, variant, name=name, seed=seed, overrides=rest, world_size=world_size
+            size.model_path, variant, name=name, seed=seed, overrides=rest, world_size=world_size
         )
     except ConfigError as error:
-        raise _fail(path, f"run '{name}' (world size {world_size}): {error}") from error
-    overrides = run_overrides(variant, name, seed, rest)
-    tp, pp = layout["tensor_parallel"], layout["pipeline_parallel"]
+        raise ConfigError(f"{path}: run '{name}' (world size {world_size}): {error}") from error
+    tp, pp = layout.tensor_parallel, layout.pipeline_parallel
     resources = {
-        **(spec.get("resources") or {}),
-        "nodes": layout["nodes"],
-        "gpus_per_node": layout["gpus_per_node"],
+        **spec.resources,
+        "nodes": layout.nodes,
+        "gpus_per_node": layout.gpus_per_node,
         "tensor_parallel": tp,
         "pipeline_parallel": pp,
         "data_parallel": world_size // (tp * pp),
@@ -258,9 +269,9 @@ def _make_run(
     }
     return {
         "name": name,
-        "config": str(model_path),
-        "overrides": overrides,
+        "config": str(size.model_path),
+        "overrides": run_overrides(variant, name, seed, rest),
         "resources": resources,
-        "schedule": {**schedule, "tokens_per_step": tokens_per_step},
+        "schedule": {**schedule, "tokens_per_step": size.tokens_per_step},
         "pending": pending,
     }

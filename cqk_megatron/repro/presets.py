@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cqk_megatron.config import CONFIGS_DIR, VARIANTS
+from cqk_megatron.variants import ALIASES, preset_of
 
 
 class ReproError(ValueError):
@@ -73,17 +74,6 @@ PRESETS: dict[str, Preset] = {
     ),
 }
 
-# The issue's names for the integrators, and spellings people type.
-VARIANT_ALIASES: dict[str, str] = {
-    "hamiltonian": "coupled",
-    "leapfrog": "coupled",
-    "coupled_hamiltonian": "coupled",
-    "euler": "coupled_euler",
-    "baseline": "standard",
-    "diff": "differential",
-    "diffattn": "differential",
-}
-
 
 def get_preset(name: str) -> Preset:
     if name not in PRESETS:
@@ -95,13 +85,13 @@ def get_preset(name: str) -> Preset:
 
 
 def canonical_variant(name: str) -> str:
-    """``hamiltonian`` -> ``coupled``, ``mlp-only`` -> ``mlp_only``; refuses unknown names."""
-    key = name.strip().lower().replace("-", "_")
-    key = VARIANT_ALIASES.get(key, key)
-    if key not in VARIANTS:
-        known = sorted(set(VARIANTS) | set(VARIANT_ALIASES))
+    """``hamiltonian`` -> ``coupled``, ``mlp-only`` -> ``mlp_only`` (the registry's aliases,
+    ``variants.preset_of``); refuses unknown names."""
+    preset = preset_of(name)
+    if preset is None:
+        known = sorted(set(VARIANTS) | set(ALIASES))
         raise ReproError(f"--variants: {name!r} is not a variant; choose from {', '.join(known)}")
-    return key
+    return preset
 
 
 def parse_variants(text: str | None, preset: Preset) -> list[str]:

@@ -27,6 +27,7 @@ from cqk_megatron.config.changes import (
     shape_changes,
     shape_mismatch_message,
 )
+from cqk_megatron.errors import Refusal
 from cqk_megatron.run import file_hash
 from cqk_megatron.run.atomic import write_text_atomically
 from cqk_megatron.run.file_hash import CHECKPOINT_HASH, HASHES
@@ -45,18 +46,22 @@ LATEST = "latest"  # in checkpoints/: the name of the newest complete folder
 WEIGHT_PARTS = ("model", "trainer", CONFIG, "layout.json")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(Refusal, RuntimeError):
     """A checkpoint that is incomplete, corrupted or does not fit this run."""
 
 
 class CheckpointSaveError(CheckpointError):
     """Writing a checkpoint failed (a full disk, a lost lease); the previous one stands.
     ``disk_full``: its filesystem is full, so the run is refused (``refusals``): run again
-    on the same disk, it would fail the same way."""
+    on the same disk, it would fail the same way. Otherwise a failure, not a refusal."""
 
     def __init__(self, message: str, disk_full: bool = False) -> None:
         super().__init__(message)
         self.disk_full = disk_full
+
+    @property
+    def refuses(self) -> bool:
+        return self.disk_full
 
 
 def iteration_dir(checkpoints: Path, step: int) -> Path:

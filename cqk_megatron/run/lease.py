@@ -28,6 +28,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from cqk_megatron.errors import Refusal
 from cqk_megatron.run.folder import LEASE
 
 TAKEOVER_STALE_S = 60.0  # a takeover file older than this was left by a dead contender
@@ -41,7 +42,7 @@ def ttl_s() -> float:
     return float(os.environ.get("CQK_LEASE_TTL_S", "300"))
 
 
-class LeaseHeld(RuntimeError):
+class LeaseHeld(Refusal, RuntimeError):
     """The run folder is held by another live job; the message names it."""
 
 

@@ -54,7 +54,7 @@ from cqk_megatron.config import RunConfig, save_config
 from cqk_megatron.config.changes import changes, listed
 from cqk_megatron.model.gpt import load_sharded_state, sharded_state_dict
 from cqk_megatron.parallel.device import device
-from cqk_megatron.parallel.layout import Layout, engine_name
+from cqk_megatron.parallel.layout import Layout, sharding_name
 from cqk_megatron.run import file_hash
 from cqk_megatron.run.atomic import write_text_atomically
 from cqk_megatron.run.checkpoint_files import (
@@ -125,7 +125,7 @@ def current_layout(config: RunConfig) -> Layout:
         ps.get_tensor_model_parallel_world_size(),
         ps.get_pipeline_model_parallel_world_size(),
         ps.get_data_parallel_world_size(),
-        engine_name(config.train.engine, config.train.zero_stage),
+        sharding_name(config.train.engine, config.train.zero_stage),
     )
 
 
@@ -629,7 +629,8 @@ def resume_plan(folder: Path, config: RunConfig, weights_only: bool = False) -> 
     if why is None:
         return ResumePlan(saved, current, True)
     change = (
-        f"{saved.describe_sizes()} {saved.engine} -> {current.describe_sizes()} {current.engine}"
+        f"{saved.describe_sizes()} {saved.optimizer_sharding} -> {current.describe_sizes()} "
+        f"{current.optimizer_sharding}"
     )
     return ResumePlan(saved, current, False, f"the optimizer state cannot follow {change}: {why}")
 

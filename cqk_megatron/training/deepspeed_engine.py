@@ -336,8 +336,11 @@ def optimizer_restart_reason(saved: Layout, current: Layout, folder: Path) -> st
     """Why the ZeRO state in ``folder`` (saved under ``saved``) cannot be loaded under
     ``current``, or None when it can: the same ZeRO stage and model-parallel layout, any
     data-parallel size."""
-    if saved.engine != current.engine:
-        return f"it was saved by another engine ({saved.engine}; this run: {current.engine})"
+    if saved.optimizer_sharding != current.optimizer_sharding:
+        return (
+            f"it was saved with another optimizer sharding ({saved.optimizer_sharding}; this "
+            f"run: {current.optimizer_sharding})"
+        )
     if (saved.tp, saved.pp) != (current.tp, current.pp):
         return (
             "DeepSpeed's universal checkpoint reshards ZeRO's state over data-parallel ranks, "

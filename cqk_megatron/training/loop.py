@@ -18,7 +18,7 @@ from megatron.core import parallel_state as ps
 from cqk_megatron.config import RunConfig, validate
 from cqk_megatron.data.checks import run_samples
 from cqk_megatron.errors import EXIT_REQUEUE, EXIT_WATCHDOG
-from cqk_megatron.model.gpt import build_rank_model
+from cqk_megatron.model.gpt import build_rank_model, params
 from cqk_megatron.parallel.device import device
 from cqk_megatron.parallel.process_groups import (
     RendezvousError,
@@ -62,20 +62,6 @@ def make_engine(model: torch.nn.Module, config: RunConfig) -> Engine:
 
         return MegatronEngine(model, config)
     return DeepSpeedEngine(model, config)
-
-
-def count_model_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """(total, non-embedding) parameters of the whole model, from this rank's shard."""
-    tp_rank = ps.get_tensor_model_parallel_rank()
-    total = non_embedding = 0
-    for name, param in model.named_parameters():
-        if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
-            numel = getattr(param, "ds_numel", param.numel())  # ZeRO-3 partitions params
-            total += numel
-            if "word_embeddings" not in name and "output_layer" not in name:
-                non_embedding += numel
-    summed = collectives.sum_numbers([total, non_embedding], group=ps.get_model_parallel_group())
-    return int(summed[0]), int(summed[1])
 
 
 def peak_memory_gb() -> float:
@@ -245,7 +231,6 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
             "train.init_from at a checkpoint of this model's shape"
         )
         checkpoint.load_model_weights(init_from, model, config, fix)
-    params_total, params_non_embedding = count_model_parameters(model)
     engine = make_engine(model, config)
     if keeps_optimizer:
         state = checkpoint.load_exact(folder, engine, plan)
@@ -354,8 +339,8 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
         logger.log(
             {
                 "kind": SUMMARY,
-                "params_total": params_total,
-                "params_non_embedding": params_non_embedding,
+                "params_total": params.total_parameters(config),
+                "params_non_embedding": params.non_embedding_parameters(config),
                 "flops_per_token": train_flops_per_token,
                 "tokens": state.tokens,
                 "steps": state.step,
@@ -392,7 +377,7 @@ def _start_run(run_dir: Path, config: RunConfig, choice, plan, state) -> None:
             print(
                 f"warning: the optimizer restarts from zero moments at step {state.step}: "
                 f"{plan.reason}. To keep it, resume in the saved layout "
-                f"({plan.saved.describe_sizes()} {plan.saved.engine})",
+                f"({plan.saved.describe_sizes()} {plan.saved.optimizer_sharding})",
                 file=sys.stderr,
                 flush=True,
             )

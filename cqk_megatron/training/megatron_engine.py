@@ -82,8 +82,11 @@ def saved_optimizer_format(folder: Path) -> str:
 def optimizer_restart_reason(saved: Layout, current: Layout, folder: Path) -> str | None:
     """Why the optimizer state in ``folder`` (saved under ``saved``) cannot be loaded under
     ``current``, or None when it can (the same engine, and a format that reshards there)."""
-    if saved.engine != current.engine:
-        return f"it was saved by another engine ({saved.engine}; this run: {current.engine})"
+    if saved.optimizer_sharding != current.optimizer_sharding:
+        return (
+            f"it was saved with another optimizer sharding ({saved.optimizer_sharding}; this "
+            f"run: {current.optimizer_sharding})"
+        )
     if (saved.tp, saved.pp) == (current.tp, current.pp):
         return None  # both formats reshard over data-parallel ranks
     found = saved_optimizer_format(folder)

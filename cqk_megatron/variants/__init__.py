@@ -14,6 +14,7 @@ from cqk_megatron.variants.options import (
     INTEGRATOR_STEPS,
 )
 from cqk_megatron.variants.registry import (
+    ALIASES,
     COUPLINGS,
     SCORINGS,
     VARIANTS,
@@ -30,6 +31,7 @@ from cqk_megatron.variants.registry import (
     coupling,
     coupling_for_class,
     pair,
+    preset_of,
     register_coupling,
     register_scoring,
     register_variant,
@@ -41,6 +43,7 @@ from cqk_megatron.variants.registry import (
 )
 
 __all__ = [
+    "ALIASES",
     "COUPLINGS",
     "COUPLING_IMPLS",
     "COUPLING_POSITIONS",
@@ -62,6 +65,7 @@ __all__ = [
     "coupling",
     "coupling_for_class",
     "pair",
+    "preset_of",
     "register_coupling",
     "register_scoring",
     "register_variant",

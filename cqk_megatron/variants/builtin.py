@@ -271,14 +271,15 @@ register_scoring(
     )
 )
 
-for _name, _coupling, _scoring in (
-    ("standard", "none", "standard"),
-    ("coupled", "hamiltonian", "standard"),
-    ("coupled_euler", "euler", "standard"),
-    ("mlp_only", "mlp_only", "standard"),
-    ("invertible", "invertible", "standard"),
-    ("differential", "none", "differential"),
-    ("coupled_differential", "hamiltonian", "differential"),
-    ("invertible_differential", "invertible", "differential"),
+# name, coupling, scoring, aliases (the papers' integrator names, spellings people type)
+for _name, _coupling, _scoring, _aliases in (
+    ("standard", "none", "standard", ("baseline",)),
+    ("coupled", "hamiltonian", "standard", ("hamiltonian", "leapfrog", "coupled_hamiltonian")),
+    ("coupled_euler", "euler", "standard", ("euler",)),
+    ("mlp_only", "mlp_only", "standard", ()),
+    ("invertible", "invertible", "standard", ()),
+    ("differential", "none", "differential", ("diff", "diffattn")),
+    ("coupled_differential", "hamiltonian", "differential", ()),
+    ("invertible_differential", "invertible", "differential", ()),
 ):
-    register_variant(_name, _coupling, _scoring)
+    register_variant(_name, _coupling, _scoring, _aliases)

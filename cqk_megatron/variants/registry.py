@@ -277,6 +277,7 @@ def _count_parameters(cls: type, args: tuple, kwargs: tuple) -> int:
 _COUPLINGS: dict[str, CouplingVariant] = {}
 _SCORINGS: dict[str, ScoringVariant] = {}
 _VARIANTS: dict[str, tuple[str, str]] = {}
+_ALIASES: dict[str, str] = {}
 _BY_CLASS: dict[type, CouplingVariant | None] = {}
 
 # Read-only live views: what is registered later (a researcher's module) shows up in them.
@@ -284,6 +285,8 @@ COUPLINGS: Mapping[str, CouplingVariant] = MappingProxyType(_COUPLINGS)
 SCORINGS: Mapping[str, ScoringVariant] = MappingProxyType(_SCORINGS)
 # Named variants: presets of the two orthogonal choices (coupling, scoring).
 VARIANTS: Mapping[str, tuple[str, str]] = MappingProxyType(_VARIANTS)
+# Other names people type for a preset (the papers' integrator names, short forms).
+ALIASES: Mapping[str, str] = MappingProxyType(_ALIASES)
 
 
 def _check_name(name: str, what: str) -> None:
@@ -311,13 +314,29 @@ def register_scoring(variant: ScoringVariant) -> ScoringVariant:
     return _register(_SCORINGS, variant)
 
 
-def register_variant(name: str, coupling_name: str, scoring_name: str) -> None:
-    """A named preset of (coupling, scoring), as ``configs/variants/<name>.yaml`` holds."""
+def register_variant(
+    name: str, coupling_name: str, scoring_name: str, aliases: Iterable[str] = ()
+) -> None:
+    """A named preset of (coupling, scoring), which ``include: variants/<name>.yaml``
+    reads; ``aliases``: other names for it (``preset_of``)."""
     _check_name(name, "variant")
     coupling(coupling_name), scoring(scoring_name)  # refuse a preset of unknown parts
     if _VARIANTS.get(name, (coupling_name, scoring_name)) != (coupling_name, scoring_name):
         raise ValueError(f"variant {name!r} is registered already as {_VARIANTS[name]}")
+    for alias in aliases:
+        _check_name(alias, "variant alias")
+        if alias in _VARIANTS or _ALIASES.get(alias, name) != name:
+            raise ValueError(f"variant alias {alias!r} names another variant already")
     _VARIANTS[name] = (coupling_name, scoring_name)
+    _ALIASES.update(dict.fromkeys(aliases, name))
+
+
+def preset_of(text: str) -> str | None:
+    """The preset that ``text`` names, as a person may type it (any case, ``-`` for
+    ``_``, an alias); None if none does."""
+    key = text.strip().lower().replace("-", "_") if isinstance(text, str) else ""
+    key = _ALIASES.get(key, key)
+    return key if key in _VARIANTS else None
 
 
 @contextlib.contextmanager

@@ -834,8 +834,8 @@ class Acceptance:
 
 def dry_run(args: argparse.Namespace) -> int:
     from cqk_megatron.config import load_config, validate
+    from cqk_megatron.model.params import total_parameters
     from cqk_megatron.perf.bench import load_bench_config, variant_of
-    from cqk_megatron.perf.memory import total_parameters
     from cqk_megatron.perf.plan import GIB, Layout, plan_layout
 
     sizes = Sizes()
