@@ -13,7 +13,8 @@ from _multiproc import run_ranks
 from _training import config_for, records, train_runs
 
 from cqk_megatron.config import VARIANTS, family_overrides, load_config, validate
-from cqk_megatron.model.gpt import build_model, params
+from cqk_megatron.model import params
+from cqk_megatron.model.gpt import build_model
 from cqk_megatron.parallel.process_groups import init_single_process
 
 # Llama-style with GQA, untied and tied; the GPT-2 family (LayerNorm, biases, learned
@@ -53,7 +54,7 @@ def test_the_count_imports_no_torch():
     """The planner (token budgets, sweeps) counts on login nodes: no torch on the way."""
     code = (
         "import sys\n"
-        "from cqk_megatron import params\n"
+        "from cqk_megatron.model import params\n"
         "from cqk_megatron.planner import sweep\n"
         "from cqk_megatron.config import load_config, validate\n"
         "n = params.total_parameters(validate(load_config(None, [])))\n"

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 from cqk_megatron.cli.args import add_renamed, new_parser
 from cqk_megatron.config import VARIANTS, ConfigError, RunConfig, validate
+from cqk_megatron.model.params import total_parameters
 from cqk_megatron.parallel.layout import Layout
-from cqk_megatron.perf.memory import RECOMPUTE, RECOMPUTE_METHODS, total_parameters
+from cqk_megatron.perf.memory import RECOMPUTE, RECOMPUTE_METHODS
 from cqk_megatron.perf.plan import (
     TRAINING_SHARDINGS,
     PlanResult,

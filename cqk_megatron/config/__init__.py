@@ -23,7 +23,9 @@ from cqk_megatron.config.load import (
     load_config,
     load_config_traced,
     load_yaml_dict,
+    read_yaml,
     save_config,
+    variant_preset,
 )
 from cqk_megatron.config.schema import (
     CONFIGS_DIR,
@@ -84,7 +86,9 @@ __all__ = [
     "load_config",
     "load_config_traced",
     "load_yaml_dict",
+    "read_yaml",
     "save_config",
     "to_dict",
     "validate",
+    "variant_preset",
 ]
