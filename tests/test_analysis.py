@@ -30,8 +30,8 @@ from cqk_megatron.analysis.report import (
     render_markdown,
 )
 from cqk_megatron.analysis.step_time import format_ratio, run_step_time
+from cqk_megatron.bench.overhead import count_variant_parameters
 from cqk_megatron.config import CONFIGS_DIR, ConfigError, load_config, save_config
-from cqk_megatron.perf.overhead import count_variant_parameters
 from cqk_megatron.planner.sweep import expand_sweep
 
 # Chinchilla's published fit (Hoffmann et al., 2022) as the ground truth.

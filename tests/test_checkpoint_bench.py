@@ -1,4 +1,4 @@
-"""The checkpoint benchmark (cqk_megatron/perf/checkpoint_bench.py) at a tiny size: the
+"""The checkpoint benchmark (cqk_megatron/bench/checkpoints.py) at a tiny size: the
 shape of its output, not its timings."""
 
 from __future__ import annotations

@@ -76,8 +76,8 @@ def _differences(config: RunConfig, reference: RunConfig) -> set[str]:
 
 def _entry_point_configs(tmp_path: Path, capsys) -> dict[str, RunConfig]:
     from cqk_megatron.analysis.cli import main as analyze
+    from cqk_megatron.cli.plan import load_plan_config
     from cqk_megatron.perf import bench
-    from cqk_megatron.perf.plan import load_plan_config
     from cqk_megatron.planner.sweep import expand_sweep
     from cqk_megatron.repro.data import DataChoice
     from cqk_megatron.repro.plan import build_plan
@@ -116,7 +116,7 @@ def _entry_point_configs(tmp_path: Path, capsys) -> dict[str, RunConfig]:
 
 @pytest.mark.parametrize("rewired", [False, True], ids=["registry", "rewired-planner"])
 def test_every_entry_point_plans_the_same_run(tmp_path, capsys, monkeypatch, rewired):
-    from cqk_megatron.perf.overhead import overhead_table
+    from cqk_megatron.bench.overhead import overhead_table
 
     expected = ("hamiltonian", "standard")
     if rewired:  # the planner's one variant lookup says otherwise: everyone must follow
@@ -141,7 +141,7 @@ def test_every_entry_point_plans_the_same_run(tmp_path, capsys, monkeypatch, rew
 
 
 def test_cqk_params_table_is_the_built_models_count():
-    from cqk_megatron.perf.overhead import (
+    from cqk_megatron.bench.overhead import (
         built_differences,
         count_variant_parameters,
         overhead_table,

@@ -91,7 +91,7 @@ def test_the_kernel_check_names_every_required_variant():
 
 def test_the_kernel_check_reads_the_kernels_an_attention_layer_ran():
     # On CPU PyTorch runs its flash kernel for standard attention (q, k, v of one width).
-    from cqk_megatron.perf.bench import init_world, load_bench_config
+    from cqk_megatron.bench.variants import init_world, load_bench_config
 
     config = load_bench_config("tiny", [*accept.cpu_sizes().kernel_model])
     here = init_world(config)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from _tiny import tiny_config
 
+from cqk_megatron.bench.overhead import format_table, overhead_table
 from cqk_megatron.config import CONFIGS_DIR, COUPLINGS, SCORINGS, VARIANTS, load_config
 from cqk_megatron.model.attention import (
     DifferentialCoreAttention,
@@ -19,7 +20,6 @@ from cqk_megatron.model.attention import (
 from cqk_megatron.model.gpt import build_model
 from cqk_megatron.parallel import cpu_bridge
 from cqk_megatron.parallel.process_groups import init_single_process
-from cqk_megatron.perf.overhead import format_table, overhead_table
 from cqk_megatron.variants.plain_math import (
     EulerCoupling,
     HamiltonianCoupling,

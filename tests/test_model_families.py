@@ -68,8 +68,8 @@ def test_bad_family_settings_name_the_field_and_fix(overrides, message):
 
 
 def test_gpt2_model_files_are_gpt2_family():
+    from cqk_megatron.bench.overhead import count_variant_parameters
     from cqk_megatron.config import CONFIGS_DIR
-    from cqk_megatron.perf.overhead import count_variant_parameters
 
     counts = {}
     for size in ("60m", "150m", "350m"):

@@ -19,6 +19,8 @@ from _multiproc import run_ranks
 from _tiny import tiny_config
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from cqk_megatron.bench.measure import SavedTensorMeter, saved_activation_bytes
+from cqk_megatron.bench.overhead import count_variant_parameters
 from cqk_megatron.cli import bench as bench_cli
 from cqk_megatron.cli import plan as plan_cli
 from cqk_megatron.config import CONFIGS_DIR, VARIANTS, load_config
@@ -35,9 +37,7 @@ from cqk_megatron.perf.flops import (
     mfu,
     peak_flops,
 )
-from cqk_megatron.perf.measure import SavedTensorMeter, saved_activation_bytes
 from cqk_megatron.perf.memory import activation_estimate, model_state_bytes
-from cqk_megatron.perf.overhead import count_variant_parameters
 from cqk_megatron.planner.parameters import variant_config
 
 SEQ, BATCH, VOCAB = 32, 2, 256

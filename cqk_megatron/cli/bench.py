@@ -5,7 +5,7 @@ Builds the same model config with each variant (all resident at once), then time
 forward + backward (+ an optimizer step with ``--optimizer adamw``) interleaved, ``A B C A
 B C ...``, and reports per variant the median step time, tokens/s, the ratio to standard
 attention, FLOPs per token, MFU (GPU), activation memory (measured and the planner's
-estimate) and the attention kernels that ran. ``cqk_megatron.perf.bench`` has the details.
+estimate) and the attention kernels that ran. ``cqk_megatron.bench.variants`` has the details.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def parse_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> R
     """The benchmark's config, each variant checked (``parser.error`` names a bad one)."""
     import torch
 
-    from cqk_megatron.perf.bench import load_bench_config, split_variant, variant_of
+    from cqk_megatron.bench.variants import load_bench_config, split_variant, variant_of
 
     variants = [v for v in args.variants.split(",") if v]
     if not variants:
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from cqk_megatron.perf.bench import format_report, run_benchmark, write_json
+    from cqk_megatron.bench.variants import format_report, run_benchmark, write_json
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from cqk_megatron.bench.overhead import built_differences, format_table, overhead_table
 from cqk_megatron.cli.args import new_parser
 from cqk_megatron.config import VARIANTS, load_config
-from cqk_megatron.perf.overhead import built_differences, format_table, overhead_table
 from cqk_megatron.variants import UnknownVariantError, pair
 
 

@@ -19,7 +19,7 @@ import argparse
 from dataclasses import dataclass
 
 from cqk_megatron.cli.args import add_renamed, new_parser
-from cqk_megatron.config import VARIANTS, ConfigError, RunConfig, validate
+from cqk_megatron.config import VARIANTS, ConfigError, RunConfig, load_config, validate
 from cqk_megatron.model.params import total_parameters
 from cqk_megatron.parallel.layout import Layout
 from cqk_megatron.perf.memory import RECOMPUTE, RECOMPUTE_METHODS
@@ -30,7 +30,6 @@ from cqk_megatron.perf.plan import (
     format_overrides,
     format_stages,
     gib,
-    load_plan_config,
     microbatches_per_step,
     normalize_sharding,
     parse_bytes,
@@ -38,6 +37,7 @@ from cqk_megatron.perf.plan import (
     plan_layout,
     training_config,
 )
+from cqk_megatron.planner.runs import variant_overrides
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -293,3 +293,12 @@ def main(argv: list[str] | None = None) -> int:
     choices = read_choices(args, parser)
     codes = [plan_variant(args, parser, choices, variant) for variant in choices.variants]
     return max(codes)
+
+
+def load_plan_config(path: str, variant: str | None, overrides: list[str]) -> RunConfig:
+    """The model file with ``overrides`` and, if given, ``variant``'s attention, set by the
+    experiment planner (``planner.runs.variant_overrides``, last). Not validated here:
+    each layout is validated as the training config it stands for."""
+    if variant is not None:
+        overrides = [*overrides, *variant_overrides(variant)]
+    return load_config(path, overrides)

@@ -1,10 +1,8 @@
-"""Performance: FLOPs and MFU (``flops``), memory per GPU (``memory``, ``plan``), the
-activation meter (``measure``) and the benchmark command (``bench``).
-
-``flops``, ``memory`` and ``plan`` are pure functions of the ``RunConfig``; ``plan`` is
-also ``python -m cqk_megatron.perf.plan`` and gives ``check_fits`` to the training
-command; ``python -m cqk_megatron.perf.bench`` compares the variants' speed and memory.
-"""
+"""Estimates, pure functions of a ``RunConfig``: FLOPs and MFU (``flops``), memory per GPU
+(``memory``), and which layouts fit (``plan``: ``check_fits`` before training's step 1,
+the layout search of ``cqk plan``). Below training, which reports MFU and refuses a layout
+that does not fit; the measurements they are checked against live in
+``cqk_megatron.bench``."""
 
 from cqk_megatron.perf.flops import flops_breakdown, flops_per_token, mfu, peak_flops
 

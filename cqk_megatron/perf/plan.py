@@ -18,7 +18,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-from cqk_megatron.config import ConfigError, RunConfig, load_config, validate
+from cqk_megatron.config import ConfigError, RunConfig, validate
 from cqk_megatron.model.params import layer_parameters, stage_parameters
 from cqk_megatron.parallel.layout import SHARDING_SETTINGS, Layout, sharding_name
 from cqk_megatron.perf.memory import (
@@ -30,7 +30,6 @@ from cqk_megatron.perf.memory import (
     model_state_bytes,
     stage_activation_bytes,
 )
-from cqk_megatron.planner.runs import variant_overrides
 
 GIB = 2**30
 # CUDA context, NCCL buffers and allocator fragmentation: memory no estimate here covers.
@@ -541,15 +540,6 @@ def format_overrides(
             built = training_config(config, r.layout, micro_batch, global_batch)
             lines.append(RUN_PREFIX + " ".join(layout_overrides(built)))
     return "\n".join(lines)
-
-
-def load_plan_config(path: str, variant: str | None, overrides: list[str]) -> RunConfig:
-    """The model file with ``overrides`` and, if given, ``variant``'s attention, set by the
-    experiment planner (``planner.runs.variant_overrides``, last). Not validated here:
-    each layout is validated as the training config it stands for."""
-    if variant is not None:
-        overrides = [*overrides, *variant_overrides(variant)]
-    return load_config(path, overrides)
 
 
 if __name__ == "__main__":  # the old spelling of ``cqk plan``

@@ -20,7 +20,7 @@ Stages, each with a time budget (``STAGES``; the whole command stays under 8 min
    model's logits on the GPU against the Megatron model's (fp32, TF32 off).
 5. ``kernels``: which SDPA kernel each attention variant ran (``KERNEL_VARIANTS``), read
    off the profiler: flash or cuDNN, not the math path, for ``FUSED_REQUIRED``.
-6. ``bench``: ``cqk_megatron.perf.bench`` at 350M and 1B: tokens/s, MFU, step-time
+6. ``bench``: ``cqk_megatron.bench.variants`` at 350M and 1B: tokens/s, MFU, step-time
    ratios to standard, activation memory against the planner.
 
 Prints one table and writes one JSON (``$OUT/accept.json`` if ``OUT`` is set, else
@@ -340,13 +340,13 @@ def metrics(run_dir: Path, kind: str) -> list[dict]:
 
 def variant_kernels(config, variant: str, micro_batch: int, here) -> dict:
     """Build ``variant``'s attention layer, warm it up (forward + backward: kernel choice,
-    cuDNN plans), then ``cqk_megatron.perf.bench.attention_kernels``: the differential
+    cuDNN plans), then ``cqk_megatron.bench.variants.attention_kernels``: the differential
     form it took and the kernels one profiled forward ran (SDPA's ``flash``, ``cudnn``,
     ``efficient``, ``math``; ``maps`` or ``te`` where differential attention runs its own).
     The backward runs on the forward's SDPA backend."""
     import torch
 
-    from cqk_megatron.perf.bench import attention_kernels, build_workload
+    from cqk_megatron.bench.variants import attention_kernels, build_workload
 
     work = build_workload(config, variant, micro_batch, here, attention_only=True)
     work.step()
@@ -635,7 +635,7 @@ class Acceptance:
     def kernels(self, budget: float) -> None:
         import torch
 
-        from cqk_megatron.perf.bench import init_world, load_bench_config, split_variant
+        from cqk_megatron.bench.variants import init_world, load_bench_config, split_variant
 
         overrides = [*self.sizes.kernel_model, f"train.precision={self.sizes.precision}"]
         config = load_bench_config("tiny", overrides)
@@ -669,7 +669,7 @@ class Acceptance:
     def bench(self, budget: float) -> None:
         import torch
 
-        from cqk_megatron.perf.bench import (
+        from cqk_megatron.bench.variants import (
             format_report,
             init_world,
             load_bench_config,
@@ -833,9 +833,9 @@ class Acceptance:
 
 
 def dry_run(args: argparse.Namespace) -> int:
+    from cqk_megatron.bench.variants import load_bench_config, variant_of
     from cqk_megatron.config import load_config, validate
     from cqk_megatron.model.params import total_parameters
-    from cqk_megatron.perf.bench import load_bench_config, variant_of
     from cqk_megatron.perf.plan import GIB, Layout, plan_layout
 
     sizes = Sizes()

@@ -49,10 +49,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cqk_megatron.bench.measure import saved_activation_bytes
 from cqk_megatron.config import RunConfig, load_config
 from cqk_megatron.model.attention.fast_coupling import RUN_IMPLS
 from cqk_megatron.perf.flops import flops_breakdown, flops_per_token, mfu, peak_flops
-from cqk_megatron.perf.measure import saved_activation_bytes
 from cqk_megatron.perf.memory import activation_estimate
 from cqk_megatron.planner.runs import plan_config
 from cqk_megatron.run.atomic import write_text_atomically

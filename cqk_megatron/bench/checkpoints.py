@@ -1,4 +1,4 @@
-"""Checkpoint benchmark: ``python -m cqk_megatron.perf.checkpoint_bench [--hidden H
+"""Checkpoint benchmark: ``python -m cqk_megatron.bench.checkpoints [--hidden H
 --layers L --vocab V] [--json out.json]``.
 
 Measured, on this machine, in one process: a model of ``--layers`` transformer-sized
