@@ -13,7 +13,8 @@ from _multiproc import run_ranks
 from _training import config_for, records, train_runs
 
 from cqk_megatron.config import VARIANTS, family_overrides, load_config, validate
-from cqk_megatron.model.gpt import build_model, params
+from cqk_megatron.model import params
+from cqk_megatron.model.gpt import build_model
 from cqk_megatron.parallel.process_groups import init_single_process
 
 # Llama-style with GQA, untied and tied; the GPT-2 family (LayerNorm, biases, learned

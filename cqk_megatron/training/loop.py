@@ -18,7 +18,8 @@ from megatron.core import parallel_state as ps
 from cqk_megatron.config import RunConfig, validate
 from cqk_megatron.data.checks import run_samples
 from cqk_megatron.errors import EXIT_REQUEUE, EXIT_WATCHDOG
-from cqk_megatron.model.gpt import build_rank_model, params
+from cqk_megatron.model import params
+from cqk_megatron.model.gpt import build_rank_model
 from cqk_megatron.parallel.device import device
 from cqk_megatron.parallel.process_groups import (
     RendezvousError,
