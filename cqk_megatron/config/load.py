@@ -192,7 +192,11 @@ def _flat(data: dict, prefix: str = "") -> dict[str, Any]:
 def _file_sources(path: Path) -> dict[str, str]:
     """Which file of ``path``'s include tree sets each key, as ``load_yaml_dict`` merges
     them (its includes in order, then its own keys). Reads files ``load_yaml_dict`` has
-    already checked (YAML, mappings, no include cycle)."""
+    already checked (YAML, mappings, no include cycle). A ``variants/NAME.yaml`` that is
+    the registry's preset sets its keys as that preset."""
+    preset = variant_preset(path)
+    if preset is not None:
+        return dict.fromkeys(_flat(preset), f"variant preset {path.stem} (the registry)")
     data = yaml.safe_load(path.read_text()) or {}
     includes = data.pop("include", []) or []
     sources: dict[str, str] = {}
