@@ -35,7 +35,7 @@ from launch.backends import Backend, get_backend
 from launch.backends.registry import LOCAL
 from launch.jobs import Progress, cancel_jobs, held_by, submit_group
 from launch.local_job import CANCEL_GRACE_S
-from launch.plan import RunPlan, resolve
+from launch.resolve import RunPlan, resolve
 from launch.resources import ClusterProfile, Resources, time_minutes
 
 POLL_S = 0.5  # how often the wait reads the job's state and rank 0's new output
@@ -76,7 +76,7 @@ def submit_local(
     argv: list[str] | None = None,
 ) -> LocalSubmission:
     """Submit ``config`` as one local job of ``tasks`` processes (one per GPU if ``gpus``),
-    after ``launch.plan.resolve`` validates it for that world size (``ConfigError``). A run
+    after ``launch.resolve.resolve`` validates it for that world size (``ConfigError``). A run
     folder that a live process holds is refused (``ConfigError``). ``env``: variables the
     job exports; ``argv``: the command recorded with the submission."""
     resources = Resources(

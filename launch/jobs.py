@@ -25,7 +25,7 @@ from launch import run_dir as runs
 from launch.backends import Backend, get_backend, is_active
 from launch.executors import REPO
 from launch.job import TrainingJob
-from launch.plan import RunPlan
+from launch.resolve import RunPlan
 from launch.resources import ClusterProfile, sbatch_parameters
 
 # -- where a group's jobs go --------------------------------------------------------------

@@ -101,7 +101,7 @@ def latest_checkpoint(run_dir: Path) -> str | None:
 # -- finding a run by name -------------------------------------------------------------------
 #
 # A run's folder is log.root/name, and the root may come from a cluster profile
-# (launch/plan.py, runs_root): the launcher notes each folder it submits in an index of
+# (launch/resolve.py, runs_root): the launcher notes each folder it submits in an index of
 # this account, so that ``status NAME`` and ``cancel NAME`` find it from anywhere.
 
 

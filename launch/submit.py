@@ -59,7 +59,7 @@ from launch.jobs import (  # noqa: E402, F401 (the launcher's names, as before t
     submitit_folder,
     triage,
 )
-from launch.plan import RunPlan, explained_configs, plan_run, plan_sweep  # noqa: E402
+from launch.resolve import RunPlan, explained_configs, plan_run, plan_sweep  # noqa: E402
 from launch.resources import load_profile, parse_key_values  # noqa: E402
 from launch.status import describe  # noqa: E402
 from launch.status import main as status_main  # noqa: E402

@@ -3,7 +3,7 @@ shape of its output, not its timings."""
 
 from __future__ import annotations
 
-from cqk_megatron.perf import checkpoint_bench
+from cqk_megatron.bench import checkpoints as checkpoint_bench
 
 PARTS = {"staging", "writing", "hashing", "manifest", "load", "stall", "hashing_share", "bytes"}
 

@@ -199,8 +199,8 @@ def test_old_flag_spellings_are_hidden_aliases():
 def test_constants_written_out_for_a_light_parser_agree():
     """Where a parser could not import a constant without pandas, the copy agrees."""
     from cqk_megatron.analysis import compare
+    from cqk_megatron.bench import variants as perf_bench
     from cqk_megatron.cli import analyze, bench
-    from cqk_megatron.perf import bench as perf_bench
 
     assert analyze.TOKENS_PER_PARAM == compare.TOKENS_PER_PARAM
     assert bench.CLOCK_NAMES == tuple(perf_bench.CLOCKS)

@@ -33,7 +33,7 @@ from cqk_megatron.convert import (
 from cqk_megatron.convert import hf_config as hf_config_module
 from cqk_megatron.convert.cli import main as cli_main
 from cqk_megatron.convert.hf_import import import_checkpoint
-from cqk_megatron.convert.layout import (
+from cqk_megatron.convert.names import (
     ModelLayout,
     fuse_qkv,
     megatron_param_shapes,

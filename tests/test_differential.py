@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from _tiny import tiny_config
 from megatron.core.transformer.enums import AttnMaskType
 
+from cqk_megatron.bench import variants as bench
 from cqk_megatron.config import COUPLINGS, ConfigError, validate
 from cqk_megatron.model.attention import differential
 from cqk_megatron.model.attention.differential import (
@@ -30,7 +31,6 @@ from cqk_megatron.model.attention.differential import (
 from cqk_megatron.model.attention.sdpa import sdpa_backend
 from cqk_megatron.model.gpt import build_model
 from cqk_megatron.parallel.process_groups import init_single_process
-from cqk_megatron.perf import bench
 from cqk_megatron.variants.plain_math import DifferentialScoring
 
 SEQ, BATCH, HIDDEN, HEADS = 12, 2, 64, 8

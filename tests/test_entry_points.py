@@ -4,7 +4,7 @@ the same validated config and the same parameter count: the experiment planner
 
 Entry points: a sweep (``planner.sweep.expand_sweep``, as ``launch/submit.py --sweep``
 plans it and as ``cqk-analyze ladder`` lists it), launch's own validation of a resolved
-run (``launch.plan.resolve``, the path ``launch.api.submit_local`` and ``--config`` take),
+run (``launch.resolve.resolve``, the path ``launch.api.submit_local`` and ``--config`` take),
 repro's plan, ``cqk-bench``'s ``variant_of``, ``cqk-plan``'s config and ``cqk-params``'
 table. With the planner's variant resolution rewired (``coupled`` made Euler instead of
 Hamiltonian), every entry point must follow it: one that built its own config (from
@@ -76,13 +76,13 @@ def _differences(config: RunConfig, reference: RunConfig) -> set[str]:
 
 def _entry_point_configs(tmp_path: Path, capsys) -> dict[str, RunConfig]:
     from cqk_megatron.analysis.cli import main as analyze
+    from cqk_megatron.bench import variants as bench
     from cqk_megatron.cli.plan import load_plan_config
-    from cqk_megatron.perf import bench
     from cqk_megatron.planner.sweep import expand_sweep
+    from cqk_megatron.repro.configs import build_plan
     from cqk_megatron.repro.data import DataChoice
-    from cqk_megatron.repro.plan import build_plan
     from cqk_megatron.repro.presets import PRESETS
-    from launch.plan import plan_sweep, resolve
+    from launch.resolve import plan_sweep, resolve
     from launch.resources import ClusterProfile, Resources
 
     configs = {}

@@ -13,12 +13,12 @@ import pytest
 import torch
 from _tiny import tiny_config
 
+from cqk_megatron.bench import variants as bench
 from cqk_megatron.bench.measure import saved_activation_bytes
 from cqk_megatron.model.attention import fast_coupling
 from cqk_megatron.model.attention.fast_coupling import fused_coupling, run_coupling
 from cqk_megatron.model.gpt import build_model
 from cqk_megatron.parallel.process_groups import init_single_process
-from cqk_megatron.perf import bench
 from cqk_megatron.variants import build_coupling
 
 SEQ, BATCH, HEADS, HEAD_DIM, HIDDEN = 12, 2, 8, 8, 8

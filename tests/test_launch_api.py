@@ -12,7 +12,7 @@ from cqk_megatron.config import ConfigError, load_config
 from cqk_megatron.errors import EXIT_REQUEUE
 from cqk_megatron.run.folder import append_event
 from launch.api import LocalSubmission, outcome, submit_local
-from launch.plan import RunPlan
+from launch.resolve import RunPlan
 from launch.resources import Resources
 
 TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4"]

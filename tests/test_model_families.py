@@ -207,8 +207,8 @@ def test_gpt2_flops_and_stage_parameters_match_the_built_model(variant):
 
 
 def test_repro_plan_in_the_gpt2_family(tmp_path):
+    from cqk_megatron.repro.configs import build_plan
     from cqk_megatron.repro.data import DataChoice
-    from cqk_megatron.repro.plan import build_plan
     from cqk_megatron.repro.presets import PRESETS, ReproError
 
     data = DataChoice(tmp_path / "d_text_document", tmp_path / "t.model", 700, "test data")

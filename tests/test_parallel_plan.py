@@ -13,7 +13,7 @@ import pytest
 
 from cqk_megatron.config import load_config
 from cqk_megatron.parallel.layout import SHARDING_SETTINGS, Layout, sharding_name
-from cqk_megatron.perf import plan
+from cqk_megatron.perf import fit as plan
 
 # layout.json as the code before parallel_plan wrote it (json.dumps of the checkpoint's own
 # Layout dataclass: tensor_parallel, pipeline_parallel, data_parallel, engine, zero_stage)

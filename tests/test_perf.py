@@ -19,6 +19,7 @@ from _multiproc import run_ranks
 from _tiny import tiny_config
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from cqk_megatron.bench import variants as bench
 from cqk_megatron.bench.measure import SavedTensorMeter, saved_activation_bytes
 from cqk_megatron.bench.overhead import count_variant_parameters
 from cqk_megatron.cli import bench as bench_cli
@@ -29,7 +30,7 @@ from cqk_megatron.model.gpt import build_model, count_parameters
 from cqk_megatron.model.params import stage_parameters, total_parameters
 from cqk_megatron.model.specs import coupling_spec
 from cqk_megatron.parallel.process_groups import init_single_process
-from cqk_megatron.perf import bench, plan
+from cqk_megatron.perf import fit as plan
 from cqk_megatron.perf.flops import (
     coupling_flops,
     flops_breakdown,

@@ -1,7 +1,7 @@
 """``--print-config`` of ``cqk-train`` and of the launcher: the config that would run,
 each value that is not the default followed by where it was set (a file of the include
 tree, the cluster profile, the command line); and the one rule for where a run's folder
-goes (``launch.plan.runs_root``), printed at submission and found by ``status NAME``."""
+goes (``launch.resolve.runs_root``), printed at submission and found by ``status NAME``."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from cqk_megatron.config import (
     load_config_traced,
     to_dict,
 )
-from launch.plan import runs_root
+from launch.resolve import runs_root
 from launch.resources import ClusterProfile
 
 REPO = Path(__file__).resolve().parent.parent

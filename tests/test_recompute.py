@@ -28,7 +28,8 @@ from cqk_megatron.config import (
 )
 from cqk_megatron.model.gpt import build_model
 from cqk_megatron.parallel.process_groups import init_single_process
-from cqk_megatron.perf import memory, plan
+from cqk_megatron.perf import fit as plan
+from cqk_megatron.perf import memory
 
 TINY = [
     "model.vocab_size=128",

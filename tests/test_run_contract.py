@@ -160,7 +160,7 @@ def _launch_status(run_dir: Path) -> str:
 
 
 def _repro_status(run_dir: Path) -> str:
-    from cqk_megatron.repro.plan import PlannedRun
+    from cqk_megatron.repro.configs import PlannedRun
     from cqk_megatron.repro.runner import status
 
     config = _config(run_dir.parent, run_dir.name)

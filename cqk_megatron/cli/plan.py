@@ -10,7 +10,7 @@ With ``--tp/--pp`` it prints one layout stage by stage; otherwise every layout o
 ``--gpus`` GPUs (TP in 1, 2, 4, 8; PP dividing the layers; DP = the rest; each ZeRO
 stage) and whether it fits, and with ``--show-overrides`` the ``section.key=value``
 overrides that train each layout that fits. All numbers are per GPU, for the pipeline
-stage that needs the most. The planner itself is ``cqk_megatron.perf.plan``.
+stage that needs the most. The planner itself is ``cqk_megatron.perf.fit``.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from cqk_megatron.cli.args import add_renamed, new_parser
 from cqk_megatron.config import VARIANTS, ConfigError, RunConfig, load_config, validate
 from cqk_megatron.model.params import total_parameters
 from cqk_megatron.parallel.layout import Layout
-from cqk_megatron.perf.memory import RECOMPUTE, RECOMPUTE_METHODS
-from cqk_megatron.perf.plan import (
+from cqk_megatron.perf.fit import (
     TRAINING_SHARDINGS,
     PlanResult,
     format_layouts,
@@ -37,6 +36,7 @@ from cqk_megatron.perf.plan import (
     plan_layout,
     training_config,
 )
+from cqk_megatron.perf.memory import RECOMPUTE, RECOMPUTE_METHODS
 from cqk_megatron.planner.runs import variant_overrides
 
 

@@ -61,7 +61,7 @@ def family_overrides(family: str) -> list[str]:
 
 
 # train.recompute (Megatron-Core's recompute_granularity) and, for full, its method; the
-# planner (perf/memory.py, perf/plan.py) offers exactly these.
+# planner (perf/memory.py, perf/fit.py) offers exactly these.
 RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 

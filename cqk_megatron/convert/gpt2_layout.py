@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from cqk_megatron.convert.errors import ConversionError
-from cqk_megatron.convert.layout import ModelLayout, fuse_qkv, split_qkv
+from cqk_megatron.convert.names import ModelLayout, fuse_qkv, split_qkv
 
 MEGATRON_LAYER = "decoder.layers.{}."
 GPT2_LAYER = "transformer.h.{}."

@@ -31,13 +31,13 @@ from cqk_megatron.convert.errors import ConversionError
 from cqk_megatron.convert.gpt2_layout import megatron_to_gpt2
 from cqk_megatron.convert.hf_config import GPT2, check_exportable, hf_config_dict, native_model_type
 from cqk_megatron.convert.hf_remote import REMOTE_CODE_DIR, REMOTE_CODE_FILES
-from cqk_megatron.convert.layout import (
+from cqk_megatron.convert.model_card import model_card
+from cqk_megatron.convert.names import (
     ModelLayout,
     canonical_megatron_names,
     check_megatron_state,
     megatron_to_hf,
 )
-from cqk_megatron.convert.model_card import model_card
 from cqk_megatron.convert.options import EXPORT_DTYPE_NAMES
 from cqk_megatron.convert.output_dir import check_target, staged_folder
 from cqk_megatron.convert.remote_source import MATH_FILE, VARIANT_FILE, variant_source

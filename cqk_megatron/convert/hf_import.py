@@ -28,7 +28,7 @@ from cqk_megatron.convert.hf_config import (
     run_config_from_llama,
 )
 from cqk_megatron.convert.hf_export import RUN_CONFIG_FILE
-from cqk_megatron.convert.layout import ModelLayout, check_megatron_state, hf_to_megatron
+from cqk_megatron.convert.names import ModelLayout, check_megatron_state, hf_to_megatron
 from cqk_megatron.convert.output_dir import check_target
 from cqk_megatron.convert.safetensors_io import has_weights, load_weights
 from cqk_megatron.convert.tokenizer import SENTENCEPIECE_FILE

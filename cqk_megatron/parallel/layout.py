@@ -1,5 +1,5 @@
 """A run's parallel layout, torch-free: how its ranks split the model and who shards the
-optimizer. The planner (``perf/plan.py``) proposes layouts; a checkpoint records the one
+optimizer. The planner (``perf/fit.py``) proposes layouts; a checkpoint records the one
 it was saved under (``layout.json``), so that a resume in the same layout loads it exactly,
 and one in another layout knows what it resharded from (``training/checkpoint.resume_plan``).
 

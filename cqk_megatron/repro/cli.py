@@ -104,8 +104,8 @@ def _cuda() -> bool:
 
 
 def run(argv: list[str] | None = None) -> int:
+    from cqk_megatron.repro.configs import build_plan, check_overrides
     from cqk_megatron.repro.data import CorpusOptions, resolve_data
-    from cqk_megatron.repro.plan import build_plan, check_overrides
     from cqk_megatron.repro.runner import TIME_LIMIT, check_same_settings, status, train_run
 
     argv = list(sys.argv[1:] if argv is None else argv)

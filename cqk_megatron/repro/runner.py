@@ -17,7 +17,7 @@ import os
 from cqk_megatron.config import ConfigError, load_config, to_dict
 from cqk_megatron.config.changes import flatten
 from cqk_megatron.errors import EXIT_REQUEUE
-from cqk_megatron.repro.plan import Plan, PlannedRun
+from cqk_megatron.repro.configs import Plan, PlannedRun
 from cqk_megatron.repro.presets import ReproError
 from cqk_megatron.run.folder import CHECKPOINTS, CONFIG, run_status
 

@@ -30,7 +30,7 @@ from cqk_megatron.analysis.ingest import ingest
 from cqk_megatron.analysis.plots import loss_curves
 from cqk_megatron.analysis.report import markdown_table
 from cqk_megatron.analysis.step_time import CPU_CLOCK, format_ratio, step_time_ratios
-from cqk_megatron.repro.plan import Plan
+from cqk_megatron.repro.configs import Plan
 from cqk_megatron.repro.presets import ReproError
 from cqk_megatron.run.atomic import write_text_atomically
 from cqk_megatron.run.folder import run_status

@@ -28,8 +28,8 @@ from cqk_megatron.parallel.process_groups import (
     init_process_group,
     seed_cuda_rng_tracker,
 )
+from cqk_megatron.perf.fit import check_fits, gpu_memory_bytes
 from cqk_megatron.perf.flops import flops_per_token, mfu, peak_flops
-from cqk_megatron.perf.plan import check_fits, gpu_memory_bytes
 from cqk_megatron.run import checkpoint_files
 from cqk_megatron.run import lease as run_lease
 from cqk_megatron.run.folder import CHECKPOINTS, SUMMARY, TRAIN, VALID, run_dir_of, write_config

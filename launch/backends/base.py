@@ -26,7 +26,7 @@ from cqk_megatron.run.folder import events
 if TYPE_CHECKING:  # the protocol itself imports no executor
     import submitit
 
-    from launch.plan import RunPlan
+    from launch.resolve import RunPlan
     from launch.resources import ClusterProfile, Resources
 
 # States after which a job will not run again by itself.

@@ -28,7 +28,7 @@ from launch.backends.base import Backend
 from launch.executors import local_executor
 
 if TYPE_CHECKING:
-    from launch.plan import RunPlan
+    from launch.resolve import RunPlan
     from launch.resources import ClusterProfile, Resources
 
 LOOPBACK = "127.0.0.1"

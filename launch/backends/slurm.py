@@ -21,7 +21,7 @@ from launch.backends.base import Backend
 from launch.executors import sbatch_script, slurm_executor
 
 if TYPE_CHECKING:
-    from launch.plan import RunPlan
+    from launch.resolve import RunPlan
     from launch.resources import ClusterProfile, Resources
 
 

@@ -836,7 +836,7 @@ def dry_run(args: argparse.Namespace) -> int:
     from cqk_megatron.bench.variants import load_bench_config, variant_of
     from cqk_megatron.config import load_config, validate
     from cqk_megatron.model.params import total_parameters
-    from cqk_megatron.perf.plan import GIB, Layout, plan_layout
+    from cqk_megatron.perf.fit import GIB, Layout, plan_layout
 
     sizes = Sizes()
     total = sum(stage.budget_s for stage in STAGES)
