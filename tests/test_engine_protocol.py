@@ -107,7 +107,7 @@ def _engine_attributes(path: Path) -> dict[str, int]:
     return used
 
 
-@pytest.mark.parametrize("module", ["loop.py", "checkpoint.py"])
+@pytest.mark.parametrize("module", ["loop.py", "callbacks/validation.py", "checkpoint.py"])
 def test_the_loop_and_checkpointing_use_only_the_protocol(module):
     used = _engine_attributes(TRAINING / module)
     assert used, f"{module} no longer calls an engine: update this test"

@@ -613,7 +613,7 @@ def test_watchdogs_leave_no_thread_or_store_client_behind():
     import torch.distributed as dist
     from _multiproc import free_port
 
-    from cqk_megatron.training.watchdog import Bounds, Watchdog
+    from cqk_megatron.training.resilience.watchdog import Bounds, Watchdog
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=10), wait_for_workers=False)

@@ -51,7 +51,7 @@ def _imports(path: Path) -> Iterator[tuple[int, str]]:
 
 def _outside_main_guard(tree: ast.Module) -> Iterator[ast.AST]:
     """Every node but those under ``if __name__ == "__main__":``: a module's old command
-    spelling (``python -m cqk_megatron.perf.plan``) calls the command line from there, which
+    spelling (``python -m cqk_megatron.perf.fit``) calls the command line from there, which
     makes the command line no dependency of the module as a library."""
     guards = [
         node

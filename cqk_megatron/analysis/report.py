@@ -354,10 +354,25 @@ def interpretation(analysis: Analysis) -> str:
         return "_No runs with validation points: nothing to interpret._"
     sizes = runs.groupby("size")[o.n_column].min().sort_values()
     seeds = int(runs.groupby(["size", "variant"])["seed"].nunique().max())
+    runs_per_fit = int(runs.groupby("variant")["run"].nunique().min())
+    parts = [_what_the_fits_rest_on(analysis, sizes, seeds), *_alpha_interval(analysis)]
+    if runs_per_fit < 6:
+        # distinct multisets of n runs drawn with replacement from n: C(2n - 1, n)
+        distinct = math.comb(2 * runs_per_fit - 1, runs_per_fit)
+        parts.append(
+            f"With {runs_per_fit} runs per fit the bootstrap can only redraw those runs "
+            f"({distinct} distinct resamples), so its intervals are coarse, not calibrated."
+        )
+    parts += _multiplier_verdicts(analysis, seeds, runs_per_fit)
+    parts += _caveats(analysis, sizes)
+    return " ".join(parts)
+
+
+def _what_the_fits_rest_on(analysis: Analysis, sizes: pd.Series, seeds: int) -> str:
+    o, runs = analysis.options, analysis.runs
     tokens = runs["tokens"]
     per_param = tokens / runs[o.n_column]
-    embedding_share = 1 - float((runs["params_non_embedding"] / runs["params_total"]).median())
-    parts = [
+    return (
         f"These fits rest on {_plural(len(sizes), 'model size')}, "
         f"{humanize_count(sizes.iloc[0])} to {humanize_count(sizes.iloc[-1])} "
         f"{'non-embedding ' if o.n_column == 'params_non_embedding' else ''}parameters, "
@@ -365,13 +380,18 @@ def interpretation(analysis: Analysis) -> str:
         f"{'' if tokens.min() == tokens.max() else ' to ' + humanize_count(tokens.max())} "
         f"training tokens per run ({per_param.min():.2g} to {per_param.max():.2g} tokens per "
         "parameter; Chinchilla-optimal is about 20)."
-    ]
-    runs_per_fit = int(runs.groupby("variant")["run"].nunique().min())
+    )
+
+
+def _alpha_interval(analysis: Analysis) -> list[str]:
+    """The first variant with a bootstrap interval on α says how well it is pinned down
+    (the table has the others)."""
+    o, runs = analysis.options, analysis.runs
     for variant, boot in analysis.fits.items():
         low, high = boot.interval("alpha", o.level)
         if math.isnan(low):
             continue
-        parts.append(
+        return [
             f"For {variant}, five constants come from {boot.point.n_points} points of "
             f"{runs[runs['variant'] == variant]['run'].nunique()} runs, and the bootstrap "
             f"puts the size exponent α between {low:.2f} and {high:.2f}"
@@ -380,16 +400,15 @@ def interpretation(analysis: Analysis) -> str:
                 if high - low > 0.5 * max(abs(boot.point.alpha), 0.1)
                 else "."
             )
-        )
-        break  # one variant says it; the table has the others
-    if runs_per_fit < 6:
-        # distinct multisets of n runs drawn with replacement from n: C(2n - 1, n)
-        distinct = math.comb(2 * runs_per_fit - 1, runs_per_fit)
-        parts.append(
-            f"With {runs_per_fit} runs per fit the bootstrap can only redraw those runs "
-            f"({distinct} distinct resamples), so its intervals are coarse, not calibrated."
-        )
+        ]
+    return []
+
+
+def _multiplier_verdicts(analysis: Analysis, seeds: int, runs_per_fit: int) -> list[str]:
+    """Per variant: whether its multiplier's interval excludes 1 at a measured size."""
+    o = analysis.options
     few = seeds == 1 or runs_per_fit < 6
+    parts = []
     for variant, frame in analysis.multipliers.items():
         measured = frame[~frame["extrapolated"]]
         if measured[["low", "high"]].isna().any().any():
@@ -416,12 +435,19 @@ def interpretation(analysis: Analysis) -> str:
                 else ", a difference these runs can see."
             )
         )
-    if o.points == "all":
+    return parts
+
+
+def _caveats(analysis: Analysis, sizes: pd.Series) -> list[str]:
+    """What the D axis, the embedding share and the measured sizes leave out."""
+    runs, parts = analysis.runs, []
+    if analysis.options.points == "all":
         parts.append(
             "The D axis comes from evaluations during each run: before the end of a cosine "
             "schedule the loss sits above that of a run trained for that many tokens, which "
             "bends the fitted token exponent β."
         )
+    embedding_share = 1 - float((runs["params_non_embedding"] / runs["params_total"]).median())
     if embedding_share > 0.5:
         parts.append(
             f"The embedding and output layer hold {embedding_share:.0%} of the parameters "
@@ -438,14 +464,59 @@ def interpretation(analysis: Analysis) -> str:
             "Extrapolating beyond the measured sizes or budgets is the fits' assumption, "
             "not their evidence."
         )
-    return " ".join(parts)
+    return parts
+
+
+RUN_COLUMNS = [
+    "run",
+    "variant",
+    "size",
+    "seed",
+    "params_non_embedding",
+    "tokens",
+    "steps",
+    "final_val_loss",
+    "final_val_ppl",
+    "cpu_s_per_step",
+    "tokens_per_s",
+    "finished",
+]
+RUN_HEADINGS = {
+    "params_non_embedding": "non-emb params",
+    "cpu_s_per_step": "CPU s/step",
+    "tokens_per_s": "tokens/s (wall)",
+}
+RUN_FORMATS = {
+    "non-emb params": _count,
+    "tokens": _count,
+    "final_val_loss": lambda v: f"{v:.4f}" if pd.notna(v) else "",
+    "final_val_ppl": lambda v: f"{v:.2f}" if pd.notna(v) else "",
+    "CPU s/step": lambda v: f"{v:.3f}" if pd.notna(v) else "n/a",
+    "tokens/s (wall)": lambda v: f"{v:,.0f}" if pd.notna(v) else "",
+}
 
 
 def render_markdown(analysis: Analysis, figures: dict[str, Path], folder: Path) -> str:
+    """The report: runs, gains, curves, the fits, the multiplier, crossovers, seed
+    variance, what it all can mean, and what was skipped (one section each)."""
+    out = _runs_section(analysis)
+    if analysis.gains is not None:
+        out += _gains_section(analysis)
+    out += ["## Loss curves", "", f"![loss curves]({_relative(figures['curves'], folder)})", ""]
+    out += _fit_sections(analysis, figures, folder)
+    out += _multiplier_section(analysis, figures, folder)
+    out += _crossover_section(analysis)
+    out += _seed_variance_section(analysis)
+    out += ["## What these fits can and cannot mean", "", interpretation(analysis), ""]
+    out += _problems_section(analysis)
+    return "\n".join(out)
+
+
+def _runs_section(analysis: Analysis) -> list[str]:
     o, ingested, runs = analysis.options, analysis.ingested, analysis.runs
     partial = int((~runs["finished"]).sum()) if not runs.empty else 0
     n_name = "non-embedding" if o.n_column == "params_non_embedding" else "total"
-    out = [
+    return [
         "# Scaling analysis",
         "",
         f"{len(runs)} runs ({partial} partial), {len(ingested.skipped)} skipped. "
@@ -455,48 +526,18 @@ def render_markdown(analysis: Analysis, figures: dict[str, Path], folder: Path) 
         "",
         "## Runs",
         "",
-        markdown_table(
-            runs[
-                [
-                    "run",
-                    "variant",
-                    "size",
-                    "seed",
-                    "params_non_embedding",
-                    "tokens",
-                    "steps",
-                    "final_val_loss",
-                    "final_val_ppl",
-                    "cpu_s_per_step",
-                    "tokens_per_s",
-                    "finished",
-                ]
-            ].rename(
-                columns={
-                    "params_non_embedding": "non-emb params",
-                    "cpu_s_per_step": "CPU s/step",
-                    "tokens_per_s": "tokens/s (wall)",
-                }
-            ),
-            {
-                "non-emb params": _count,
-                "tokens": _count,
-                "final_val_loss": lambda v: f"{v:.4f}" if pd.notna(v) else "",
-                "final_val_ppl": lambda v: f"{v:.2f}" if pd.notna(v) else "",
-                "CPU s/step": lambda v: f"{v:.3f}" if pd.notna(v) else "n/a",
-                "tokens/s (wall)": lambda v: f"{v:,.0f}" if pd.notna(v) else "",
-            },
-        ),
+        markdown_table(runs[RUN_COLUMNS].rename(columns=RUN_HEADINGS), RUN_FORMATS),
         "",
         "CPU s/step: the training process's CPU time per step (median over steps, rank 0). "
         "tokens/s (wall) is wall clock: it moves with whatever else the machine runs, so it "
         "says how long this took, not how fast a variant is.",
         "",
     ]
-    if analysis.gains is not None:
-        out += _gains_section(analysis)
-    out += ["## Loss curves", "", f"![loss curves]({_relative(figures['curves'], folder)})", ""]
-    out += ["## Scaling-law fits: L(N, D) = E + A/N^α + B/D^β", ""]
+
+
+def _fit_sections(analysis: Analysis, figures: dict[str, Path], folder: Path) -> list[str]:
+    """L(N, D), L(C) and the compute-optimal allocation, with their figures."""
+    out = ["## Scaling-law fits: L(N, D) = E + A/N^α + B/D^β", ""]
     if analysis.fits:
         out += [markdown_table(_fits_table(analysis)), ""]
     else:
@@ -517,73 +558,91 @@ def render_markdown(analysis: Analysis, figures: dict[str, Path], folder: Path) 
             markdown_table(_optimal_table(analysis)),
             "",
         ]
-    if analysis.multipliers:
-        out += [
-            f"## Data-efficiency multiplier over {o.baseline} attention",
-            "",
-            f"Tokens {o.baseline} attention needs to reach the variant's loss, over the "
-            f"variant's tokens, at {_budget_words(o)}, from the two L(N, D) fits "
-            f"(∞: {o.baseline} never reaches it at that size; above 1: the variant needs "
-            "fewer tokens). The interval pairs bootstrap replicates of both fits.",
-            "",
-            markdown_table(_multiplier_table(analysis)),
-            "",
-        ]
-        if "multiplier" in figures:
-            out += [f"![multiplier]({_relative(figures['multiplier'], folder)})", ""]
-    if analysis.crossovers:
-        out += ["## Crossover", ""]
-        for (challenger, incumbent), cross in analysis.crossovers.items():
-            where = (
-                f"at N ≈ {humanize_count(cross.size)} parameters"
-                if cross.size
-                else f"nowhere between {humanize_count(compare.SEARCH_RANGE[0])} and "
-                f"{humanize_count(compare.SEARCH_RANGE[1])} parameters"
-            )
-            interval = (
-                f"{humanize_count(cross.low)} – {humanize_count(cross.high)}"
-                if not math.isnan(cross.low)
-                else "n/a"
-            )
-            out.append(
-                f"- **{challenger}** overtakes **{incumbent}** {where} (D = "
-                f"{o.tokens_per_param:g}·N); {o.level:.0%} interval {interval}; "
-                f"{cross.fraction_crossing:.0%} of {cross.replicates} bootstrap replicates cross."
-            )
-        out.append("")
-    if analysis.seed_variance is not None and (analysis.seed_variance["seeds"] > 1).any():
-        sv = analysis.seed_variance[analysis.seed_variance["seeds"] > 1]
-        out += [
-            "## Seed variance",
-            "",
-            markdown_table(
-                sv[
-                    [
-                        "size",
-                        "variant",
-                        "seeds",
-                        "mean_loss",
-                        "std_loss",
-                        "mean_ppl",
-                        "ppl_range",
-                        "variance_ratio",
-                    ]
-                ].rename(columns={"variance_ratio": f"var / {o.baseline} var"}),
-                {
-                    "std_loss": "{:.4f}".format,
-                    "mean_loss": "{:.4f}".format,
-                    "mean_ppl": "{:.2f}".format,
-                    "ppl_range": "{:.2f}".format,
-                },
-            ),
-            "",
-        ]
-    out += ["## What these fits can and cannot mean", "", interpretation(analysis), ""]
+    return out
+
+
+def _multiplier_section(analysis: Analysis, figures: dict[str, Path], folder: Path) -> list[str]:
+    if not analysis.multipliers:
+        return []
+    o = analysis.options
+    out = [
+        f"## Data-efficiency multiplier over {o.baseline} attention",
+        "",
+        f"Tokens {o.baseline} attention needs to reach the variant's loss, over the "
+        f"variant's tokens, at {_budget_words(o)}, from the two L(N, D) fits "
+        f"(∞: {o.baseline} never reaches it at that size; above 1: the variant needs "
+        "fewer tokens). The interval pairs bootstrap replicates of both fits.",
+        "",
+        markdown_table(_multiplier_table(analysis)),
+        "",
+    ]
+    if "multiplier" in figures:
+        out += [f"![multiplier]({_relative(figures['multiplier'], folder)})", ""]
+    return out
+
+
+def _crossover_section(analysis: Analysis) -> list[str]:
+    if not analysis.crossovers:
+        return []
+    o, out = analysis.options, ["## Crossover", ""]
+    for (challenger, incumbent), cross in analysis.crossovers.items():
+        where = (
+            f"at N ≈ {humanize_count(cross.size)} parameters"
+            if cross.size
+            else f"nowhere between {humanize_count(compare.SEARCH_RANGE[0])} and "
+            f"{humanize_count(compare.SEARCH_RANGE[1])} parameters"
+        )
+        interval = (
+            f"{humanize_count(cross.low)} – {humanize_count(cross.high)}"
+            if not math.isnan(cross.low)
+            else "n/a"
+        )
+        out.append(
+            f"- **{challenger}** overtakes **{incumbent}** {where} (D = "
+            f"{o.tokens_per_param:g}·N); {o.level:.0%} interval {interval}; "
+            f"{cross.fraction_crossing:.0%} of {cross.replicates} bootstrap replicates cross."
+        )
+    return [*out, ""]
+
+
+SEED_COLUMNS = [
+    "size",
+    "variant",
+    "seeds",
+    "mean_loss",
+    "std_loss",
+    "mean_ppl",
+    "ppl_range",
+    "variance_ratio",
+]
+SEED_FORMATS = {
+    "std_loss": "{:.4f}".format,
+    "mean_loss": "{:.4f}".format,
+    "mean_ppl": "{:.2f}".format,
+    "ppl_range": "{:.2f}".format,
+}
+
+
+def _seed_variance_section(analysis: Analysis) -> list[str]:
+    if analysis.seed_variance is None or not (analysis.seed_variance["seeds"] > 1).any():
+        return []
+    sv = analysis.seed_variance[analysis.seed_variance["seeds"] > 1]
+    heading = {"variance_ratio": f"var / {analysis.options.baseline} var"}
+    return [
+        "## Seed variance",
+        "",
+        markdown_table(sv[SEED_COLUMNS].rename(columns=heading), SEED_FORMATS),
+        "",
+    ]
+
+
+def _problems_section(analysis: Analysis) -> list[str]:
+    ingested = analysis.ingested
     problems = [f"- skipped `{s.path}`: {s.reason}" for s in ingested.skipped]
     problems += [f"- {w}" for w in ingested.warnings] + [f"- {n}" for n in analysis.notes]
-    if problems:
-        out += ["## Skipped runs, warnings and notes", "", *problems, ""]
-    return "\n".join(out)
+    if not problems:
+        return []
+    return ["## Skipped runs, warnings and notes", "", *problems, ""]
 
 
 # ---------------------------------------------------------------------------------------

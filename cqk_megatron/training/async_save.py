@@ -42,9 +42,10 @@ from megatron.core import dist_checkpointing
 
 from cqk_megatron.config import RunConfig
 from cqk_megatron.parallel.device import device
-from cqk_megatron.training import checkpoint, collectives, watchdog
+from cqk_megatron.training import checkpoint, collectives
 from cqk_megatron.training.checkpoint import FAILURES, TrainerState, WriteLog
 from cqk_megatron.training.engine import Engine
+from cqk_megatron.training.resilience import watchdog
 
 # Tests only: the background write waits until this many step boundaries have passed
 # since the save was staged (or until the save is waited for), so that a test sees

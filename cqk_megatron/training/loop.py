@@ -1,11 +1,14 @@
-"""The training loop: one function from a validated config to a finished (or requeued) run."""
+"""The training loop: one function from a validated config to a finished (or requeued) run.
+
+``train`` sets up (rendezvous, the watchdog, the lease, the start: fresh or resumed, the
+model and its engine); ``run_loop`` then runs the step and, around it, the callbacks of
+``callbacks_in_order`` (metrics, validation, checkpoints, stop and requeue, the watchdog's
+phases): see docs/training.md, "The training loop and its callbacks".
+"""
 
 from __future__ import annotations
 
-import hashlib
-import math
 import random
-import resource
 import sys
 import time
 from pathlib import Path
@@ -20,7 +23,6 @@ from cqk_megatron.data.checks import run_samples
 from cqk_megatron.errors import EXIT_REQUEUE, EXIT_WATCHDOG
 from cqk_megatron.model import params
 from cqk_megatron.model.gpt import build_rank_model
-from cqk_megatron.parallel.device import device
 from cqk_megatron.parallel.process_groups import (
     RendezvousError,
     discover,
@@ -29,22 +31,28 @@ from cqk_megatron.parallel.process_groups import (
     seed_cuda_rng_tracker,
 )
 from cqk_megatron.perf.fit import check_fits, gpu_memory_bytes
-from cqk_megatron.perf.flops import flops_per_token, mfu, peak_flops
 from cqk_megatron.run import checkpoint_files
 from cqk_megatron.run import lease as run_lease
-from cqk_megatron.run.folder import CHECKPOINTS, SUMMARY, TRAIN, VALID, run_dir_of, write_config
-from cqk_megatron.training import checkpoint, collectives, faults, replicas, watchdog
+from cqk_megatron.run.folder import CHECKPOINTS, run_dir_of, write_config
+from cqk_megatron.training import checkpoint, collectives, faults, replicas
 from cqk_megatron.training.async_save import Saver
+from cqk_megatron.training.callbacks.base import Callbacks, StepOutcome, TrainingRun
+from cqk_megatron.training.callbacks.checkpointing import Checkpointing
+from cqk_megatron.training.callbacks.divergence import NonFiniteGuard, TrainingError
+from cqk_megatron.training.callbacks.metrics import RunSummary, TrainMetrics
+from cqk_megatron.training.callbacks.replicas import ReplicaChecks
+from cqk_megatron.training.callbacks.stop import StopAndRequeue
+from cqk_megatron.training.callbacks.validation import Validation
+from cqk_megatron.training.callbacks.watchdog import WatchdogPhases
 from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine
 from cqk_megatron.training.engine import Engine
 from cqk_megatron.training.lr_schedule import learning_rate, schedule_warning
-from cqk_megatron.training.metrics import GPU_PEAK_ALLOCATED, MAX_RSS, MetricsLogger
-from cqk_megatron.training.preemption import StopRequest, protect_checkpoint_writer
-from cqk_megatron.training.sampler import collate, fetch, micro_batch_indices
+from cqk_megatron.training.metrics import MetricsLogger
+from cqk_megatron.training.resilience import watchdog
+from cqk_megatron.training.sampler import fetch, micro_batch_indices
 
-
-class TrainingError(RuntimeError):
-    """The run cannot go on (e.g. non-finite losses step after step)."""
+# ``train`` raises TrainingError (callers catch it from here).
+__all__ = ["TrainingError", "make_engine", "seed_everything", "train"]
 
 
 def seed_everything(seed: int) -> None:
@@ -65,42 +73,11 @@ def make_engine(model: torch.nn.Module, config: RunConfig) -> Engine:
     return DeepSpeedEngine(model, config)
 
 
-def peak_memory_gb() -> float:
-    """GPU: peak allocated; CPU: the process's peak resident set (ru_maxrss). GiB."""
-    if device().type == "cuda":
-        return torch.cuda.max_memory_allocated(device()) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-def memory_kind() -> str:
-    """What ``peak_memory_gb`` measures here (the ``mem_kind`` of a train record)."""
-    return GPU_PEAK_ALLOCATED if device().type == "cuda" else MAX_RSS
-
-
-def peak_flops_per_device(config: RunConfig) -> float | None:
-    """The dense peak FLOP/s that MFU divides by: ``log.peak_tflops`` where given, else the
-    GPU's from its name (perf/flops.py's table); None (MFU n/a) on CPU or an unknown GPU."""
-    if config.log.peak_tflops is not None:
-        return config.log.peak_tflops * 1e12
-    return peak_flops()
-
-
 def default_datasets(config: RunConfig, train_samples: int, valid_samples: int):
     from cqk_megatron.data import build_datasets
 
     train, valid, _ = build_datasets(config, train_samples, valid_samples, 0)
     return train, valid
-
-
-def evaluate(engine: Engine, valid_dataset, config: RunConfig, dp_rank: int, dp: int) -> float:
-    t = config.train
-    losses = []
-    for k in range(t.eval_iters):
-        indices = micro_batch_indices(
-            k * t.global_batch_size, t.global_batch_size, t.micro_batch_size, dp_rank, dp
-        )
-        losses.append(engine.eval_loss([fetch(valid_dataset, idx) for idx in indices]))
-    return sum(losses) / len(losses)
 
 
 def train(config: RunConfig, resume: str = "auto", datasets=None, on_start=None) -> int:
@@ -208,14 +185,90 @@ def _choose_start(
 
 
 def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_start) -> int:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    checkpoints = run_dir / CHECKPOINTS
-    choice, plan = _choose_start(checkpoints, resume, config)
-    folder = choice.folder
+    choice, plan = _choose_start(run_dir / CHECKPOINTS, resume, config)
+    model, engine, state, params = _build_model_and_engine(config, choice.folder, plan)
+    replica_check = replicas.ReplicaCheck(model, config)
+    if datasets is None:
+        train_samples, valid_samples, _ = run_samples(config)
+        datasets = default_datasets(config, train_samples, valid_samples)
+    train_data, valid_data = datasets
+    logger = _open_metrics(run_dir, config, choice, plan, state, on_start)
+    run = TrainingRun(
+        config,
+        state,
+        engine,
+        train_data,
+        valid_data,
+        logger,
+        dp_rank=ps.get_data_parallel_rank(),
+        dp=ps.get_data_parallel_world_size(),
+    )
+    saver = Saver(run_dir / CHECKPOINTS, engine, model, config, lease)
+    return run_loop(run, callbacks_in_order(run, replica_check, saver, params))
 
+
+def callbacks_in_order(
+    run: TrainingRun, replica_check: replicas.ReplicaCheck, saver: Saver, params: tuple[int, int]
+) -> Callbacks:
+    """The loop's callbacks; each hook runs on them in this order (docs/training.md)."""
+    return Callbacks(
+        [
+            TrainMetrics(run),  # the step's record first: it shows a step that then fails
+            NonFiniteGuard(),
+            ReplicaChecks(replica_check),  # before this step's weights are saved
+            Validation(),
+            Checkpointing(saver, run),
+            StopAndRequeue(),  # after the save it may ask for: the exit waits for it
+            RunSummary(*params),  # after the last save: a summary means a finished run
+            WatchdogPhases(),  # "shutdown" once everything above is done
+        ]
+    )
+
+
+def run_loop(run: TrainingRun, callbacks: Callbacks) -> int:
+    """The steps and their hooks: 0 when every step is trained, ``EXIT_REQUEUE`` when a
+    callback asked to stop early (``run.stop_reason``)."""
+    try:
+        callbacks.pre_train(run)
+        while run.state.step < run.config.train.train_steps and run.stop_reason is None:
+            callbacks.pre_step(run)
+            outcome = train_step(run)
+            callbacks.post_step(run, outcome)
+        callbacks.post_train(run)
+        return 0 if run.stop_reason is None else EXIT_REQUEUE
+    finally:
+        callbacks.close(run)
+
+
+def train_step(run: TrainingRun) -> StepOutcome:
+    """One optimizer step on the next global batch (this rank's micro-batches of it)."""
+    t, state, engine = run.config.train, run.state, run.engine
+    lr = learning_rate(state.step, t)
+    engine.set_lr(lr)
+    indices = micro_batch_indices(
+        state.consumed_samples, t.global_batch_size, t.micro_batch_size, run.dp_rank, run.dp
+    )
+    started = time.perf_counter()
+    with watchdog.phase("data"):
+        batch = [fetch(run.train_data, idx) for idx in indices]
+    result = engine.train_step(batch)
+    step_time = time.perf_counter() - started
+    state.step += 1
+    state.consumed_samples += t.global_batch_size
+    state.tokens += t.global_batch_size * run.config.model.seq_length
+    state.skipped_in_a_row = state.skipped_in_a_row + 1 if result.skipped else 0
+    return StepOutcome(lr, result, step_time)
+
+
+def _build_model_and_engine(
+    config: RunConfig, folder: Path | None, plan: checkpoint.ResumePlan | None
+) -> tuple[torch.nn.Module, Engine, checkpoint.TrainerState, tuple[int, int]]:
+    """This rank's model and engine, with the resumed (or ``train.init_from``) weights and
+    optimizer state, the trainer state to start from, and the (total, non-embedding)
+    parameter counts."""
     gpu_memory = gpu_memory_bytes()
     if gpu_memory:  # refuse, with the numbers, a layout that cannot fit before building it
-        check_fits(config, world, gpu_memory).require()
+        check_fits(config, dist.get_world_size(), gpu_memory).require()
     seed_everything(config.seed)
     model = build_rank_model(config)
     state = checkpoint.TrainerState()
@@ -232,20 +285,18 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
             "train.init_from at a checkpoint of this model's shape"
         )
         checkpoint.load_model_weights(init_from, model, config, fix)
+    counts = (params.total_parameters(config), params.non_embedding_parameters(config))
     engine = make_engine(model, config)
     if keeps_optimizer:
         state = checkpoint.load_exact(folder, engine, plan)
-    replica_check = replicas.ReplicaCheck(model, config)
+    return model, engine, state, counts
 
-    t = config.train
-    seq = config.model.seq_length
-    if datasets is None:
-        train_samples, valid_samples, _ = run_samples(config)
-        datasets = default_datasets(config, train_samples, valid_samples)
-    train_data, valid_data = datasets
-    # The run really starts here: only now is anything in its folder moved or replaced,
-    # and only then is the metrics file opened (what an earlier attempt logged past this
-    # step is superseded).
+
+def _open_metrics(run_dir: Path, config: RunConfig, choice, plan, state, on_start) -> MetricsLogger:
+    """Collective: the run really starts here. Only now is anything in its folder moved
+    or replaced (rank 0, ``_start_run``), and only then is the metrics file opened (what
+    an earlier attempt logged past this step is superseded). Rank 0's logger writes; the
+    others' do nothing."""
     opened = {}
 
     def start() -> None:
@@ -253,107 +304,10 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
         if on_start is not None:
             on_start()
         opened["logger"] = MetricsLogger(run_dir, config, enabled=True)
-        opened["logger"].set_start(state.step, final=state.step >= t.train_steps)
+        opened["logger"].set_start(state.step, final=state.step >= config.train.train_steps)
 
     _on_rank0(start)
-    logger = opened.get("logger") or MetricsLogger(run_dir, config, enabled=False)
-    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    train_flops_per_token = flops_per_token(config, training=True)
-    peak = peak_flops_per_device(config)
-    protect_checkpoint_writer()  # before any save, and before our handlers are installed
-    stop = StopRequest(t.wall_clock_budget_s)
-    last_saved = state.step
-    saver = Saver(checkpoints, engine, model, config, lease)
-    try:
-        while state.step < t.train_steps:
-            watchdog.enter("step", state.step + 1)
-            lr = learning_rate(state.step, t)
-            engine.set_lr(lr)
-            indices = micro_batch_indices(
-                state.consumed_samples, t.global_batch_size, t.micro_batch_size, dp_rank, dp
-            )
-            started = time.perf_counter()
-            with watchdog.phase("data"):
-                batch = [fetch(train_data, idx) for idx in indices]
-            result = engine.train_step(batch)
-            step_time = time.perf_counter() - started
-            state.step += 1
-            state.consumed_samples += t.global_batch_size
-            state.tokens += t.global_batch_size * seq
-            state.skipped_in_a_row = state.skipped_in_a_row + 1 if result.skipped else 0
-            if state.step % t.log_interval == 0 or result.skipped:
-                tokens_per_s = t.global_batch_size * seq / step_time
-                logger.log(
-                    {
-                        "kind": TRAIN,
-                        "step": state.step,
-                        "tokens": state.tokens,
-                        "loss": result.loss,
-                        "lr": lr,
-                        "grad_norm": result.grad_norm,
-                        "tokens_per_s": tokens_per_s,
-                        "step_time_s": step_time,
-                        "process_cpu_s": time.process_time(),  # cumulative, this rank
-                        "tflops": tokens_per_s * train_flops_per_token / world / 1e12,
-                        "mfu": mfu(tokens_per_s, config, peak, num_gpus=world),
-                        "mem_gb": peak_memory_gb(),
-                        "mem_kind": memory_kind(),
-                        "skipped": result.skipped,
-                    }
-                )
-            if state.skipped_in_a_row >= t.max_nan_steps:
-                raise TrainingError(
-                    f"{state.skipped_in_a_row} steps in a row had non-finite gradients "
-                    f"(last loss {result.loss}); stopping at step {state.step}. Lower train.lr, "
-                    "check the data, or resume from an earlier checkpoint."
-                )
-            if replica_check.due(state.step):  # before this step's weights are saved
-                with watchdog.phase("check_replicas"):
-                    replica_check.run(state.step)
-            if state.step % t.eval_interval == 0 and state.step < t.train_steps:
-                log_validation(logger, engine, valid_data, config, state, dp_rank, dp)
-            saver.poll(state.step)  # an asynchronous save is committed once written
-            if state.step % t.save_interval == 0:
-                saver.save(state)
-                last_saved = state.step
-            stopping = stop.agreed()  # collective: every rank, every step
-            if stopping or state.step == t.exit_after_steps:
-                reason = stop.local_reason() or (
-                    "another rank was signalled" if stopping else "train.exit_after_steps"
-                )
-                if last_saved != state.step:
-                    saver.save(state)
-                saver.finish()  # the requeue exit waits for the save in flight
-                if rank == 0:
-                    print(
-                        f"stopping at step {state.step} ({reason})"
-                        f"; checkpoint saved, exit {EXIT_REQUEUE} to requeue",
-                        flush=True,
-                    )
-                return EXIT_REQUEUE
-        with watchdog.phase("check_replicas"):
-            replica_check.at_end(state.step)
-        log_validation(logger, engine, valid_data, config, state, dp_rank, dp, final=True)
-        if last_saved != state.step:
-            saver.save(state)
-        saver.finish()
-        logger.log(
-            {
-                "kind": SUMMARY,
-                "params_total": params.total_parameters(config),
-                "params_non_embedding": params.non_embedding_parameters(config),
-                "flops_per_token": train_flops_per_token,
-                "tokens": state.tokens,
-                "steps": state.step,
-                "first_batch_sha256": first_batch_fingerprint(train_data, t.global_batch_size),
-            }
-        )
-        return 0
-    finally:
-        if sys.exc_info()[0] is None:  # an error is the watchdog's to judge, not a shutdown
-            watchdog.enter("shutdown", state.step)
-        stop.restore()
-        logger.close()
+    return opened.get("logger") or MetricsLogger(run_dir, config, enabled=False)
 
 
 def _start_run(run_dir: Path, config: RunConfig, choice, plan, state) -> None:
@@ -386,31 +340,3 @@ def _start_run(run_dir: Path, config: RunConfig, choice, plan, state) -> None:
         if warning:
             print(warning, file=sys.stderr, flush=True)
     write_config(run_dir, config)
-
-
-def first_batch_fingerprint(train_data, global_batch_size: int) -> str:
-    """sha256 of the first global batch's tokens: runs that claim the same data order
-    (a variant comparison, a layout change) can be checked to have seen the same batch."""
-    indices = micro_batch_indices(0, global_batch_size, global_batch_size, 0, 1)
-    digest = hashlib.sha256()
-    for idx in indices:
-        tokens = collate(train_data, idx)["tokens"].to(torch.int64).contiguous()
-        digest.update(tokens.numpy().tobytes())
-    return digest.hexdigest()
-
-
-def log_validation(
-    logger, engine: Engine, valid_data, config, state, dp_rank, dp, final=False
-) -> None:
-    with watchdog.phase("eval"):
-        loss = evaluate(engine, valid_data, config, dp_rank, dp)
-    record = {
-        "kind": VALID,
-        "step": state.step,
-        "tokens": state.tokens,
-        "val_loss": loss,
-        "val_ppl": math.exp(min(loss, 50.0)),
-    }
-    if final:
-        record["final"] = True
-    logger.log(record)
