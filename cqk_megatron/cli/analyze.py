@@ -61,6 +61,11 @@ def add_fit_arguments(parser: argparse.ArgumentParser) -> None:
         help="read the data-efficiency multiplier at D = tokens-per-param x N (and ladder "
         "sizes beyond the runs), or at each measured size's own training budget",
     )
+    _add_comparison_arguments(parser)
+
+
+def _add_comparison_arguments(parser: argparse.ArgumentParser) -> None:
+    """The baseline and the crossovers, as ``fit``, ``report`` and ``gains`` take them."""
     parser.add_argument("--baseline", default="standard", help="the variant compared against")
     parser.add_argument(
         "--crossover",
@@ -217,15 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
         commands, "gains", "%% change vs baseline from a CSV of perplexities", cmd_gains
     )
     gains.add_argument("csv", help="columns size,params,variant,ppl[,ppl_low,ppl_high]")
-    gains.add_argument("--baseline", default="standard", help="the variant compared against")
-    gains.add_argument(
-        "--crossover",
-        action="append",
-        default=None,
-        metavar="CHALLENGER:INCUMBENT",
-        help="size where CHALLENGER overtakes INCUMBENT, repeatable (default: "
-        "differential:coupled)",
-    )
+    _add_comparison_arguments(gains)
     ladder = add_subcommand(commands, "ladder", "list the runs a sweep file expands to", cmd_ladder)
     ladder.add_argument("sweep", help="sweep YAML, e.g. configs/sweeps/ladder.yaml")
     return parser
