@@ -15,8 +15,9 @@ Exit codes:
   checkpoints; one line says why), or stopped at a save because the disk is full (the
   previous checkpoint intact; the line names the path and the free space): running it
   again as it is cannot help, so it is not relaunched. ``1``: any other error.
-- ``EXIT_INJECTED`` (3): a fault drill's ``action=exit`` (``cqk_megatron.training.faults``):
-  a bad exit that is none of the above, as an unknown failure would be.
+- ``EXIT_INJECTED`` (3): a fault drill's ``action=exit``
+  (``cqk_megatron.training.resilience.faults``): a bad exit that is none of the above,
+  as an unknown failure would be.
 
 Refusals: one base class, ``Refusal``. A refused run (its folder held by another job,
 checkpoints that do not verify, bad data or config, a pre-flight check) ends with

@@ -567,7 +567,7 @@ def test_a_refusal_is_a_class_of_refusal_and_nothing_else():
 
 def test_fault_drills_and_watchdog_bounds_are_checked():
     from cqk_megatron.config import ConfigError, load_config, validate
-    from cqk_megatron.training import faults
+    from cqk_megatron.training.resilience import faults
 
     fault = faults.parse("rank=1,phase=save,step=50,action=kill,when=/x/*,once=/m")
     assert (fault.rank, fault.phase, fault.step, fault.action) == (1, "save", 50, "kill")

@@ -235,15 +235,15 @@ class TrainConfig:
     # every tensor-parallel rank, tied embedding copies across pipeline stages); the run
     # stops naming the first that differs and the ranks (training/replicas.py). 0: off
     check_replicas_interval: int = 0
-    # faults (training/watchdog.py): no rank waits forever. Rendezvous, process-group
-    # creation, start-up and the first step are bounded by init_timeout_s; after the first
-    # step every process group's collectives time out after collective_timeout_s (raised
-    # to save_timeout_s + heartbeat_timeout_s during a checkpoint save). Each rank's
-    # watchdog heartbeats through the job's TCPStore every heartbeat_interval_s; a rank
-    # silent for heartbeat_timeout_s, or one whose main thread stays longer than its bound
-    # in a phase (a step or a data fetch: step_timeout_s; a save: save_timeout_s), ends
-    # the job with exit 76 and a line naming it. Anchors: torchtitan 300 s / 100 s,
-    # torchft heartbeats every 5 s, nvidia-resiliency-ext 60 s / 90 s soft / hard.
+    # faults (training/resilience/watchdog.py): no rank waits forever. Rendezvous, process-group
+    # creation, start-up and the first step are bounded by init_timeout_s; after the first step
+    # every process group's collectives time out after collective_timeout_s (raised to
+    # save_timeout_s + heartbeat_timeout_s during a checkpoint save). Each rank's watchdog
+    # heartbeats through the job's TCPStore every heartbeat_interval_s; a rank silent for
+    # heartbeat_timeout_s, or one whose main thread stays longer than its bound in a phase (a step
+    # or a data fetch: step_timeout_s; a save: save_timeout_s), ends the job with exit 76 and a line
+    # naming it. Anchors: torchtitan 300 s / 100 s, torchft heartbeats every 5 s,
+    # nvidia-resiliency-ext 60 s / 90 s soft / hard.
     init_timeout_s: float = 300.0
     collective_timeout_s: float = 100.0
     step_timeout_s: float = 60.0

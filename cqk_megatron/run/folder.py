@@ -16,7 +16,7 @@ The files (each name defined here and nowhere else):
   (``append_event``; ``submitted``, ``started``, ``stopped``, ``finished``, ``refused``,
   ``failed``, ``cancelled``, ...; see ``launch/run_dir.py`` and ``launch/attempts.py``);
 - ``faults.jsonl`` (``FAULTS``): the watchdog's crash records and verdicts
-  (``cqk_megatron.training.watchdog``);
+  (``cqk_megatron.training.resilience.watchdog``);
 - ``lease.json`` (``LEASE``): which process holds the run (``cqk_megatron.run.lease``);
 - ``checkpoints/`` (``CHECKPOINTS``): ``cqk_megatron.run.checkpoint_files`` owns the names in
   it (``iter_NNNNNNN``, ``manifest.json``, ``latest``);

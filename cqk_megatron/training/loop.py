@@ -34,7 +34,7 @@ from cqk_megatron.perf.fit import check_fits, gpu_memory_bytes
 from cqk_megatron.run import checkpoint_files
 from cqk_megatron.run import lease as run_lease
 from cqk_megatron.run.folder import CHECKPOINTS, run_dir_of, write_config
-from cqk_megatron.training import checkpoint, collectives, faults, replicas
+from cqk_megatron.training import checkpoint, collectives, replicas
 from cqk_megatron.training.async_save import Saver
 from cqk_megatron.training.callbacks.base import Callbacks, StepOutcome, TrainingRun
 from cqk_megatron.training.callbacks.checkpointing import Checkpointing
@@ -48,7 +48,7 @@ from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine
 from cqk_megatron.training.engine import Engine
 from cqk_megatron.training.lr_schedule import learning_rate, schedule_warning
 from cqk_megatron.training.metrics import MetricsLogger
-from cqk_megatron.training.resilience import watchdog
+from cqk_megatron.training.resilience import faults, watchdog
 from cqk_megatron.training.sampler import fetch, micro_batch_indices
 
 # ``train`` raises TrainingError (callers catch it from here).

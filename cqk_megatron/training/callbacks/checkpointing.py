@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from cqk_megatron.training.async_save import Saver
 from cqk_megatron.training.callbacks.base import Callback, StepOutcome, TrainingRun
-from cqk_megatron.training.preemption import protect_checkpoint_writer
+from cqk_megatron.training.resilience.preemption import protect_checkpoint_writer
 
 
 class Checkpointing(Callback):

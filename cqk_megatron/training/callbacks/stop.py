@@ -1,5 +1,5 @@
 """Stop early to be requeued: on SIGTERM/SIGUSR1 (any rank's), past the wall-clock budget,
-or at ``train.exit_after_steps`` (``training/preemption.py``). The checkpoint is saved by
+or at ``train.exit_after_steps`` (``training/resilience/preemption.py``). The checkpoint is saved by
 ``Checkpointing.post_train``; the loop then returns ``EXIT_REQUEUE``."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from cqk_megatron.errors import EXIT_REQUEUE
 from cqk_megatron.training.callbacks.base import Callback, StepOutcome, TrainingRun
-from cqk_megatron.training.preemption import StopRequest
+from cqk_megatron.training.resilience.preemption import StopRequest
 
 
 class StopAndRequeue(Callback):

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cqk_megatron.training import faults
+from cqk_megatron.training.resilience import faults
 from cqk_megatron.training.resilience.verdict import verdict
 
 # Phases that are long and rare: a beat at once tells the peers (steps beat on the clock).

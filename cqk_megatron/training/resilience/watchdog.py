@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from cqk_megatron.errors import EXIT_WATCHDOG, is_refusal
-from cqk_megatron.training import faults
+from cqk_megatron.training.resilience import faults
 from cqk_megatron.training.resilience.heartbeat import Heartbeats
 from cqk_megatron.training.resilience.phases import OVER, Bounds, PhaseClock, judge_phases
 from cqk_megatron.training.resilience.verdict import append_fault, first_line, verdict_line
