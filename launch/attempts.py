@@ -90,6 +90,12 @@ def _faults_since(run_dir: Path, since: float) -> list[dict]:
     return [r for r in read_jsonl(run_dir / FAULTS) if r.get("time", 0) >= since]
 
 
+def _refused_in_training(run_dir: Path, since: float) -> bool:
+    """This attempt's refusal came after steps had run (``Watchdog.on_refusal`` records it
+    then, and only then)."""
+    return any(r.get("event") == "refused" for r in _faults_since(run_dir, since))
+
+
 def find_cause(
     run_dir: Path,
     exits: dict[int, int],
@@ -233,10 +239,12 @@ def record_failure(
     ``detected_at``: when the launcher saw the first bad exit (else the watchdog's
     verdict time, if one was recorded)."""
     cause = find_cause(run_dir, exits, first_bad, since, hosts)
-    refused = was_refused({"cause": cause})
-    # The last step completed in this attempt. A refused attempt trained none: the steps
-    # logged meanwhile are those of the job that holds the run (a twin submission).
-    reached = None if refused else _step_reached(run_dir, since)
+    # The last step completed in this attempt. An attempt refused before training trained
+    # none: the steps logged meanwhile are those of the job that holds the run (a twin
+    # submission). One refused at a save (a full disk) trained up to it: rank 0's
+    # ``refused`` record in faults.jsonl says so.
+    trained = _refused_in_training(run_dir, since) or not was_refused({"cause": cause})
+    reached = _step_reached(run_dir, since) if trained else None
     checkpoint_step = _checkpoint_step(run_dir)
     record = {
         "job_id": job_id,
@@ -299,7 +307,7 @@ def summary_line(record: dict) -> str:
         who += f" on {cause['host']}"
     reached = record.get("step_reached")
     if was_refused(record):
-        where = " before training"
+        where = " before training" if reached is None else f" after step {reached}"
     elif cause.get("step") is not None:  # the rank's own (or its watchdog's) word
         where = f" in phase {cause.get('phase') or '?'} of step {cause['step']}"
     elif reached is not None:

@@ -101,6 +101,8 @@ def test_a_full_disk_at_a_save_refuses_the_job_on_every_rank_and_keeps_the_last_
     # and exit 76)
     assert len(events(run_dir, "started")) == len(attempts), (attempts, first.stdout[-3000:])
     assert failed["decision"] == "stop", failed
+    # it trained to step 50 (whose save failed) from the checkpoint of step 25: 25 steps lost
+    assert (failed["step_reached"], failed["work_lost_steps"]) == (50, 25), failed
     assert failed["cause"]["exit"] == EXIT_REFUSED, failed
     exits = failed["exits"]
     assert EXIT_REFUSED in exits.values() and set(exits.values()) <= {EXIT_REFUSED, -9}, failed
