@@ -44,6 +44,7 @@ from cqk_megatron.config.schema import (
     RunConfig,
     TrainConfig,
     family_overrides,
+    flatten,
     from_dict,
     to_dict,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "config_errors",
     "explain_config",
     "family_overrides",
+    "flatten",
     "from_dict",
     "hardware_errors",
     "load_config",

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cqk_megatron.config import RunConfig, to_dict
+from cqk_megatron.config.schema import flatten
 
 # Keys that decide the shapes of the model's parameters (the parallel layout does not:
 # checkpoints are resharded on load).
@@ -53,16 +54,6 @@ class Change:
 
     def __str__(self) -> str:
         return f"{self.key} {self.old!r} -> {self.new!r}"
-
-
-def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def changes(old: RunConfig, new: RunConfig, keys: tuple[str, ...] | None = None) -> list[Change]:

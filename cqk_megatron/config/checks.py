@@ -27,10 +27,6 @@ from cqk_megatron.config.schema import (
     RunConfig,
     TrainConfig,
 )
-
-# The couplings, scorings and named variants (presets of the two) are the registry's, as
-# live views: a coupling registered later (README, "Adding a variant") is in them too. The
-# registry is torch-free, like this module.
 from cqk_megatron.variants import (
     COUPLING_IMPLS,
     COUPLING_POSITIONS,

@@ -21,14 +21,11 @@ from cqk_megatron.config.schema import (
     MODEL_FAMILIES,
     ConfigError,
     RunConfig,
+    flatten,
     from_dict,
     to_dict,
 )
 from cqk_megatron.variants import VARIANTS
-
-# The couplings, scorings and named variants (presets of the two) are the registry's, as
-# live views: a coupling registered later (README, "Adding a variant") is in them too. The
-# registry is torch-free, like this module.
 
 # ---------------------------------------------------------------------------------------
 # YAML files, includes and overrides
@@ -178,17 +175,6 @@ class TracedConfig:
     sources: dict[str, str]
 
 
-def _flat(data: dict, prefix: str = "") -> dict[str, Any]:
-    """A nested dict as ``{dotted key: value}`` (lists are values)."""
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def _file_sources(path: Path) -> dict[str, str]:
     """Which file of ``path``'s include tree sets each key, as ``load_yaml_dict`` merges
     them (its includes in order, then its own keys). Reads files ``load_yaml_dict`` has
@@ -196,14 +182,14 @@ def _file_sources(path: Path) -> dict[str, str]:
     the registry's preset sets its keys as that preset."""
     preset = variant_preset(path)
     if preset is not None:
-        return dict.fromkeys(_flat(preset), f"variant preset {path.stem} (the registry)")
+        return dict.fromkeys(flatten(preset), f"variant preset {path.stem} (the registry)")
     data = yaml.safe_load(path.read_text()) or {}
     includes = data.pop("include", []) or []
     sources: dict[str, str] = {}
     for name in [includes] if isinstance(includes, str) else includes:
         included = _resolve_include(name, path.parent)
         sources.update(_file_sources(included))
-    sources.update(dict.fromkeys(_flat(data), os.path.normpath(path)))
+    sources.update(dict.fromkeys(flatten(data), os.path.normpath(path)))
     return sources
 
 
@@ -212,7 +198,7 @@ def _override_keys(overrides: list[str]) -> Iterator[str]:
         dotted, raw = override.split("=", 1)  # load_config has refused any other form
         value = _override_value(override, raw)
         if isinstance(value, dict):
-            yield from _flat(value, f"{dotted.strip()}.")
+            yield from flatten(value, f"{dotted.strip()}.")
         else:
             yield dotted.strip()
 
@@ -247,7 +233,7 @@ def explain_config(traced: TracedConfig, title: str | None = None) -> str:
     """The config as YAML (``load_config`` reads it back as it is), each value that
     differs from the default followed by a comment saying where it was set and the
     default it replaces."""
-    defaults = _flat(to_dict(RunConfig()))
+    defaults = flatten(to_dict(RunConfig()))
     lines = [f"# {title}"] if title else []
     lines.append("# each value that is not the default says where it was set")
 

@@ -18,7 +18,7 @@ from typing import Any
 from cqk_megatron.errors import Refusal
 
 # The couplings, scorings and named variants (presets of the two) are the registry's, as
-# live views: a coupling registered later (README, "Adding a variant") is in them too. The
+# live views: a coupling registered later (docs/variants.md) is in them too. The
 # registry is torch-free, like this module.
 from cqk_megatron.variants import (
     variant_name,
@@ -409,6 +409,17 @@ def from_dict(cls: type, data: dict, source: str = "config", prefix: str = "") -
         if required and name not in kwargs:
             raise ConfigError(f"{source}: '{prefix}{name}' is required")
     return cls(**kwargs)
+
+
+def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested dict as ``{dotted key: value}`` (lists are values), as overrides name keys."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def to_dict(config: Any) -> dict:
