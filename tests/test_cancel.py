@@ -179,6 +179,10 @@ def test_one_job_per_run_and_cancelling_ends_every_process(tmp_path):
     )
 
 
+def _default_sighup() -> None:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_or_sighup_to_the_waiting_launcher_cancels_its_local_job(tmp_path, signum):
     """As Ctrl-C does: the job saves a checkpoint and stops, nothing is left running, the
@@ -195,6 +199,9 @@ def test_sigterm_or_sighup_to_the_waiting_launcher_cancels_its_local_job(tmp_pat
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            # under nohup (a CI started that way) SIGHUP comes ignored, and the launcher
+            # rightly keeps it so: this test is of a launcher in a terminal
+            preexec_fn=_default_sighup,
         )
     try:
         wait_until(

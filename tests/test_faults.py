@@ -286,8 +286,12 @@ def test_a_run_hit_by_four_faults_relaunches_itself_and_ends_like_an_uninterrupt
     assert causes[1]["detected_by"] == 0 and failed[1]["exits"]["0"] == EXIT_WATCHDOG
     # 3: rank 0 (the store's host) stopped mid-save: rank 1 named it.
     assert causes[2]["rank"] == 0 and "hosts the job's store" in causes[2]["reason"]
-    # Its last heartbeat's: the save's own beat may not have left before the stop.
-    assert causes[2]["phase"] in ("step", "save") and 21 <= causes[2]["step"] <= 30
+    # Its last heartbeat's: the save's own beat may not have left before the stop, and on
+    # a fast machine ten tiny steps fit in one beat interval, so the last beat can be the
+    # start-up's of this attempt (at its resume step, 20). Seen twice in CI.
+    assert (causes[2]["phase"], causes[2]["step"]) == ("startup", 20) or (
+        causes[2]["phase"] in ("step", "save") and 21 <= causes[2]["step"] <= 30
+    ), causes[2]
     assert failed[2]["step_reached"] == 30  # stopped in the save after step 30
     # 4: rank 1 killed while its shard of iter_0000040 was being written.
     assert (causes[3]["rank"], causes[3].get("signal")) == (1, 9)
