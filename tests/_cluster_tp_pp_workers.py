@@ -84,13 +84,15 @@ def train_and_count_tp_sums(rank, world_size, port, root, runs) -> None:
     """Train each ``(name, overrides, per_parameter)``, counting the all-reduces that
     ``attention/tp_grads.py`` makes (``_collective_audit`` wraps ``torch.distributed``);
     ``per_parameter`` keeps DeepSpeed's engine on the per-micro-batch hooks where it would
-    sum once per step (``deepspeed_engine.reduces_once_per_step`` answers no). Rank 0
-    writes the exit code to ``root/name.exit`` and, to ``tp_sums_path``, the count and the
-    number of parameters whose TP partial gradients the run summed."""
+    sum once per step (``deepspeed_engine.when_to_sum_tp_grads`` answers ``HOOKS``). Rank
+    ``r`` writes its final parameters to ``dump_path(root, name, r)``; rank 0 the exit code
+    to ``root/name.exit`` and, to ``tp_sums_path``, the count and the number of parameters
+    whose TP partial gradients the run summed."""
     import json
     from collections import Counter
 
     import _collective_audit
+    import torch
 
     import cqk_megatron.training.deepspeed_engine as deepspeed_engine
     import cqk_megatron.training.loop as loop
@@ -105,7 +107,8 @@ def train_and_count_tp_sums(rank, world_size, port, root, runs) -> None:
         )
 
     built = {}
-    make_engine, once_per_step = loop.make_engine, deepspeed_engine.reduces_once_per_step
+    make_engine, when = loop.make_engine, deepspeed_engine.when_to_sum_tp_grads
+    hooks = deepspeed_engine.TpGradSum.HOOKS
 
     def keep_model(model, config):
         built["model"] = model
@@ -114,18 +117,19 @@ def train_and_count_tp_sums(rank, world_size, port, root, runs) -> None:
     loop.make_engine = keep_model
     try:
         for name, overrides, per_parameter in runs:
-            deepspeed_engine.reduces_once_per_step = (
-                (lambda config: False) if per_parameter else once_per_step
+            deepspeed_engine.when_to_sum_tp_grads = (
+                (lambda config: hooks) if per_parameter else when
             )
             config = config_for(root, name, overrides)
             before = tp_all_reduces()
             outcome = loop.train(config, datasets=synthetic_datasets(config))
             model = built.pop("model")
             summed = [p for p in model.parameters() if getattr(p, "cqk_tp_partial_grad", False)]
+            torch.save({"final": _parameters(model)}, dump_path(root, name, rank))
             if rank == 0:
                 Path(root, f"{name}.exit").write_text(f"{outcome}\n")
                 counted = {"all_reduces": tp_all_reduces() - before, "parameters": len(summed)}
                 tp_sums_path(root, name).write_text(json.dumps(counted))
     finally:
         loop.make_engine = make_engine
-        deepspeed_engine.reduces_once_per_step = once_per_step
+        deepspeed_engine.when_to_sum_tp_grads = when

@@ -241,27 +241,32 @@ def test_the_1b_runs_zero2_with_overlap_gives_the_one_rank_run(runs, precision):
 
 
 # -- how many TP all-reduces a step takes ------------------------------------------------
-# Under ZeRO-1 DeepSpeed reduces over data parallelism once per step, so the DeepSpeed engine
-# sums every TP partial gradient (the row-parallel biases, and what the model's own hooks
-# sum: f and dt of the coupling, the norms under SP) in one all-reduce at the step's end
-# (deepspeed_engine.reduces_once_per_step). Compared with the per-parameter hooks, which
-# one run per precision keeps: TP=2 + SP on two ranks (DP=1), so each step's 8 sequences
-# are 4 micro-batches of 2.
+# The DeepSpeed engine sums every TP partial gradient (the row-parallel biases, and what the
+# model's own hooks sum: f and dt of the coupling, the norms under SP) in one all-reduce a
+# step (deepspeed_engine.when_to_sum_tp_grads): under ZeRO-1 on the accumulated gradients
+# before DeepSpeed's data-parallel reduction; under ZeRO-2 with overlap_comm (the 1B run's
+# settings) on this rank's partition after it, before the step. Compared with the
+# per-parameter hooks, which one run per precision keeps: TP=2 + SP on two ranks (DP=1),
+# so each step's 8 sequences are 4 micro-batches of 2. The replica check (on in every run)
+# stops a run whose TP copies differ.
 MICRO_BATCHES = 4
-PATHS = ("hooks", "coalesced")
+ONCE_A_STEP = {"zero1": [], "zero2-overlap": ZERO2_OVERLAP}
 COUPLED_SP = [*family_overrides("gpt2"), "attention.coupling=hamiltonian", *LAYOUTS["tp2sp"]]
+# fp32, final weights against the hooks' after 10 steps: the same sums in another order
+# (seen: 1.2e-7 under both ZeRO-1 and ZeRO-2)
+WEIGHTS_FP32 = 1e-6
 
 
 @pytest.fixture(scope="module")
 def tp_sum_runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tp-sums")
     seeded = [o for o in _common(str(root), "fp32") if not o.startswith("train.init_from")]
-    same = [o for o in seeded if not o.startswith("train.precision")]
-    runs = [
-        (f"{path}-{p}", [*same, *COUPLED_SP, f"train.precision={p}"], path == "hooks")
-        for p in PRECISIONS
-        for path in PATHS
-    ]
+    same = [*(o for o in seeded if not o.startswith("train.precision")), *COUPLED_SP]
+    runs = []
+    for p in PRECISIONS:
+        runs.append((f"hooks-{p}", [*same, f"train.precision={p}"], True))
+        for path, settings in ONCE_A_STEP.items():
+            runs.append((f"{path}-{p}", [*same, *settings, f"train.precision={p}"], False))
     run_ranks(train_and_count_tp_sums, 2, str(root), runs)
     return root
 
@@ -272,54 +277,105 @@ def _tp_sums(runs: Path, name: str) -> dict:
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_zero1_sums_the_tp_partial_gradients_in_one_all_reduce_a_step(tp_sum_runs, precision):
-    hooks, coalesced = (_tp_sums(tp_sum_runs, f"{path}-{precision}") for path in PATHS)
-    parameters = coalesced["parameters"]
+@pytest.mark.parametrize("path", ONCE_A_STEP)
+def test_deepspeed_sums_the_tp_partial_gradients_in_one_all_reduce_a_step(
+    tp_sum_runs, path, precision
+):
+    hooks, once = (_tp_sums(tp_sum_runs, f"{run}-{precision}") for run in ("hooks", path))
+    parameters = once["parameters"]
     # two layers: 2 row-parallel biases, 2 LayerNorms (weight, bias), f (2 weights, 1 bias)
     # and dt each; the final LayerNorm
-    assert parameters == hooks["parameters"] == 2 * (2 + 4 + 4) + 2, (hooks, coalesced)
+    assert parameters == hooks["parameters"] == 2 * (2 + 4 + 4) + 2, (hooks, once)
+    off = _worst(tp_sum_runs, f"{path}-{precision}", f"hooks-{precision}")
     print(
-        f"\nTP gradient all-reduces a step, DeepSpeed ZeRO-1 {precision}, TP=2+SP, "
+        f"\nTP gradient all-reduces a step, DeepSpeed {path} {precision}, TP=2+SP, "
         f"{MICRO_BATCHES} micro-batches, {parameters} parameters: per-parameter hooks "
-        f"{hooks['all_reduces'] / STEPS:g}, coalesced {coalesced['all_reduces'] / STEPS:g}"
+        f"{hooks['all_reduces'] / STEPS:g}, once a step {once['all_reduces'] / STEPS:g}; "
+        f"largest relative difference to the hooks' loss, norm: {off}"
     )
     assert hooks["all_reduces"] == STEPS * MICRO_BATCHES * parameters, hooks
-    assert coalesced["all_reduces"] == STEPS, coalesced
+    assert once["all_reduces"] == STEPS, once
     # the same numbers as the hooks' (fp32: up to the order of the sums), and in bf16 the
     # TP sum now adds the fp32 accumulations where the hooks added each bf16 gradient
-    _agree(tp_sum_runs, f"coalesced-{precision}", f"hooks-{precision}", precision)
+    _agree(tp_sum_runs, f"{path}-{precision}", f"hooks-{precision}", precision)
+    if precision == "fp32":
+        for rank in (0, 1):
+            ours, theirs = (
+                _dump(tp_sum_runs, f"{run}-fp32", rank)["final"] for run in (path, "hooks")
+            )
+            worst = max((ours[n] - theirs[n]).abs().max().item() for n in theirs)
+            print(f"rank {rank}: largest weight difference {worst:.2g}")
+            assert worst <= WEIGHTS_FP32, worst
+
+
+# deepspeed_engine.TpGradSum's members
+HOOKS, BEFORE, AFTER = "HOOKS", "BEFORE_DP_REDUCTION", "AFTER_DP_REDUCTION"
 
 
 @pytest.mark.parametrize(
-    ("settings", "once_per_step"),
+    ("settings", "when", "refused"),
     [
-        (["train.zero_stage=1"], True),
-        (["train.zero_stage=1", "train.precision=bf16"], True),  # BF16_Optimizer
-        (["train.zero_stage=1", "train.overlap_grad_reduce=true"], False),
-        (["train.zero_stage=1", "train.precision=bf16", "train.offload_optimizer=true"], False),
-        (["train.zero_stage=2"], False),
-        (["train.zero_stage=2", "train.precision=bf16", "train.overlap_grad_reduce=true"], False),
-        (["train.zero_stage=3"], False),
+        # ZeRO-1 fp32's partition holds the reduced gradients too (summing after also works)
+        (["train.zero_stage=1"], BEFORE, []),
+        (["train.zero_stage=1", "train.precision=bf16"], BEFORE, [AFTER]),  # BF16_Optimizer
+        (["train.zero_stage=1", "train.overlap_grad_reduce=true"], AFTER, [BEFORE]),
+        (
+            ["train.zero_stage=1", "train.precision=bf16", "train.offload_optimizer=true"],
+            HOOKS,
+            [BEFORE, AFTER],
+        ),
+        (["train.zero_stage=2"], AFTER, [BEFORE]),
+        (
+            ["train.zero_stage=2", "train.precision=bf16", "train.overlap_grad_reduce=true"],
+            AFTER,
+            [BEFORE],
+        ),
+        (["train.zero_stage=2", "train.offload_optimizer=true"], HOOKS, [BEFORE, AFTER]),
+        (["train.zero_stage=3"], HOOKS, [BEFORE, AFTER]),
     ],
-    ids=["z1", "z1-bf16", "z1-overlap", "z1-bf16-offload", "z2", "z2-bf16-overlap", "z3"],
+    ids=[
+        "z1",
+        "z1-bf16",
+        "z1-overlap",
+        "z1-bf16-offload",
+        "z2",
+        "z2-bf16-overlap",
+        "z2-offload",
+        "z3",
+    ],
 )
-def test_the_once_a_step_rule_matches_what_deepspeed_does(settings, once_per_step, monkeypatch):
+def test_the_tp_sum_rule_matches_what_deepspeed_does(settings, when, refused, monkeypatch):
     # In this process (a world of one), the real engine: where the rule sums once a step,
-    # DeepSpeed neither takes the gradients inside the backward nor keeps them elsewhere
-    # (the engine checked it at its start); everywhere else the check would refuse it.
+    # DeepSpeed keeps the gradients there (the engine checked it at its start); the check
+    # refuses the moments where it does not.
     monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed requires it (torchrun, srun set it)
     from cqk_megatron.model.gpt import build_model
     from cqk_megatron.parallel.process_groups import init_single_process
     from cqk_megatron.training import deepspeed_engine
-    from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine
+    from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine, TpGradSum
 
     init_single_process()
     config = load_config(None, [*TINY, *settings])
-    assert deepspeed_engine.reduces_once_per_step(config) == once_per_step
+    assert deepspeed_engine.when_to_sum_tp_grads(config) is TpGradSum[when]
     torch.manual_seed(config.seed)
     engine = DeepSpeedEngine(build_model(config), config)
-    assert engine.megatron_sums.once_per_step == once_per_step
-    assert engine.engine.enable_backward_allreduce == (not once_per_step)
-    if not once_per_step:
-        with pytest.raises(RuntimeError, match="reduces_once_per_step"):
-            deepspeed_engine.check_reduces_once_per_step(engine.engine)
+    assert engine.megatron_sums.when is TpGradSum[when]
+    assert engine.engine.enable_backward_allreduce == (when != BEFORE)
+    for moment in refused:
+        with pytest.raises(RuntimeError, match="when_to_sum_tp_grads"):
+            deepspeed_engine.check_when_to_sum_tp_grads(engine.engine, TpGradSum[moment])
+
+
+def test_tp_peers_with_other_partition_slices_are_refused():
+    from cqk_megatron.training.deepspeed_engine import check_same_slices
+
+    # what the engine's first ZeRO-2 step compares across the TP group (gathered layouts)
+    same = [(0, "decoder.final_layernorm.weight", 0, 64)]
+    check_same_slices([same, list(same)])
+    other = [(0, "decoder.final_layernorm.weight", 16, 48)]
+    with pytest.raises(
+        RuntimeError, match=r"slice 0 is .*final_layernorm.weight', 0, 64\) on TP rank 0"
+    ):
+        check_same_slices([same, other])
+    with pytest.raises(RuntimeError, match="nothing on TP rank 1"):
+        check_same_slices([same, []])

@@ -30,6 +30,8 @@ import shutil
 import sys
 from argparse import Namespace
 from contextlib import AbstractContextManager
+from enum import Enum
+from itertools import zip_longest
 from pathlib import Path
 
 import torch
@@ -173,44 +175,137 @@ def _prebuilt_deepspeed_op(name: str) -> bool:
     return bool(installed_ops.get(name, False))
 
 
-def reduces_once_per_step(config: RunConfig) -> bool:
-    """Whether DeepSpeed reduces the gradients over data parallelism only once per step,
-    from ``allreduce_gradients`` after the last micro-batch's backward, so that the TP sums
-    of ``MegatronGradSums`` can wait for that moment too (one all-reduce a step).
+class TpGradSum(Enum):
+    """When DeepSpeed's engine sums the TP partial gradients (``when_to_sum_tp_grads``)."""
 
-    In DeepSpeed 0.19.8 (``engine.allreduce_gradients``, ``zero/stage_1_and_2.py``):
-    ZeRO-1 reduces at the accumulation boundary only (``reduce_gradients``), and in bf16
-    ``BF16_Optimizer`` reduces its fp32 buffer there (``buffered_allreduce_fallback``;
-    ``immediate_grad_update`` only adds each micro-batch into that buffer). Not so:
-    ZeRO-2/3, which reduce-scatter each gradient from hooks inside every backward;
-    ``overlap_comm`` at ZeRO-1, which reduces from hooks inside the last backward. There the
-    TP sum must be done by each backward's hooks, before DeepSpeed takes the gradient.
-    ZeRO-1 with ``offload_optimizer`` keeps the hooks too: in bf16 its gradients accumulate
-    in ``grad_accum`` attributes, which ``accumulated_grad`` does not read (and offload with
-    TP has not run here).
-    ``DeepSpeedEngine`` checks DeepSpeed's state after ``deepspeed.initialize``.
+    HOOKS = "per-parameter hooks in every backward"
+    BEFORE_DP_REDUCTION = "one all-reduce a step, before DeepSpeed's data-parallel reduction"
+    AFTER_DP_REDUCTION = "one all-reduce a step, of this rank's ZeRO partition after it"
+
+
+def when_to_sum_tp_grads(config: RunConfig) -> TpGradSum:
+    """When the TP partial gradients of ``MegatronGradSums`` can be summed, given where
+    DeepSpeed 0.19.8 reduces over data parallelism (``engine.allreduce_gradients``,
+    ``zero/stage_1_and_2.py``). The TP sum and the data-parallel average are both linear
+    over the micro-batches and commute, so one all-reduce a step does, placed:
+
+    - ``BEFORE_DP_REDUCTION``, ZeRO-1: DeepSpeed reduces at the accumulation boundary only
+      (``reduce_gradients``; in bf16 ``BF16_Optimizer`` reduces its fp32 buffer there,
+      ``immediate_grad_update`` only adding each micro-batch into it), so the sum runs on
+      the accumulated gradients, then ``allreduce_gradients``.
+    - ``AFTER_DP_REDUCTION``, ZeRO-2, and ZeRO-1 with ``overlap_comm`` (fp32 only, PP=1
+      only: ``validate``): DeepSpeed takes each gradient from its hooks inside the backward
+      (every one at ZeRO-2, the last at ZeRO-1), so the sum runs after the last
+      micro-batch's backward, on this rank's partition of the reduced gradients
+      (``zero_partition_grads``), before ``engine.step`` computes the norm and steps.
+    - ``HOOKS`` elsewhere: each backward's hooks sum before DeepSpeed takes the gradient.
+      ZeRO-3 keeps its gradient partitions in other structures (``stage3.py``, one slice
+      of each parameter per rank) that this bridge does not read; with
+      ``offload_optimizer`` each reduced slice is copied to the host and its norm taken
+      inside the backward (``norm_for_param_grads``), before the step's end.
+    ``DeepSpeedEngine`` checks DeepSpeed's state after ``deepspeed.initialize``
+    (``check_when_to_sum_tp_grads``).
     """
     t = config.train
-    return t.zero_stage == 1 and not t.overlap_grad_reduce and not t.offload_optimizer
+    if t.zero_stage == 3 or t.offload_optimizer:
+        return TpGradSum.HOOKS
+    if t.zero_stage == 2 or t.overlap_grad_reduce:
+        return TpGradSum.AFTER_DP_REDUCTION
+    return TpGradSum.BEFORE_DP_REDUCTION
 
 
-def check_reduces_once_per_step(engine) -> None:
-    """Refuse to go on if DeepSpeed's engine takes the gradients before the step's end, or
-    keeps them elsewhere, where ``reduces_once_per_step`` said it would not (a DeepSpeed
-    change): the TP sums would miss them, and the replicas would drift."""
+def check_when_to_sum_tp_grads(engine, when: TpGradSum) -> None:
+    """Refuse to go on if DeepSpeed's engine keeps the gradients elsewhere than
+    ``when_to_sum_tp_grads`` expects (a DeepSpeed change): the TP sums would miss them, and
+    the replicas would drift. Nothing to check for the hooks."""
     optimizer = engine.optimizer
-    early = {
-        "partitioned gradients (ZeRO-2/3)": engine.zero_optimization_partition_gradients(),
-        "overlap_comm": getattr(optimizer, "overlap_comm", False),
-        "grad_accum attributes": getattr(optimizer, "use_grad_accum_attribute", False),
-    }
-    found = [what for what, on in early.items() if on]
-    if found:
+    if when is TpGradSum.BEFORE_DP_REDUCTION:
+        found = {
+            "partitioned gradients (ZeRO-2/3)": engine.zero_optimization_partition_gradients(),
+            "overlap_comm": getattr(optimizer, "overlap_comm", False),
+            "grad_accum attributes": getattr(optimizer, "use_grad_accum_attribute", False),
+        }
+    elif when is TpGradSum.AFTER_DP_REDUCTION:
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        found = {
+            "no ZeRO-1/2 partition": not isinstance(optimizer, DeepSpeedZeroOptimizer),
+            "cpu_offload": getattr(optimizer, "cpu_offload", False),
+        }
+    else:
+        return
+    if any(found.values()):
         raise RuntimeError(
-            f"DeepSpeed's {type(optimizer).__name__} runs with {', '.join(found)}, yet "
-            "deepspeed_engine.reduces_once_per_step chose to sum the TP partial gradients "
-            "once at the step's end, where they are no longer in param.grad; update that rule"
+            f"DeepSpeed's {type(optimizer).__name__} runs with "
+            f"{', '.join(what for what, on in found.items() if on)}, yet "
+            f"deepspeed_engine.when_to_sum_tp_grads chose to sum the TP partial gradients in "
+            f"{when.value}, where DeepSpeed does not keep them; update that rule"
         )
+
+
+def zero_partition_grads(
+    optimizer, params: list[torch.nn.Parameter]
+) -> list[tuple[torch.nn.Parameter, int, torch.Tensor]]:
+    """The slices of ``params`` in this data-parallel rank's ZeRO-1/2 partition, with their
+    gradients reduced over data parallelism and summed over the step's micro-batches, as
+    ``step`` will clip and apply them: (parameter, its element where the slice starts, the
+    slice's gradient, which may be modified in place), in partition order. Valid from the
+    accumulation boundary's backward to ``step``.
+
+    The only read of ZeRO's internals here, DeepSpeed 0.19.8 ``runtime/zero/
+    stage_1_and_2.py`` (``DeepSpeedZeroOptimizer``): ``params_in_partition[group]`` and
+    ``first_offset[group]`` (``__init__``, l. 587-593: the parameters with elements in this
+    partition, the first from element ``first_offset``); ``averaged_gradients[group]``,
+    filled at the boundary by ``independent_gradient_partition_epilogue`` (l. 1033-1056)
+    and read by ``step`` for the norm (l. 2951), the overflow check (l. 3232) and the
+    update (l. 3105-3117). Its entries other than padding (``_zero_padding``) are the
+    slices of ``params_in_partition``, in order (as ``get_grad_norm_direct`` pairs them,
+    l. 2677-2678):
+    views of one fp32 partition buffer when gradients accumulate in fp32 under bf16
+    (``_build_compact_grad_partition_buffer``, l. 1268-1300), else the accumulated
+    gradients or views of them (``get_flat_partition``, l. 2712-2900).
+    """
+    wanted = {id(param) for param in params}
+    slices = []
+    for group, in_partition in enumerate(optimizer.params_in_partition):
+        entries = optimizer.averaged_gradients.get(group)
+        if entries is None:
+            raise RuntimeError(
+                f"DeepSpeed's ZeRO partition of parameter group {group} holds no gradients "
+                "after the last micro-batch's backward; update "
+                "deepspeed_engine.zero_partition_grads for this DeepSpeed"
+            )
+        grads = [g for g in entries if not getattr(g, "_zero_padding", False)]
+        # get_flat_partition leaves its trailing padding (or an empty partition's zeros)
+        # unmarked: always after the slices
+        if len(grads) < len(in_partition):
+            raise RuntimeError(
+                f"DeepSpeed's ZeRO partition of parameter group {group} holds "
+                f"{len(grads)} gradient slices for {len(in_partition)} parameters; update "
+                "deepspeed_engine.zero_partition_grads for this DeepSpeed"
+            )
+        pairs = zip(in_partition, grads[: len(in_partition)], strict=True)
+        for index, (param, grad) in enumerate(pairs):
+            if id(param) in wanted:
+                start = optimizer.first_offset[group] if index == 0 else 0
+                slices.append((param, start, grad))
+    return slices
+
+
+def check_same_slices(layouts: list[list[tuple]]) -> None:
+    """Refuse TP peers (``layouts`` in TP rank order) whose ZeRO partitions hold different
+    slices of the TP partial parameters: their all-reduce would add unrelated elements."""
+    for rank, layout in enumerate(layouts[1:], start=1):
+        pairs = zip_longest(layouts[0], layout, fillvalue="nothing")
+        for index, (first, other) in enumerate(pairs):
+            if first != other:
+                raise RuntimeError(
+                    "the tensor-parallel ranks' ZeRO partitions hold different slices of the "
+                    "TP partial parameters (data-parallel rank, name, first element, "
+                    f"elements): slice {index} is {first} on TP rank 0 and {other} on TP "
+                    f"rank {rank}, so their gradients cannot be summed on the partition; "
+                    "set train.zero_stage=1, or report this layout"
+                )
 
 
 class MegatronGradSums:
@@ -221,12 +316,14 @@ class MegatronGradSums:
     - Sequence parallelism: the TP partial gradients of the parameters Megatron marks
       ``sequence_parallel`` (the row-parallel biases) must be summed across the TP group.
       Without it each TP rank steps its copy with its own half of the gradient and the
-      copies drift apart. Where DeepSpeed reduces once per step (``reduces_once_per_step``),
-      ``before_data_parallel_reduction`` sums them, and with them every parameter that the
-      model's own hooks would sum (``f``, ``dt``, ``lambda``, our norms under SP: the hooks
-      are taken over), in one all-reduce a step instead of one per parameter per
-      micro-batch. Elsewhere they get the tensor hook of ``attention/tp_grads.py`` that
-      serves the others, which runs in each backward before DeepSpeed sees the gradient.
+      copies drift apart. Where one all-reduce a step can do (``when_to_sum_tp_grads``),
+      ``sum_tp_partial_grads`` sums them, and with them every parameter that the model's
+      own hooks would sum (``f``, ``dt``, ``lambda``, our norms under SP: the hooks are
+      taken over), instead of one all-reduce per parameter per micro-batch: on the
+      accumulated gradients before DeepSpeed's data-parallel reduction (ZeRO-1), or on this
+      rank's partition after it (ZeRO-2). Elsewhere they get the tensor hook of
+      ``attention/tp_grads.py`` that serves the others, which runs in each backward before
+      DeepSpeed sees the gradient.
     - Tied embeddings under pipeline parallelism: the first stage's word embedding and the
       last stage's output layer are two copies of one weight (Megatron's build makes them
       equal). After the schedule's last backward their gradients are summed over
@@ -240,13 +337,14 @@ class MegatronGradSums:
     def __init__(self, model: torch.nn.Module, config: RunConfig) -> None:
         self.tp_group = ps.get_tensor_model_parallel_group()
         sequence_parallel = left_to_finalize_model_grads(model, config.parallel.sequence_parallel)
-        self.once_per_step = reduces_once_per_step(config)
+        self.when = when_to_sum_tp_grads(config)
         self.tp_partial: list[tuple[str, torch.nn.Parameter]] = []
-        if self.once_per_step:
+        if self.when is TpGradSum.HOOKS:
+            sum_grads_across_tp(sequence_parallel, self.tp_group)
+        else:
             taken = {id(p) for p in take_over_tp_sums(model, also=sequence_parallel)}
             self.tp_partial = [(n, p) for n, p in model.named_parameters() if id(p) in taken]
-        else:
-            sum_grads_across_tp(sequence_parallel, self.tp_group)
+        self.partition_checked = False
         self.tied_copy = tied_embedding_copy(model)
         for param in model.parameters():
             if getattr(param, "shared", False):
@@ -255,12 +353,13 @@ class MegatronGradSums:
     def before_data_parallel_reduction(self) -> None:
         """Collective: the step's sums beyond data parallelism, on the gradients summed over
         the step's micro-batches, before DeepSpeed reduces them over data parallelism."""
-        self.sum_tp_partial_grads()
+        if self.when is TpGradSum.BEFORE_DP_REDUCTION:
+            self.sum_tp_partial_grads()
         self.sum_tied_embedding_grads()
 
     def sum_tp_partial_grads(self) -> None:
         """Collective over the TP group: one all-reduce of the accumulated gradients of every
-        parameter taken over from the hooks (none unless ``once_per_step``)."""
+        parameter taken over from the hooks."""
         grads = []
         for name, param in self.tp_partial:
             grad = accumulated_grad(param)
@@ -271,6 +370,23 @@ class MegatronGradSums:
                 )
             grads.append(grad)
         sum_accumulated_grads_across_tp(grads, self.tp_group)
+
+    def after_data_parallel_reduction(self, optimizer) -> None:
+        """Collective over the TP group, after the last micro-batch's backward and before
+        ``engine.step``: one all-reduce of the slices of the TP partial gradients in this
+        rank's ZeRO partition, already averaged over data parallelism. The peers of one TP
+        group have the same data-parallel rank, hence the same partition layout (each
+        parameter has one shape on every TP rank): checked at the first step."""
+        if self.when is not TpGradSum.AFTER_DP_REDUCTION:
+            return
+        slices = zero_partition_grads(optimizer, [param for _, param in self.tp_partial])
+        if not self.partition_checked:
+            names = {id(param): name for name, param in self.tp_partial}
+            dp_rank = ps.get_data_parallel_rank()
+            layout = [(dp_rank, names[id(p)], start, g.numel()) for p, start, g in slices]
+            check_same_slices(gather_objects(layout, group=self.tp_group))
+            self.partition_checked = True
+        sum_accumulated_grads_across_tp([grad for _, _, grad in slices], self.tp_group)
 
     def sum_tied_embedding_grads(self) -> None:
         """Collective over the embedding group (first and last stage), on the ranks that
@@ -430,12 +546,12 @@ class DeepSpeedEngine(Engine):
             mpu=MegatronMpu(),
             dist_init_required=False,
         )
-        if self.megatron_sums.once_per_step:
+        check_when_to_sum_tp_grads(self.engine, self.megatron_sums.when)
+        if self.megatron_sums.when is TpGradSum.BEFORE_DP_REDUCTION:
             # At PP=1 ``engine.backward`` would reduce over data parallelism inside the last
             # micro-batch's backward (``_backward_epilogue``), before the TP sums could run;
             # off, ``train_step`` calls ``allreduce_gradients`` itself after them, as
             # DeepSpeed's own PipelineEngine does (it turns the same switch off).
-            check_reduces_once_per_step(self.engine)
             self.engine.enable_backward_allreduce = False
         self.model = model
 
@@ -462,11 +578,8 @@ class DeepSpeedEngine(Engine):
                 loss = lm_loss(forward(self.engine, batch), batch["loss_mask"])
                 loss_sum += loss.detach().double()
                 self.engine.backward(loss)
-                if index == last and self.megatron_sums.once_per_step:
-                    # the accumulation boundary: every micro-batch's gradient is in, and
-                    # DeepSpeed reduces (``enable_backward_allreduce`` off: see __init__)
-                    self.megatron_sums.before_data_parallel_reduction()
-                    self.engine.allreduce_gradients()
+                if index == last:
+                    self.at_accumulation_boundary()
                 self.engine.step()
         grad_norm = self.engine.get_global_grad_norm()
         return StepResult(
@@ -474,6 +587,18 @@ class DeepSpeedEngine(Engine):
             grad_norm=float("nan") if grad_norm is None else float(grad_norm),
             skipped=self.engine.skipped_steps > skipped_before,
         )
+
+    def at_accumulation_boundary(self) -> None:
+        """PP=1, after the last micro-batch's ``engine.backward`` (every micro-batch's
+        gradient is in) and before ``engine.step``: the TP sums where they run once a step."""
+        sums = self.megatron_sums
+        if sums.when is TpGradSum.BEFORE_DP_REDUCTION:
+            # DeepSpeed reduces here (``enable_backward_allreduce`` off: see __init__)
+            sums.before_data_parallel_reduction()
+            self.engine.allreduce_gradients()
+        elif sums.when is TpGradSum.AFTER_DP_REDUCTION:
+            # that backward's epilogue has reduced the last gradients into the partition
+            sums.after_data_parallel_reduction(self.engine.optimizer)
 
     def whole_weights(self) -> AbstractContextManager:
         """Under ZeRO-3 each parameter above ``stage3_param_persistence_threshold`` holds
