@@ -85,7 +85,8 @@ def train_and_count_tp_sums(rank, world_size, port, root, runs) -> None:
     ``attention/tp_grads.py`` makes (``_collective_audit`` wraps ``torch.distributed``);
     ``per_parameter`` keeps DeepSpeed's engine on the per-micro-batch hooks where it would
     sum once per step (``deepspeed_engine.when_to_sum_tp_grads`` answers ``HOOKS``). Rank
-    ``r`` writes its final parameters to ``dump_path(root, name, r)``; rank 0 the exit code
+    ``r`` writes its final parameters and, where the TP sum runs on its ZeRO partition, the
+    slices it summed there to ``dump_path(root, name, r)``; rank 0 the exit code
     to ``root/name.exit`` and, to ``tp_sums_path``, the count and the number of parameters
     whose TP partial gradients the run summed."""
     import json
@@ -111,8 +112,8 @@ def train_and_count_tp_sums(rank, world_size, port, root, runs) -> None:
     hooks = deepspeed_engine.TpGradSum.HOOKS
 
     def keep_model(model, config):
-        built["model"] = model
-        return make_engine(model, config)
+        built["model"], built["engine"] = model, make_engine(model, config)
+        return built["engine"]
 
     loop.make_engine = keep_model
     try:
@@ -123,9 +124,11 @@ def train_and_count_tp_sums(rank, world_size, port, root, runs) -> None:
             config = config_for(root, name, overrides)
             before = tp_all_reduces()
             outcome = loop.train(config, datasets=synthetic_datasets(config))
-            model = built.pop("model")
+            model, engine = built.pop("model"), built.pop("engine")
             summed = [p for p in model.parameters() if getattr(p, "cqk_tp_partial_grad", False)]
-            torch.save({"final": _parameters(model)}, dump_path(root, name, rank))
+            partition = engine.megatron_sums.partition_layout
+            dump = {"final": _parameters(model), "partition": partition}
+            torch.save(dump, dump_path(root, name, rank))
             if rank == 0:
                 Path(root, f"{name}.exit").write_text(f"{outcome}\n")
                 counted = {"all_reduces": tp_all_reduces() - before, "parameters": len(summed)}

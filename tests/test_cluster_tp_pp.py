@@ -45,7 +45,7 @@ LAYOUTS = {
     "pp2": ["parallel.pipeline_parallel=2"],
 }
 # the 1B run's DeepSpeed settings (configs/runs/1b_4x8.yaml): ZeRO-2, its gradient
-# reduce-scatter overlapped with the backward (overlap_comm), after the TP sums of the hooks
+# reduce-scatter overlapped with the backward (overlap_comm), then the TP sums on the partition
 ZERO2_OVERLAP = ["train.zero_stage=2", "train.overlap_grad_reduce=true"]
 CLIP = 0.3  # below every step's gradient norm here (checked): clipping binds throughout
 # Relative differences allowed between a layout and the one-rank run, and between the two
@@ -306,6 +306,38 @@ def test_deepspeed_sums_the_tp_partial_gradients_in_one_all_reduce_a_step(
             worst = max((ours[n] - theirs[n]).abs().max().item() for n in theirs)
             print(f"rank {rank}: largest weight difference {worst:.2g}")
             assert worst <= WEIGHTS_FP32, worst
+
+
+@pytest.fixture(scope="module")
+def split_runs(tmp_path_factory) -> Path:
+    """TP=2 x DP=2 on four ranks, ZeRO-2 with overlap_comm, fp32: each data-parallel rank's
+    partition holds part of the parameters, and one TP partial vector lies across both."""
+    root = tmp_path_factory.mktemp("tp-sums-dp2")
+    seeded = [o for o in _common(str(root), "fp32") if not o.startswith("train.init_from")]
+    zero2 = [*seeded, *COUPLED_SP, *ZERO2_OVERLAP]
+    runs = [("hooks", zero2, True), ("zero2-overlap", zero2, False)]
+    run_ranks(train_and_count_tp_sums, 4, str(root), runs)
+    return root
+
+
+def test_zero2_sums_the_tp_slices_of_each_data_parallel_partition(split_runs):
+    hooks, once = (_tp_sums(split_runs, run) for run in ("hooks", "zero2-overlap"))
+    micro_batches = MICRO_BATCHES // 2  # a rank's share of each step's sequences
+    assert hooks["all_reduces"] == STEPS * micro_batches * once["parameters"], hooks
+    assert once["all_reduces"] == STEPS, once
+    _agree(split_runs, "zero2-overlap", "hooks", "fp32")
+    # (data-parallel rank, name, first element, elements): the TP peers (ranks 0 and 1,
+    # 2 and 3) summed the same slices, and a parameter split between the partitions was
+    # summed in both, each part in its own
+    layouts = [_dump(split_runs, "zero2-overlap", rank)["partition"] for rank in range(4)]
+    assert layouts[0] == layouts[1] and layouts[2] == layouts[3], layouts
+    starts = {name: (start, size) for _, name, start, size in layouts[2]}
+    split = [(name, size) for _, name, start, size in layouts[0] if name in starts]
+    assert len(split) == 1 and starts[split[0][0]][0] == split[0][1] > 0, (split, starts)
+    for rank in range(4):
+        ours, theirs = (_dump(split_runs, run, rank)["final"] for run in ("zero2-overlap", "hooks"))
+        worst = max((ours[n] - theirs[n]).abs().max().item() for n in theirs)
+        assert worst <= WEIGHTS_FP32, (rank, worst)
 
 
 # deepspeed_engine.TpGradSum's members

@@ -344,7 +344,8 @@ class MegatronGradSums:
         else:
             taken = {id(p) for p in take_over_tp_sums(model, also=sequence_parallel)}
             self.tp_partial = [(n, p) for n, p in model.named_parameters() if id(p) in taken]
-        self.partition_checked = False
+        # (data-parallel rank, name, first element, elements) of each slice on the partition
+        self.partition_layout: list[tuple[int, str, int, int]] | None = None
         self.tied_copy = tied_embedding_copy(model)
         for param in model.parameters():
             if getattr(param, "shared", False):
@@ -380,12 +381,12 @@ class MegatronGradSums:
         if self.when is not TpGradSum.AFTER_DP_REDUCTION:
             return
         slices = zero_partition_grads(optimizer, [param for _, param in self.tp_partial])
-        if not self.partition_checked:
+        if self.partition_layout is None:
             names = {id(param): name for name, param in self.tp_partial}
             dp_rank = ps.get_data_parallel_rank()
             layout = [(dp_rank, names[id(p)], start, g.numel()) for p, start, g in slices]
             check_same_slices(gather_objects(layout, group=self.tp_group))
-            self.partition_checked = True
+            self.partition_layout = layout
         sum_accumulated_grads_across_tp([grad for _, _, grad in slices], self.tp_group)
 
     def sum_tied_embedding_grads(self) -> None:
