@@ -260,10 +260,9 @@ def zero_partition_grads(
     and read by ``step`` for the norm (l. 2951), the overflow check (l. 3232) and the
     update (l. 3105-3117). Its entries other than padding (``_zero_padding``) are the
     slices of ``params_in_partition``, in order (as ``get_grad_norm_direct`` pairs them,
-    l. 2677-2678):
-    views of one fp32 partition buffer when gradients accumulate in fp32 under bf16
-    (``_build_compact_grad_partition_buffer``, l. 1268-1300), else the accumulated
-    gradients or views of them (``get_flat_partition``, l. 2712-2900).
+    l. 2677-2678): views of one fp32 partition buffer when gradients accumulate in fp32
+    under bf16 (``_build_compact_grad_partition_buffer``, l. 1268-1300), else the
+    accumulated gradients or views of them (``get_flat_partition``, l. 2712-2900).
     """
     wanted = {id(param) for param in params}
     slices = []
@@ -378,8 +377,6 @@ class MegatronGradSums:
         rank's ZeRO partition, already averaged over data parallelism. The peers of one TP
         group have the same data-parallel rank, hence the same partition layout (each
         parameter has one shape on every TP rank): checked at the first step."""
-        if self.when is not TpGradSum.AFTER_DP_REDUCTION:
-            return
         slices = zero_partition_grads(optimizer, [param for _, param in self.tp_partial])
         if self.partition_layout is None:
             names = {id(param): name for name, param in self.tp_partial}
