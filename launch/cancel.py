@@ -24,6 +24,7 @@ import socket
 import time
 from pathlib import Path
 
+from cqk_megatron.cli.args import plain, program
 from cqk_megatron.run import lease as run_lease
 from cqk_megatron.run.folder import LEASE
 from launch import run_dir as runs
@@ -87,7 +88,9 @@ def cancel(run_dir: Path, wait_s: float = 180.0) -> tuple[bool, str]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="submit.py cancel", description=__doc__.split("\n\n")[0])
+    prog = program("launch/submit.py")  # "cqk cancel" as typed, or "launch/submit.py cancel"
+    prog = prog if prog.endswith(" cancel") else f"{prog} cancel"
+    parser = argparse.ArgumentParser(prog=prog, description=plain(__doc__.split("\n\n")[0]))
     parser.add_argument(
         "runs",
         nargs="+",

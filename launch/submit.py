@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import yaml  # noqa: E402
 
+from cqk_megatron.cli.args import program  # noqa: E402
 from cqk_megatron.config import ConfigError, to_dict  # noqa: E402
 from cqk_megatron.errors import EXIT_REFUSED  # noqa: E402
 from cqk_megatron.run.checkpoint_files import RESUME_HELP  # noqa: E402
@@ -108,11 +109,14 @@ def add_resource_options(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    prog = program("launch/submit.py")
+    # as typed: "cqk submit" goes with "cqk status", "launch/submit.py" with its own
+    others = "cqk" if prog.startswith("cqk") else prog
     parser = argparse.ArgumentParser(
-        prog="launch/submit.py",
+        prog=prog,
         description=__doc__.split("\n\n")[0],
-        epilog="Also: launch/submit.py status RUN_DIR... (job state, progress, log tail); "
-        "launch/submit.py cancel RUN_DIR... (end a run's job, every process of it).",
+        epilog=f"Also: {others} status RUN_DIR... (job state, progress, log tail); "
+        f"{others} cancel RUN_DIR... (end a run's job, every process of it).",
     )
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--config", help="run config YAML (configs/runs/...)")

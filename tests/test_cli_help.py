@@ -1,7 +1,8 @@
 """Every command's ``--help`` (issue 29): each console script of setup.py and each ``cqk``
-command, subcommand and sub-subcommand exits 0, shows its defaults, prints no warning (an
-empty stderr), imports none of torch, Megatron, DeepSpeed, transformers, pandas,
-matplotlib or scipy, and takes under 2 CPU-seconds; every option has help text.
+command, subcommand and sub-subcommand exits 0, names itself as typed in its usage line,
+shows its defaults, prints no warning (an empty stderr), imports none of torch, Megatron,
+DeepSpeed, transformers, pandas, matplotlib or scipy, and takes under 2 CPU-seconds; every
+option has help text.
 
 The commands come from setup.py's entry points and the dispatcher's table
 (``cqk_megatron.__main__.COMMANDS``), and the subcommands of a parser from the parser
@@ -93,6 +94,10 @@ def check_help(program: str, target: str, args: tuple[str, ...], tmp_path: Path)
         problems.append(f"{shown}: printed on stderr: {result['stderr'][-2000:]}")
     if not result["stdout"].strip():
         problems.append(f"{shown}: printed no help")
+    usage = "usage: " + " ".join([program, *args])
+    if program == "cqk" and not result["stdout"].startswith(usage):
+        # as typed: "cqk submit", not the file's own name ("launch/submit.py")
+        problems.append(f"{shown}: its usage line is not {usage!r}: {result['stdout'][:80]!r}")
     if result.get("heavy"):
         problems.append(f"{shown}: imported {result['heavy']}")
     if result["cpu"] >= CPU_LIMIT_S:
