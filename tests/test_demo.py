@@ -248,5 +248,5 @@ def test_ci_takes_its_python_from_venv(tmp_path):
     assert "stand-in slurm install.sh" in result.stdout  # the copy's scripts ran
     calls = log.read_text().splitlines()
     assert any(c.startswith("-m pip") and "install" in c for c in calls), calls
-    assert "-m pytest -q --durations=15 tests" in calls, calls
+    assert "-m pytest -q -n 2 --durations=15 tests" in calls, calls
     assert not (tmp_path / ".venv").exists() and not (repo / ".venv").exists()

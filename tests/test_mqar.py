@@ -176,6 +176,7 @@ def test_command_writes_every_seed_curve_table_and_plot(capsys, tmp_path):
     argv = ["--variants", "standard,coupled", "--settings", "64x4", "--seeds", "0,1"]
     argv += ["--families", "llama,gpt2", "--positions", "pre_rope,post_rope", "--steps", "4"]
     argv += ["--eval-every", "2", "--vocab-size", "128", "--eval-examples", "16"]
+    argv += ["--threads", "1"]  # the default, every core, would stay set in this test process
     # two shards train the runs between them; the command without --shard gathers them
     for shard in ("0/2", "1/2"):
         mqar_cli.main([*argv, "--out", str(tmp_path), "--shard", shard])
