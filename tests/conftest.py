@@ -26,13 +26,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The modules' wall times, longest first (a profile of the whole suite; CPU-bound modules
 # and modules that mostly wait on Slurm or timeouts alike: each takes a worker).
 LONGEST_FIRST = [
-    "test_demo.py",
     "test_launch.py",
     "test_training.py",
     "test_parallel_equivalence.py",
     "test_cluster_tp_pp.py",
     "test_faults.py",
     "test_multinode.py",
+    "test_demo.py",
     "test_gpu_path.py",
     "test_mqar.py",
     "test_cancel.py",

@@ -308,14 +308,28 @@ def test_deepspeed_sums_the_tp_partial_gradients_in_one_all_reduce_a_step(
             assert worst <= WEIGHTS_FP32, worst
 
 
+# configs/runs/1b_4x8.yaml at tiny size: the Llama family (RMSNorm, SwiGLU, no biases) with
+# untied embeddings, the coupled variant, TP=2 + SP x DP=2, ZeRO-2 with overlap_comm, bf16
+SHAPED_LIKE_1B = [
+    *family_overrides("llama"),
+    "model.tie_embeddings=false",
+    "attention.coupling=hamiltonian",
+    *LAYOUTS["tp2sp"],
+    *ZERO2_OVERLAP,
+]
+
+
 @pytest.fixture(scope="module")
 def split_runs(tmp_path_factory) -> Path:
     """TP=2 x DP=2 on four ranks, ZeRO-2 with overlap_comm, fp32: each data-parallel rank's
-    partition holds part of the parameters, and one TP partial vector lies across both."""
+    partition holds part of the parameters, and one TP partial vector lies across both.
+    And the 1B config's combination, in bf16 (``SHAPED_LIKE_1B``)."""
     root = tmp_path_factory.mktemp("tp-sums-dp2")
     seeded = [o for o in _common(str(root), "fp32") if not o.startswith("train.init_from")]
     zero2 = [*seeded, *COUPLED_SP, *ZERO2_OVERLAP]
     runs = [("hooks", zero2, True), ("zero2-overlap", zero2, False)]
+    bf16 = [o for o in _common(str(root), "bf16") if not o.startswith("train.init_from")]
+    runs += [("hooks-1b", [*bf16, *SHAPED_LIKE_1B], True), ("1b", [*bf16, *SHAPED_LIKE_1B], False)]
     run_ranks(train_and_count_tp_sums, 4, str(root), runs)
     return root
 
@@ -338,6 +352,22 @@ def test_zero2_sums_the_tp_slices_of_each_data_parallel_partition(split_runs):
         ours, theirs = (_dump(split_runs, run, rank)["final"] for run in ("zero2-overlap", "hooks"))
         worst = max((ours[n] - theirs[n]).abs().max().item() for n in theirs)
         assert worst <= WEIGHTS_FP32, (rank, worst)
+
+
+def test_the_1b_combination_on_four_ranks_sums_once_a_step_as_the_hooks_do(split_runs):
+    """The shipped 1B config's combination (``SHAPED_LIKE_1B``) on four ranks: one TP
+    all-reduce a step, the per-parameter hooks' curve in bf16, and the replica check (on in
+    every run here) found every replicated parameter equal across ranks at every step."""
+    hooks, once = (_tp_sums(split_runs, run) for run in ("hooks-1b", "1b"))
+    micro_batches = MICRO_BATCHES // 2
+    assert once["parameters"] == hooks["parameters"] > 0, (hooks, once)
+    assert hooks["all_reduces"] == STEPS * micro_batches * once["parameters"], hooks
+    assert once["all_reduces"] == STEPS, once
+    print(
+        f"\n1B-shaped, 4 ranks, bf16: largest relative difference to the hooks' loss, norm: "
+        f"{_worst(split_runs, '1b', 'hooks-1b')}"
+    )
+    _agree(split_runs, "1b", "hooks-1b", "bf16")
 
 
 # deepspeed_engine.TpGradSum's members

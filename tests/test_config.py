@@ -835,6 +835,34 @@ def test_data_loader_workers_are_refused_not_ignored():
     validate(cfg("data.num_workers=0"))
 
 
+@pytest.mark.parametrize(
+    ("overrides", "named", "fix"),
+    [
+        (
+            ["parallel.pipeline_parallel=2", "train.zero_stage=2"],
+            "train.zero_stage=2 with parallel.pipeline_parallel=2",
+            "use train.zero_stage=1 with pipeline parallelism",
+        ),
+        (
+            ["parallel.pipeline_parallel=2", "train.zero_stage=3"],
+            "train.zero_stage=3 with parallel.pipeline_parallel=2",
+            "use train.zero_stage=1 with pipeline parallelism",
+        ),
+        (
+            ["train.engine=megatron", "train.offload_optimizer=true"],
+            "train.offload_optimizer=true is DeepSpeed's optimizer offload",
+            "train.engine=megatron",
+        ),
+    ],
+    ids=["zero2-pp2", "zero3-pp2", "megatron-offload"],
+)
+def test_engine_and_layout_combinations_that_cannot_train_right_are_refused(overrides, named, fix):
+    # ZeRO-2/3 reduce inside each backward, which Megatron's pipeline schedule drives; the
+    # Megatron engine has no optimizer offload (issue 25's test matrix)
+    message = assert_invalid(cfg(*overrides), named)
+    assert fix in message, message
+
+
 def test_replica_check_interval_is_an_option_off_by_default():
     assert_invalid(cfg("train.check_replicas_interval=-1"), "train.check_replicas_interval=-1")
     assert cfg().train.check_replicas_interval == 0
