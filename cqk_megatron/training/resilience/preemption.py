@@ -8,8 +8,12 @@ requeue the job.
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
+import threading
 import time
+from multiprocessing.managers import SyncManager
 
 from cqk_megatron.training import collectives
 
@@ -46,7 +50,8 @@ class StopRequest:
 
 
 def protect_checkpoint_writer() -> None:
-    """Start Megatron's checkpoint-writer helper process immune to Slurm's stop signals.
+    """Start Megatron's checkpoint-writer helper process immune to Slurm's stop signals,
+    and bound to this process's life.
 
     Megatron's filesystem writer sends its results through a queue served by a process it
     starts with multiprocessing's *spawn* method, once, at the first save. Slurm signals
@@ -55,13 +60,40 @@ def protect_checkpoint_writer() -> None:
     asks for then fails with BrokenPipeError (seen on a real Slurm cluster, and with
     ``kill -TERM -<pgid>``). Starting that process before the first save with both signals
     ignored (an ignored disposition survives exec) lets it outlive them; Slurm's SIGKILL at
-    the end of the job still ends it.
+    the end of the job still ends it. Outside Slurm (torchrun, the local launcher) nothing
+    else would: a rank killed with SIGKILL left its helper, deaf to TERM, waiting forever,
+    so the helper asks the kernel to kill it when this process ends (``_die_with_parent``).
     """
+    import torch.multiprocessing as torch_mp
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    if filesystem_async._results_queue is not None:  # private; megatron-core is pinned
+        return
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGUSR1, signal.SIGTERM)}
     try:
-        filesystem_async._get_write_results_queue()  # private; megatron-core is pinned
+        # what filesystem_async._get_write_results_queue makes, with an initializer
+        manager = SyncManager(ctx=torch_mp.get_context("spawn"))
+        manager.start(_die_with_parent, (os.getpid(), _on_main_thread()))
+        filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _on_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _die_with_parent(parent_pid: int, from_main_thread: bool) -> None:
+    """In the helper, first: SIGKILL when the process that started it ends (Linux's
+    ``PR_SET_PDEATHSIG``). The kernel sends it when the starting *thread* ends, so only a
+    helper started from the main thread takes it; one started from another thread keeps
+    the old behaviour."""
+    if not (from_main_thread and sys.platform.startswith("linux")):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+    if os.getppid() != parent_pid:  # it ended before the line above took effect
+        os._exit(0)

@@ -1,0 +1,69 @@
+"""Megatron's checkpoint-writer helper ends with the rank that started it.
+
+``preemption.protect_checkpoint_writer`` starts that helper (a multiprocessing manager,
+spawned) with SIGTERM and SIGUSR1 ignored, so that Slurm's stop signals do not break the
+save they ask for. A rank killed with SIGKILL outside Slurm (torchrun, the local launcher)
+then left its helper sleeping forever, deaf to TERM: every run of this suite left two, from
+``test_async_save``'s kills. The helper now asks the kernel to kill it when its rank ends.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+RANK = """
+import multiprocessing, signal, sys
+from cqk_megatron.training.resilience.preemption import protect_checkpoint_writer
+
+protect_checkpoint_writer()
+(helper,) = multiprocessing.active_children()
+print(helper.pid, flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def alive(pid: int) -> bool:
+    """Running or sleeping: not gone and not a zombie waiting for its new parent."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def wait_until(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_the_helper_ignores_stop_signals_and_dies_with_a_rank_killed_by_sigkill():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    rank = subprocess.Popen(
+        [sys.executable, "-c", RANK], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+    )
+    helper = None
+    try:
+        helper = int(rank.stdout.readline())
+        os.kill(helper, signal.SIGTERM)  # what Slurm sends the whole job step on requeue
+        time.sleep(1)
+        assert alive(helper), "the helper died of SIGTERM: the save it serves would fail"
+        rank.kill()
+        rank.wait(timeout=60)
+        assert wait_until(lambda: not alive(helper), timeout_s=30), (
+            f"the helper (pid {helper}) outlived its rank, killed with SIGKILL"
+        )
+    finally:
+        rank.kill()
+        if helper is not None and alive(helper):
+            os.kill(helper, signal.SIGKILL)
