@@ -10,6 +10,7 @@ then left its helper sleeping forever, deaf to TERM: every run of this suite lef
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+START_BOUND_S = 300  # importing Megatron and spawning the helper, on a loaded machine
 
 RANK = """
 import multiprocessing, signal, sys
@@ -54,6 +56,9 @@ def test_the_helper_ignores_stop_signals_and_dies_with_a_rank_killed_by_sigkill(
     )
     helper = None
     try:
+        # bounded: a rank that hangs before printing fails the test instead of stalling it
+        ready, _, _ = select.select([rank.stdout], [], [], START_BOUND_S)
+        assert ready, f"the rank printed no helper pid within {START_BOUND_S} s"
         helper = int(rank.stdout.readline())
         os.kill(helper, signal.SIGTERM)  # what Slurm sends the whole job step on requeue
         time.sleep(1)
