@@ -28,7 +28,6 @@ This controller (a subclass: the same environment, logs and requeue code) differ
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shlex
 import signal
@@ -44,13 +43,13 @@ import submitit
 from submitit.core import utils
 from submitit.local import local as submitit_local
 
+from cqk_megatron.training.resilience.orphans import die_with_parent
 from launch import attempts
 from launch import run_dir as runs
 
 CANCEL_GRACE_S = float(os.environ.get("CQK_CANCEL_GRACE_S", "120"))
 CONTROLLER_MODULE = "launch.local_job"
 CONTROLLER_LOG = "local_controller.log"  # the setup lines' and the controller's own output
-_PR_SET_PDEATHSIG = 1
 
 ENV_RUN_DIR = "CQK_RUN_DIR"
 ENV_MAX_RESTARTS = "CQK_MAX_RESTARTS"
@@ -66,12 +65,8 @@ def is_cancelled(folder: Path | str, job_id: str) -> bool:
     return cancelled_marker(folder, job_id).exists()
 
 
-def _die_with_parent() -> None:  # runs in each task between fork and exec
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: a killed controller leaves its tasks (submitit's behaviour)
+def _end_with_controller() -> None:  # runs in each task between fork and exec
+    die_with_parent(signal.SIGTERM)  # not Linux: a killed controller leaves its tasks
 
 
 class Controller(submitit_local.Controller):
@@ -132,7 +127,7 @@ class Controller(submitit_local.Controller):
                     stdout=self.stdouts[k],
                     encoding="utf-8",
                     start_new_session=True,
-                    preexec_fn=_die_with_parent,  # after setsid: a session keeps it
+                    preexec_fn=_end_with_controller,  # after setsid: a session keeps it
                 )
             )
         if self.cancelled:  # cancelled while they were starting: the late ones too

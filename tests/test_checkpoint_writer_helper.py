@@ -4,7 +4,8 @@
 spawned) with SIGTERM and SIGUSR1 ignored, so that Slurm's stop signals do not break the
 save they ask for. A rank killed with SIGKILL outside Slurm (torchrun, the local launcher)
 then left its helper sleeping forever, deaf to TERM: every run of this suite left two, from
-``test_async_save``'s kills. The helper now asks the kernel to kill it when its rank ends.
+``test_async_save``'s kills. The helper now asks the kernel to kill it when its rank ends,
+from an initializer whose module imports no torch.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def test_the_helper_ignores_stop_signals_and_dies_with_a_rank_killed_by_sigkill(
         ready, _, _ = select.select([rank.stdout], [], [], START_BOUND_S)
         assert ready, f"the rank printed no helper pid within {START_BOUND_S} s"
         helper = int(rank.stdout.readline())
+        # its initializer's module is torch-free: importing torch there cost every rank of
+        # every run 1.5 CPU-s (the initializer had run when the rank printed)
+        assert "libtorch" not in Path(f"/proc/{helper}/maps").read_text(), "torch imported"
         os.kill(helper, signal.SIGTERM)  # what Slurm sends the whole job step on requeue
         time.sleep(1)
         assert alive(helper), "the helper died of SIGTERM: the save it serves would fail"

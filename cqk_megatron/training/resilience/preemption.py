@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 from multiprocessing.managers import SyncManager
 
 from cqk_megatron.training import collectives
+from cqk_megatron.training.resilience.orphans import helper_dies_with_parent
 
 __all__ = ["STOP_SIGNALS", "StopRequest", "protect_checkpoint_writer"]
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -62,7 +62,8 @@ def protect_checkpoint_writer() -> None:
     ignored (an ignored disposition survives exec) lets it outlive them; Slurm's SIGKILL at
     the end of the job still ends it. Outside Slurm (torchrun, the local launcher) nothing
     else would: a rank killed with SIGKILL left its helper, deaf to TERM, waiting forever,
-    so the helper asks the kernel to kill it when this process ends (``_die_with_parent``).
+    so the helper asks the kernel to kill it when this process ends
+    (``orphans.helper_dies_with_parent``, a torch-free module: the helper imports it).
     """
     import torch.multiprocessing as torch_mp
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -73,7 +74,7 @@ def protect_checkpoint_writer() -> None:
     try:
         # what filesystem_async._get_write_results_queue makes, with an initializer
         manager = SyncManager(ctx=torch_mp.get_context("spawn"))
-        manager.start(_die_with_parent, (os.getpid(), _on_main_thread()))
+        manager.start(helper_dies_with_parent, (os.getpid(), _on_main_thread()))
         filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager
     finally:
         for sig, handler in previous.items():
@@ -82,18 +83,3 @@ def protect_checkpoint_writer() -> None:
 
 def _on_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
-
-
-def _die_with_parent(parent_pid: int, from_main_thread: bool) -> None:
-    """In the helper, first: SIGKILL when the process that started it ends (Linux's
-    ``PR_SET_PDEATHSIG``). The kernel sends it when the starting *thread* ends, so only a
-    helper started from the main thread takes it; one started from another thread keeps
-    the old behaviour."""
-    if not (from_main_thread and sys.platform.startswith("linux")):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
-    if os.getppid() != parent_pid:  # it ended before the line above took effect
-        os._exit(0)
