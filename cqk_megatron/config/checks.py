@@ -335,8 +335,8 @@ def _check_model_shape(m: ModelConfig, tp: int, check: _Checks) -> None:
     )
 
 
-def _check_engine(t: TrainConfig, pp: int, check: _Checks) -> None:
-    """What each data-parallel engine takes."""
+def _check_engine(t: TrainConfig, pp: int, tied: bool, check: _Checks) -> None:
+    """What each data-parallel engine takes (``tied``: model.tie_embeddings)."""
     if pp > 1 and t.engine == "deepspeed":
         check(
             t.zero_stage == 1,
@@ -363,6 +363,14 @@ def _check_engine(t: TrainConfig, pp: int, check: _Checks) -> None:
         "hooks inside each backward, which Megatron's pipeline schedule drives itself "
         "(DeepSpeed's own pipeline engine turns it off); set train.overlap_grad_reduce=false, "
         "or use train.engine=megatron",
+    )
+    check(
+        not (t.offload_optimizer and t.engine == "deepspeed" and pp > 1 and tied),
+        f"train.offload_optimizer=true with model.tie_embeddings=true and "
+        f"parallel.pipeline_parallel={pp}: DeepSpeed's offloading optimizer reduces each "
+        "gradient in hooks inside the backward, before the first and last stages' copies of "
+        "the tied embedding can be summed; set model.tie_embeddings=false, or "
+        "train.offload_optimizer=false",
     )
     check(
         not (
@@ -539,7 +547,9 @@ def config_errors(
     if check.errors:
         return check.errors
     _check_model_shape(config.model, config.parallel.tensor_parallel, check)
-    _check_engine(config.train, config.parallel.pipeline_parallel, check)
+    _check_engine(
+        config.train, config.parallel.pipeline_parallel, config.model.tie_embeddings, check
+    )
     _check_parallel_layout(config, check)
     _check_recompute(config.train, _layers_per_chunk(config), check)
     _check_attention_options(config, check)

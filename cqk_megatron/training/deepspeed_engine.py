@@ -388,15 +388,17 @@ class MegatronGradSums:
 
     def sum_tied_embedding_grads(self) -> None:
         """Collective over the embedding group (first and last stage), on the ranks that
-        hold a copy; DeepSpeed has not reduced the gradients yet (``overlap_comm`` is off)."""
+        hold a copy; DeepSpeed has not reduced the gradients yet (validate() refuses
+        ``overlap_comm`` and optimizer offload, which reduce in hooks, with a tied PP>1)."""
         if self.tied_copy is None:
             return
         grad = accumulated_grad(self.tied_copy)
         if grad is None:
             raise RuntimeError(
                 "the tied embedding has no gradient after the pipeline schedule: DeepSpeed "
-                "reduced it during backward (zero_optimization.overlap_comm); it must stay off "
-                "with model.tie_embeddings=true and parallel.pipeline_parallel > 1"
+                "reduced it during backward (zero_optimization.overlap_comm or offload_optimizer); "
+                "both must stay off with model.tie_embeddings=true and "
+                "parallel.pipeline_parallel > 1"
             )
         collectives.all_reduce(grad, group=ps.get_embedding_group())
 
