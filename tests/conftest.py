@@ -31,6 +31,7 @@ LONGEST_FIRST = [
     "test_parallel_equivalence.py",
     "test_cluster_tp_pp.py",
     "test_faults.py",
+    "test_cluster_matrix.py",
     "test_multinode.py",
     "test_demo.py",
     "test_gpu_path.py",
