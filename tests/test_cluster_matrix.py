@@ -10,7 +10,8 @@ not take, on four ranks, in bf16 (real DeepSpeed and Megatron-Core, gloo):
 - ZeRO-3 at TP=2+SP x DP=2, with every vocabulary shard above DeepSpeed's persistence
   threshold, saved and resumed in mid-run, exactly;
 - TP=4 + SP under ZeRO-2 without overlap_comm; TP=2+SP x DP=2 under ZeRO-2 with the
-  optimizer offloaded; TP=2 x PP=2; PP=4 under the Megatron engine. (Offload with tied
+  optimizer offloaded; TP=2 x PP=2, and with SP and 2 virtual stages; PP=4 under the
+  Megatron engine. (Offload with tied
   embeddings under PP crashed at step 1, DeepSpeed having reduced the embedding's gradient
   in its hooks: ``validate()`` now refuses it, tests/test_config.py.)
 
@@ -67,6 +68,11 @@ LAYOUTS = {
     "ds-z2-tp4sp": ["train.zero_stage=2", "parallel.tensor_parallel=4", TP2SP[1]],
     "ds-z2-tp2sp-dp2-offload": ["train.zero_stage=2", *TP2SP, "train.offload_optimizer=true"],
     "ds-tp2pp2": ["parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"],
+    "ds-tp2sp-pp2-vp2": [
+        *TP2SP,
+        "parallel.pipeline_parallel=2",
+        "parallel.virtual_pipeline=2",
+    ],
     "mg-pp4": [*MEGATRON, "parallel.pipeline_parallel=4"],
 }
 RESUMED = ("ds-pp2-vp2-dp2", "mg-tp2sp-dp2-overlap", "ds-z3-tp2sp-dp2")
