@@ -38,6 +38,7 @@ from cqk_megatron.config import family_overrides
 
 MEGATRON = ["train.engine=megatron"]
 TP2SP = ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"]
+INTERLEAVED = ["parallel.pipeline_parallel=2", "parallel.virtual_pipeline=2"]
 # 4 layers: one per stage at PP=4, one per virtual stage at PP=2 x 2
 MODEL = [*family_overrides("gpt2"), "model.tie_embeddings=true", "model.num_layers=4"]
 # ZeRO-3's model, against its own one-rank run: vocabulary 4096 x hidden 64, so each TP=2
@@ -52,12 +53,8 @@ BF16 = ["train.precision=bf16", "train.micro_batch_size=1", "train.global_batch_
 # before the last (train.keep_last keeps both)
 STOP = 5
 LAYOUTS = {
-    "ds-pp2-vp2-dp2": [
-        "parallel.pipeline_parallel=2",
-        "parallel.virtual_pipeline=2",
-        f"train.save_interval={STOP}",
-    ],
-    "mg-pp2-vp2-dp2": [*MEGATRON, "parallel.pipeline_parallel=2", "parallel.virtual_pipeline=2"],
+    "ds-pp2-vp2-dp2": [*INTERLEAVED, f"train.save_interval={STOP}"],
+    "mg-pp2-vp2-dp2": [*MEGATRON, *INTERLEAVED],
     "mg-tp2sp-dp2-overlap": [
         *MEGATRON,
         *TP2SP,
@@ -68,11 +65,7 @@ LAYOUTS = {
     "ds-z2-tp4sp": ["train.zero_stage=2", "parallel.tensor_parallel=4", TP2SP[1]],
     "ds-z2-tp2sp-dp2-offload": ["train.zero_stage=2", *TP2SP, "train.offload_optimizer=true"],
     "ds-tp2pp2": ["parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"],
-    "ds-tp2sp-pp2-vp2": [
-        *TP2SP,
-        "parallel.pipeline_parallel=2",
-        "parallel.virtual_pipeline=2",
-    ],
+    "ds-tp2sp-pp2-vp2": [*TP2SP, *INTERLEAVED],
     "mg-pp4": [*MEGATRON, "parallel.pipeline_parallel=4"],
 }
 RESUMED = ("ds-pp2-vp2-dp2", "mg-tp2sp-dp2-overlap", "ds-z3-tp2sp-dp2")
