@@ -24,7 +24,7 @@ import socket
 import time
 from pathlib import Path
 
-from cqk_megatron.cli.args import plain, program
+from cqk_megatron.cli.args import plain, subcommand_program
 from cqk_megatron.run import lease as run_lease
 from cqk_megatron.run.folder import LEASE
 from launch import run_dir as runs
@@ -88,9 +88,10 @@ def cancel(run_dir: Path, wait_s: float = 180.0) -> tuple[bool, str]:
 
 
 def main(argv: list[str]) -> int:
-    prog = program("launch/submit.py")  # "cqk cancel" as typed, or "launch/submit.py cancel"
-    prog = prog if prog.endswith(" cancel") else f"{prog} cancel"
-    parser = argparse.ArgumentParser(prog=prog, description=plain(__doc__.split("\n\n")[0]))
+    parser = argparse.ArgumentParser(
+        prog=subcommand_program("launch/submit.py", "cancel"),
+        description=plain(__doc__.split("\n\n")[0]),
+    )
     parser.add_argument(
         "runs",
         nargs="+",

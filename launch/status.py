@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cqk_megatron.cli.args import plain, program
+from cqk_megatron.cli.args import plain, subcommand_program
 from cqk_megatron.run import lease as run_lease
 from cqk_megatron.run.folder import free_bytes, human_bytes, run_status
 from launch import attempts
@@ -138,9 +138,10 @@ def _holder_and_problems(run_dir: Path, history: list[dict]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    prog = program("launch/submit.py")  # "cqk status" as typed, or "launch/submit.py status"
-    prog = prog if prog.endswith(" status") else f"{prog} status"
-    parser = argparse.ArgumentParser(prog=prog, description=plain(__doc__.split("\n\n")[0]))
+    parser = argparse.ArgumentParser(
+        prog=subcommand_program("launch/submit.py", "status"),
+        description=plain(__doc__.split("\n\n")[0]),
+    )
     parser.add_argument(
         "runs",
         nargs="+",

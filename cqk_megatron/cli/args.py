@@ -47,6 +47,14 @@ def program(fallback: str) -> str:
     return name if name.startswith("cqk") else fallback
 
 
+def subcommand_program(parent_fallback: str, command: str) -> str:
+    """The usage name of ``command`` reached through a parent command: ``cqk status`` as
+    typed under the dispatcher, else the parent's name and ``command``
+    (``launch/submit.py status``)."""
+    prog = program(parent_fallback)
+    return prog if prog.endswith(f" {command}") else f"{prog} {command}"
+
+
 def plain(text: str | None) -> str | None:
     """A docstring's paragraph for the terminal: without reStructuredText's double
     backquotes."""
