@@ -85,8 +85,9 @@ def _reference(layout: str) -> str:
     return f"ref-{engine}-wide" if layout in WIDE_LAYOUTS else f"ref-{engine}"
 
 
-def _model(root: str, layout: str) -> list[str]:
-    if layout in WIDE_LAYOUTS:
+def _model(root: str, wide: bool) -> list[str]:
+    """The model's overrides and its initial weights: the wide vocabulary's, or the small's."""
+    if wide:
         return [*WIDE, f"train.init_from={root}/init-wide"]
     return [f"train.init_from={root}/init"]
 
@@ -107,18 +108,15 @@ def runs(tmp_path_factory):
     ]
     inits = [("init", [*MODEL, *BF16]), ("init-wide", [*MODEL, *BF16, *WIDE])]
     references = [
-        ("ref-ds", [*same, *_model(r, "ds")]),
-        ("ref-mg", [*same, *_model(r, "mg"), *MEGATRON]),
-        ("ref-ds-wide", [*same, *_model(r, WIDE_LAYOUTS[0])]),
+        ("ref-ds", [*same, *_model(r, wide=False)]),
+        ("ref-mg", [*same, *_model(r, wide=False), *MEGATRON]),
+        ("ref-ds-wide", [*same, *_model(r, wide=True)]),
     ]
     run_ranks(initial_weights_then_train_runs, 1, r, inits, references, timeout_s=SPAWN_TIMEOUT_S)
-    layouts = [(name, [*same, *_model(r, name), *LAYOUTS[name]]) for name in LAYOUTS]
+    run_of = {name: [*same, *_model(r, name in WIDE_LAYOUTS), *LAYOUTS[name]] for name in LAYOUTS}
     checkpoint = f"checkpoints/iter_{STOP:07d}"
-    resumed = [
-        (f"{name}-resumed", [*same, *_model(r, name), *LAYOUTS[name]], f"{r}/{name}/{checkpoint}")
-        for name in RESUMED
-    ]
-    run_ranks(train_runs, 4, r, [*layouts, *resumed], timeout_s=SPAWN_TIMEOUT_S)
+    resumed = [(f"{name}-resumed", run_of[name], f"{r}/{name}/{checkpoint}") for name in RESUMED]
+    run_ranks(train_runs, 4, r, [*run_of.items(), *resumed], timeout_s=SPAWN_TIMEOUT_S)
     return root
 
 
