@@ -19,10 +19,12 @@ from cqk_megatron.config import (
     StatedHardware,
     apply_overrides,
     config_errors,
+    from_dict,
     hardware_errors,
     load_config,
     load_yaml_dict,
     save_config,
+    to_dict,
     validate,
 )
 
@@ -388,7 +390,7 @@ def test_save_and_load_round_trip(tmp_path):
             "parallel.virtual_pipeline=2",
             "parallel.sequence_parallel=true",
             "train.precision=bf16",
-            # (backend=transformer_engine is refused where TE is not importable, as here)
+            # (transformer_impl=transformer_engine is refused where TE is not importable, as here)
             "train.recompute=full",
             "train.recompute_method=block",
             "train.recompute_num_layers=2",
@@ -474,7 +476,7 @@ def test_valid_config_passes_and_is_returned():
         ("attention.position=post_norm", "attention.position"),
         ("model.normalization=rmsnorm", "model.normalization"),
         ("train.precision=fp16", "train.precision"),
-        ("backend=apex", "backend"),
+        ("transformer_impl=apex", "transformer_impl"),
     ],
 )
 def test_unknown_choice(override, dotted):
@@ -767,7 +769,7 @@ def test_hardware_checks_take_the_machine_as_stated_facts():
     assert config_errors(overlap, 2, gpu) == []
     assert config_errors(overlap, 2, no_gpu) == [refusal]
     # the Transformer Engine backend needs it importable, whatever the GPU
-    te = cfg("backend=transformer_engine")
+    te = cfg("transformer_impl=transformer_engine")
     (refusal,) = hardware_errors(te, gpu)
     assert "Transformer Engine is not importable" in refusal
     assert hardware_errors(te, StatedHardware(cuda=True, transformer_engine=True)) == []
@@ -784,7 +786,7 @@ def test_validate_reads_the_machine_only_where_a_check_needs_it(monkeypatch):
     monkeypatch.setattr(config_module, "_transformer_engine_importable", unread)
     validate(cfg("parallel.pipeline_parallel=2", "train.engine=megatron"), 2)
     with pytest.raises(AssertionError, match="was read"):
-        validate(cfg("backend=transformer_engine"))
+        validate(cfg("transformer_impl=transformer_engine"))
 
 
 def test_variant_property_names_non_preset_pairs():
@@ -878,3 +880,30 @@ def test_replica_check_interval_is_an_option_off_by_default():
     assert_invalid(cfg("train.check_replicas_interval=-1"), "train.check_replicas_interval=-1")
     assert cfg().train.check_replicas_interval == 0
     validate(cfg("train.check_replicas_interval=100"))
+
+
+def test_the_old_name_of_transformer_impl_is_read_with_a_warning(tmp_path):
+    # "backend" was renamed "transformer_impl" (the launcher's --cluster local is the other
+    # "local"); configs, checkpoints and wandb runs written before still load, and warn.
+    old_file = write(tmp_path / "old.yaml", "backend: transformer_engine\n")
+    with pytest.warns(FutureWarning, match="'backend' is now 'transformer_impl'"):
+        assert load_config(old_file).transformer_impl == "transformer_engine"
+    with pytest.warns(FutureWarning, match="'backend' is now 'transformer_impl'"):
+        assert cfg("backend=transformer_engine").transformer_impl == "transformer_engine"
+    saved = to_dict(cfg())
+    saved["backend"] = saved.pop("transformer_impl")
+    with pytest.warns(FutureWarning):
+        assert from_dict(RunConfig, saved, "iter_0000005/config.yaml") == cfg()
+    # an old name in a file loses to an override of the new one, and the reverse
+    new_over_old = load_config(old_file, ["transformer_impl=local"])
+    assert new_over_old.transformer_impl == "local"
+    new_file = write(tmp_path / "new.yaml", "include: [old.yaml]\ntransformer_impl: local\n")
+    assert load_config(new_file).transformer_impl == "local"
+    assert load_config(new_file, ["backend=transformer_engine"]).transformer_impl == (
+        "transformer_engine"
+    )
+    # both names in one mapping must agree
+    both = write(tmp_path / "both.yaml", "backend: transformer_engine\ntransformer_impl: local\n")
+    with pytest.raises(ConfigError, match=r"both.yaml: 'backend' .*keep only 'transformer_impl'"):
+        load_config(both)
+    assert "backend" not in to_dict(cfg())  # and only the new name is written

@@ -172,26 +172,27 @@ def test_every_shipped_run_config_starts_with_only_the_pinned_packages(path):
     # Transformer Engine (neither is pinned): the local spec, whose norms take SP
     config = load_config(path)
     validate(config, config.parallel.world_size)
-    assert config.backend == "local"
+    assert config.transformer_impl == "local"
     assert importlib.util.find_spec("apex") is None  # and neither is installed here
     assert "transformer_engine" not in sys.modules
 
 
 def test_transformer_engine_is_refused_where_it_is_not_importable():
     assert importlib.util.find_spec("transformer_engine") is None
-    with pytest.raises(ConfigError, match="Transformer Engine is not importable.*backend=local"):
-        validate(load_config(None, ["backend=transformer_engine"]))
+    refusal = "Transformer Engine is not importable.*transformer_impl=local"
+    with pytest.raises(ConfigError, match=refusal):
+        validate(load_config(None, ["transformer_impl=transformer_engine"]))
 
 
 def test_transformer_engine_norms_under_sp_need_megatrons_engine(monkeypatch):
     # TE is not installed here: its importability is answered yes (a mock, said so)
     monkeypatch.setattr(config_module, "_transformer_engine_importable", lambda: True)
-    sp = ["backend=transformer_engine", "parallel.tensor_parallel=2", "model.seq_length=32"]
-    sp.append("parallel.sequence_parallel=true")
+    sp = ["transformer_impl=transformer_engine", "parallel.tensor_parallel=2"]
+    sp += ["model.seq_length=32", "parallel.sequence_parallel=true"]
     with pytest.raises(ConfigError, match="finalize_model_grads.*train.engine=megatron"):
         validate(load_config(None, sp))
     validate(load_config(None, [*sp, "train.engine=megatron"]))
-    validate(load_config(None, ["backend=transformer_engine"]))
+    validate(load_config(None, ["transformer_impl=transformer_engine"]))
 
 
 @pytest.mark.parametrize(

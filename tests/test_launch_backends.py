@@ -44,10 +44,10 @@ def _names_in(node: ast.AST) -> set[str]:
     return set()
 
 
-def _is_run_config_backend(node: ast.AST) -> bool:
-    # ``config.backend`` is the run config's layer implementations (Megatron-Core's
-    # "local" layers or Transformer Engine), a model setting, not where a job runs.
-    return isinstance(node, ast.Attribute) and node.attr == "backend"
+def _is_layer_implementation(node: ast.AST) -> bool:
+    # ``config.transformer_impl`` is the run config's layer implementations
+    # (Megatron-Core's "local" layers or Transformer Engine), not where a job runs.
+    return isinstance(node, ast.Attribute) and node.attr == "transformer_impl"
 
 
 def name_comparisons(path: Path) -> list[str]:
@@ -59,7 +59,7 @@ def name_comparisons(path: Path) -> list[str]:
         names = set()
         if isinstance(node, ast.Compare):
             operands = [node.left, *node.comparators]
-            if not any(_is_run_config_backend(operand) for operand in operands):
+            if not any(_is_layer_implementation(operand) for operand in operands):
                 names = set().union(*map(_names_in, operands))
         elif isinstance(node, ast.MatchValue):
             names = _names_in(node.value)

@@ -257,7 +257,9 @@ def notes(facts: Facts) -> list[str]:
             f"{'.'.join(map(str, TESTED_MEGATRON_MINOR))}.x"
         )
     if facts.cuda_available and facts.transformer_engine is None:
-        said.append("Transformer Engine is not installed: backend=transformer_engine is refused")
+        said.append(
+            "Transformer Engine is not installed: transformer_impl=transformer_engine is refused"
+        )
     return said
 
 

@@ -158,7 +158,7 @@ def _check_names(config: RunConfig, check: _Checks) -> None:
     if m.family is not None:
         check.choice(m.family, tuple(MODEL_FAMILIES), "model.family")
     check.choice(t.precision, ("fp32", "bf16", "fp64"), "train.precision")
-    check.choice(config.backend, ("local", "transformer_engine"), "backend")
+    check.choice(config.transformer_impl, ("local", "transformer_engine"), "transformer_impl")
     check.choice(t.lr_schedule, ("cosine", "wsd", "constant"), "train.lr_schedule")
     check.choice(t.engine, ("deepspeed", "megatron"), "train.engine")
     check.choice(t.optimizer_checkpoint, OPTIMIZER_CHECKPOINTS, "train.optimizer_checkpoint")
@@ -402,7 +402,8 @@ def _layers_per_chunk(config: RunConfig) -> int:
 
 
 def _check_parallel_layout(config: RunConfig, check: _Checks) -> None:
-    """Pipeline, virtual pipeline and sequence parallelism against the model and backend."""
+    """Pipeline, virtual pipeline and sequence parallelism against the model and the
+    layers' implementation."""
     m, p, t = config.model, config.parallel, config.train
     tp, pp = p.tensor_parallel, p.pipeline_parallel
     if p.sequence_parallel:
@@ -429,14 +430,14 @@ def _check_parallel_layout(config: RunConfig, check: _Checks) -> None:
     )
     check(
         not (
-            config.backend == "transformer_engine"
+            config.transformer_impl == "transformer_engine"
             and p.sequence_parallel
             and t.engine == "deepspeed"
         ),
-        "backend=transformer_engine with parallel.sequence_parallel=true and "
+        "transformer_impl=transformer_engine with parallel.sequence_parallel=true and "
         "train.engine=deepspeed: Transformer Engine's norms leave the sum of their "
         "sequence-parallel gradients to Megatron's finalize_model_grads, which only "
-        "train.engine=megatron runs; use train.engine=megatron, or backend=local",
+        "train.engine=megatron runs; use train.engine=megatron, or transformer_impl=local",
     )
 
 
@@ -517,12 +518,13 @@ def hardware_errors(config: RunConfig, hardware: Hardware) -> list[str]:
         f"train.overlap_grad_reduce=true with parallel.pipeline_parallel={pp} hangs on CPU "
         "(gloo); set train.overlap_grad_reduce=false on CPU",
     )
-    if config.backend == "transformer_engine":
+    if config.transformer_impl == "transformer_engine":
         check(
             hardware.transformer_engine,
-            "backend=transformer_engine but Transformer Engine is not importable here; set "
-            "backend=local (every layout runs with it, sequence parallelism included) or "
-            "install transformer-engine[pytorch] built for this torch and CUDA",
+            "transformer_impl=transformer_engine but Transformer Engine is not importable "
+            "here; set transformer_impl=local (every layout runs with it, sequence "
+            "parallelism included) or install transformer-engine[pytorch] built for this "
+            "torch and CUDA",
         )
     return check.errors
 

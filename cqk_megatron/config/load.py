@@ -23,6 +23,7 @@ from cqk_megatron.config.schema import (
     RunConfig,
     flatten,
     from_dict,
+    renamed_keys,
     to_dict,
 )
 from cqk_megatron.variants import VARIANTS
@@ -92,7 +93,7 @@ def load_yaml_dict(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
         return preset
     if path.resolve() in _seen:
         raise ConfigError(f"{path}: include cycle through {[str(p) for p in _seen]}")
-    data = read_yaml(path)
+    data = renamed_keys(RunConfig, read_yaml(path), str(path))  # before includes merge in
     includes = data.pop("include", []) or []
     if isinstance(includes, str):
         includes = [includes]
@@ -111,6 +112,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             raise ConfigError(f"override '{override}' must look like section.key=value")
         dotted, raw = override.split("=", 1)
         keys = dotted.strip().split(".")
+        if len(keys) == 1:  # an old name sets the new one, so that a file's new name loses
+            (keys[0],) = renamed_keys(RunConfig, {keys[0]: None}, f"override {override!r}")
         node = data
         for key in keys[:-1]:
             node = node.setdefault(key, {})

@@ -11,6 +11,7 @@ import difflib
 import math
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -309,9 +310,16 @@ class CardConfig:
 
 @dataclass
 class RunConfig:
+    # Keys renamed in this release: the old name is still read, with a FutureWarning, so
+    # that older configs, checkpoints and wandb runs load. "backend" named the layers'
+    # implementation but is also the launcher's word (--cluster local|slurm).
+    RENAMED_KEYS: typing.ClassVar[dict[str, str]] = {"backend": "transformer_impl"}
+
     name: str = "run"
     seed: int = 1234
-    backend: str = "local"  # local | transformer_engine (GPU, where installed)
+    # the layers' implementation, as Megatron-LM's --transformer-impl: local (Megatron-Core's
+    # PyTorch layers, any device) | transformer_engine (GPU, where installed)
+    transformer_impl: str = "local"
     model: ModelConfig = field(default_factory=ModelConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -398,7 +406,7 @@ def from_dict(cls: type, data: dict, source: str = "config", prefix: str = "") -
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
-    for key, value in data.items():
+    for key, value in renamed_keys(cls, data, source, prefix).items():
         if key not in fields:
             raise _unknown_key_error(key, prefix, cls, source)
         kwargs[key] = _coerce(value, hints[key], prefix + key, source)
@@ -409,6 +417,29 @@ def from_dict(cls: type, data: dict, source: str = "config", prefix: str = "") -
         if required and name not in kwargs:
             raise ConfigError(f"{source}: '{prefix}{name}' is required")
     return cls(**kwargs)
+
+
+def renamed_keys(cls: type, data: dict, source: str, prefix: str = "") -> dict:
+    """``data`` with the keys ``cls.RENAMED_KEYS`` names under their new names; an old
+    name warns, and an old and a new name together must agree."""
+    renamed = dict(data)
+    for old, new in getattr(cls, "RENAMED_KEYS", {}).items():
+        if old not in renamed:
+            continue
+        value = renamed.pop(old)
+        if new in renamed and renamed[new] != value:
+            raise ConfigError(
+                f"{source}: '{prefix}{old}' (the old name of '{prefix}{new}') is {value!r} but "
+                f"'{prefix}{new}' is {renamed[new]!r}; keep only '{prefix}{new}'"
+            )
+        renamed[new] = value
+        warnings.warn(
+            f"{source}: '{prefix}{old}' is now '{prefix}{new}'; the old name is read for "
+            "one more release",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return renamed
 
 
 def flatten(data: dict, prefix: str = "") -> dict[str, Any]:

@@ -152,10 +152,10 @@ def block_spec(
 ) -> TransformerBlockSubmodules:
     """This stage's layers and its final norm. Megatron builds the final norm from a
     module-level choice (Transformer Engine's, Apex's, else one that refuses sequence
-    parallelism); with ``backend=local`` it is the layers' ``TorchNorm`` too."""
+    parallelism); with ``transformer_impl=local`` it is the layers' ``TorchNorm`` too."""
     layer = layer_spec_from_config(config)
     layers = get_num_layers_to_build(megatron_config, vp_stage=vp_stage)
-    if config.backend != "local":
+    if config.transformer_impl != "local":
         from megatron.core.transformer.transformer_block import LayerNormImpl
 
         return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=LayerNormImpl)

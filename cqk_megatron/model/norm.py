@@ -50,7 +50,8 @@ class TorchNorm:
     ) -> torch.nn.Module:
         if config.layernorm_zero_centered_gamma or config.memory_efficient_layer_norm:
             raise ValueError(
-                "zero-centred gamma and memory-efficient layer norm need backend=transformer_engine"
+                "zero-centred gamma and memory-efficient layer norm need "
+                "transformer_impl=transformer_engine"
             )
         if config.normalization not in NORMS:
             raise ValueError(

@@ -31,8 +31,8 @@ def coupling_spec(attention: AttentionConfig, head_dim: int) -> ModuleSpec | Non
     return ModuleSpec(module=module, params=variant.constructor_options(attention, head_dim))
 
 
-def _base_layer_spec(normalization: str, backend: str) -> ModuleSpec:
-    if backend == "transformer_engine":
+def _base_layer_spec(normalization: str, transformer_impl: str) -> ModuleSpec:
+    if transformer_impl == "transformer_engine":
         try:
             from megatron.core.models.gpt.gpt_layer_specs import (
                 get_gpt_layer_with_transformer_engine_spec,
@@ -41,8 +41,8 @@ def _base_layer_spec(normalization: str, backend: str) -> ModuleSpec:
             return get_gpt_layer_with_transformer_engine_spec()
         except (ImportError, AssertionError) as error:
             raise RuntimeError(
-                "backend=transformer_engine needs Transformer Engine installed; "
-                "set backend=local or install transformer-engine"
+                "transformer_impl=transformer_engine needs Transformer Engine installed; "
+                "set transformer_impl=local or install transformer-engine"
             ) from error
     layer = get_gpt_layer_local_spec(normalization=normalization)
     # Megatron's choice here is Apex's FusedLayerNorm where installed, else WrappedTorchNorm,
@@ -59,10 +59,10 @@ def gpt_layer_spec(
     attention: AttentionConfig,
     head_dim: int,
     normalization: str = "RMSNorm",
-    backend: str = "local",
+    transformer_impl: str = "local",
 ) -> ModuleSpec:
     """Megatron's GPT layer spec with our self-attention: coupling x scoring."""
-    layer = _base_layer_spec(normalization, backend)
+    layer = _base_layer_spec(normalization, transformer_impl)
     self_attention = layer.submodules.self_attention
     base = self_attention.submodules
     submodules = QKSelfAttentionSubmodules(
@@ -71,7 +71,7 @@ def gpt_layer_spec(
     )
     core_attention = scoring(attention.scoring).core_attention_class()
     submodules.core_attention = ModuleSpec(
-        module=core_attention, params=core_attention.spec_params(attention, backend)
+        module=core_attention, params=core_attention.spec_params(attention, transformer_impl)
     )
     attention_spec = ModuleSpec(
         module=QKSelfAttention,
@@ -93,5 +93,5 @@ def layer_spec_from_config(config: RunConfig) -> ModuleSpec:
         config.attention,
         config.model.head_dim,
         normalization=config.model.normalization,
-        backend=config.backend,
+        transformer_impl=config.transformer_impl,
     )

@@ -209,7 +209,7 @@ class ScoringVariant:
     """A scoring rule: how (q, k, v) become the attention output.
 
     ``core_attention``: the Megatron core attention class (its ``spec_params(attention,
-    backend)`` gives its options). ``math``: the module of its own parameters and rule in
+    transformer_impl)`` gives its options). ``math``: the module of its own parameters and rule in
     ``coupling.py`` style, which the core attention holds as ``math_attribute`` and the
     exported model builds as ``math(head_dim, layer_index=..., eps=..., **export_options)``
     and calls as ``math(q, k, v, attend)``; None: plain softmax attention. ``calls`` and

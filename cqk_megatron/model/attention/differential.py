@@ -165,7 +165,7 @@ def fused_normalize(scoring: DifferentialScoring, diff: torch.Tensor) -> torch.T
 
 def choose_kernel(
     setting: str,
-    backend: str,
+    transformer_impl: str,
     device: torch.device,
     wide_value_backend: Callable[[], str],
     cpu_maps: bool = True,
@@ -184,7 +184,7 @@ def choose_kernel(
         )
     if setting != "auto":
         return setting, "attention.differential_kernel"
-    if backend == "transformer_engine" and device.type == "cuda":
+    if transformer_impl == "transformer_engine" and device.type == "cuda":
         return "paired", "Transformer Engine DotProductAttention, k_channels != v_channels"
     if device.type == "cpu" and cpu_maps:
         return "paired", "block-causal maps on CPU"
@@ -219,7 +219,7 @@ def _te_paired_attention(config, layer_number, attn_mask_type, softmax_scale, pg
 
     if not is_te_min_version("1.10.0"):  # Megatron passes (k, v) channels from TE 1.10 on
         raise RuntimeError(
-            "attention.differential_kernel=paired with backend=transformer_engine needs "
+            "attention.differential_kernel=paired with transformer_impl=transformer_engine needs "
             "Transformer Engine >= 1.10 (values wider than queries); upgrade it or set "
             "attention.differential_kernel=split"
         )
@@ -246,7 +246,7 @@ class DifferentialCoreAttention(SDPACoreAttention):
         attn_mask_type,
         *args,
         differential_kernel: str = "auto",
-        backend: str = "local",
+        transformer_impl: str = "local",
         reference: bool = False,
         **kwargs,
     ) -> None:
@@ -261,7 +261,7 @@ class DifferentialCoreAttention(SDPACoreAttention):
         self.maps = self.maps and self.dropout_p == 0.0
         self.kernel, reason = choose_kernel(
             differential_kernel,
-            backend,
+            transformer_impl,
             device,
             lambda: self.wide_value_backend(device),
             cpu_maps=self.maps,
@@ -278,7 +278,8 @@ class DifferentialCoreAttention(SDPACoreAttention):
         self.reference = reference  # run plain_math.py's module as it is (benchmarks)
         self.last_path: str | None = None  # what the last forward ran: te, maps or sdpa
         self.te_attention = None
-        if backend == "transformer_engine" and self.kernel == "paired" and device.type == "cuda":
+        te_paired = transformer_impl == "transformer_engine" and self.kernel == "paired"
+        if te_paired and device.type == "cuda":
             self.te_attention = _te_paired_attention(
                 config,
                 layer_number,
@@ -288,10 +289,10 @@ class DifferentialCoreAttention(SDPACoreAttention):
             )
 
     @classmethod
-    def spec_params(cls, attention, backend: str) -> dict:
+    def spec_params(cls, attention, transformer_impl: str) -> dict:
         return {
             "differential_kernel": attention.differential_kernel,
-            "backend": backend,
+            "transformer_impl": transformer_impl,
             # cqk-bench's @reference (set past validation): plain_math.py's modules as they are
             "reference": attention.coupling_impl == "reference",
         }

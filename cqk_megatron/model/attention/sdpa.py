@@ -76,7 +76,7 @@ class SDPACoreAttention(MegatronModule):
         )
 
     @classmethod
-    def spec_params(cls, attention, backend: str) -> dict:
+    def spec_params(cls, attention, transformer_impl: str) -> dict:
         """Constructor options this scoring takes from ``AttentionConfig`` and backend."""
         return {}
 
