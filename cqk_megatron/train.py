@@ -123,7 +123,10 @@ def main(argv: list[str] | None = None) -> int:
 def _train(config, resume: str) -> int:
     """The loop's ``train``, with the refusals and errors it can explain as one line and a
     code."""
-    from cqk_megatron.training.loop import train  # heavy imports after the config is checked
+    from cqk_megatron.training.collector import heavy_imports
+
+    with heavy_imports():  # after the config is checked
+        from cqk_megatron.training.loop import train
 
     try:
         return train(config, resume=resume)

@@ -172,7 +172,10 @@ class TrainingJob(submitit.helpers.Checkpointable):
         full disk, ends this job with exit 2 and a ``refused`` record, without a requeue."""
         from cqk_megatron.errors import is_refusal
         from cqk_megatron.run.checkpoint_files import CheckpointSaveError
-        from cqk_megatron.training.loop import train  # heavy: Megatron, DeepSpeed
+        from cqk_megatron.training.collector import heavy_imports
+
+        with heavy_imports():  # Megatron, DeepSpeed
+            from cqk_megatron.training.loop import train
 
         resume = self._resume_now(env, run_dir)
 

@@ -32,9 +32,11 @@ def free_port() -> int:
 
 
 # Ranks fork from one server process that has imported torch, Megatron and the training
-# loop once (importing them costs each spawned rank about 6 CPU-s here). The server only
-# imports: no torch op has run in it, so no thread pool is forked half-initialised.
-PRELOAD = ["torch", "megatron.core", "cqk_megatron.model.gpt", "cqk_megatron.training.loop"]
+# loop once (importing them costs each spawned rank about 6 CPU-s here), its collector
+# paused and then frozen (cqk_megatron/training/preload.py). The server only imports: no
+# torch op has run in it, so no thread pool is forked half-initialised. (Python 3.11's
+# forkserver imports its preload list before it sets sys.path: only installed modules.)
+PRELOAD = ["cqk_megatron.training.preload"]
 mp.set_forkserver_preload(PRELOAD)
 
 

@@ -50,6 +50,7 @@ from cqk_megatron.parallel.device import device
 from cqk_megatron.parallel.layout import Layout
 from cqk_megatron.training import collectives
 from cqk_megatron.training.collectives import gather_objects
+from cqk_megatron.training.collector import heavy_imports
 from cqk_megatron.training.engine import Batch, Engine, StepResult
 from cqk_megatron.training.mpu import MegatronMpu
 from cqk_megatron.training.step_loss import (
@@ -528,7 +529,8 @@ def _raise_on_every_rank(error: BaseException | None, what: str) -> None:
 class DeepSpeedEngine(Engine):
     def __init__(self, model: torch.nn.Module, config: RunConfig) -> None:
         os.environ.setdefault("DS_ACCELERATOR", device().type)
-        import deepspeed
+        with heavy_imports():  # and frozen before its set-up collects
+            import deepspeed
 
         cpu_bridge.skip_deepspeed_shm_op()
         self.config = config

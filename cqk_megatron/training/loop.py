@@ -44,6 +44,7 @@ from cqk_megatron.training.callbacks.replicas import ReplicaChecks
 from cqk_megatron.training.callbacks.stop import StopAndRequeue
 from cqk_megatron.training.callbacks.validation import Validation
 from cqk_megatron.training.callbacks.watchdog import WatchdogPhases
+from cqk_megatron.training.collector import freeze_long_lived
 from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine
 from cqk_megatron.training.engine import Engine
 from cqk_megatron.training.lr_schedule import learning_rate, schedule_warning
@@ -90,6 +91,7 @@ def train(config: RunConfig, resume: str = "auto", datasets=None, on_start=None)
     same run folder raises ``LeaseHeld`` on every rank, naming the holder. ``on_start``
     is called on rank 0 once the run really starts (its resume choice is applied).
     """
+    freeze_long_lived()  # the modules imported so far
     dist_env = discover()
     faults.on_phase("rendezvous", 0, dist_env.rank)
     try:
@@ -204,6 +206,7 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
         dp=ps.get_data_parallel_world_size(),
     )
     saver = Saver(run_dir / CHECKPOINTS, engine, model, config, lease)
+    freeze_long_lived()  # the model, its engine, the datasets and the modules they imported
     return run_loop(run, callbacks_in_order(run, replica_check, saver, params))
 
 
