@@ -35,7 +35,12 @@ def _write_holder(run_dir: Path, **fields) -> None:
     for key, value in fields.items():
         setattr(holder, key, value)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "lease.json").write_text(json.dumps(holder.__dict__))
+    # written whole and renamed, as a contender writes it: the heartbeat thread of a lease
+    # held in this process may read the file at any moment, and a truncated one reads as
+    # an unreadable holder (seen once in CI)
+    staged = run_dir / "lease.json.test-staged"
+    staged.write_text(json.dumps(holder.__dict__))
+    os.replace(staged, run_dir / "lease.json")
 
 
 def test_a_held_run_is_refused_naming_the_holder_and_free_after_release(tmp_path):
