@@ -158,7 +158,9 @@ class Controller(submitit_local.Controller):
             codes = [t.poll() for t in self.tasks]
             order += [k for k, c in enumerate(codes) if c is not None and k not in order]
             if all(c is not None for c in codes):
-                return codes, order, killed
+                # A task that exited by itself between its poll and the kill was not
+                # ended by this controller: its own exit code says so.
+                return codes, order, [k for k in killed if codes[k] == -signal.SIGKILL]
             if not killed and any(attempts.is_bad_exit(codes[k]) for k in order):
                 self.detected_at = time.time()
                 for k, task in enumerate(self.tasks):

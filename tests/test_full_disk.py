@@ -183,3 +183,34 @@ def test_a_write_that_fails_inside_a_librarys_save_is_held_until_the_call_return
     assert [p.name for p in log.paths] == ["first.pt"]
     assert not (tmp_path / "after.pt").exists()
     assert torch.save is real_save  # the guard is gone after the call
+
+
+class _Task:
+    """A task whose ``poll`` answers from a script, then keeps its last answer."""
+
+    def __init__(self, *polls: int | None) -> None:
+        self.polls = list(polls)
+
+    def poll(self) -> int | None:
+        return self.polls.pop(0) if len(self.polls) > 1 else self.polls[0]
+
+
+def test_a_rank_that_exits_by_itself_as_the_launcher_ends_it_is_not_said_to_be_ended(
+    monkeypatch,
+):
+    """The race this module's job test met once on a loaded machine: rank 0 refused the
+    save (exit 2), the controller saw rank 1 running and killed it, but rank 1 had exited
+    with 2 by itself in between; the record said the launcher ended it."""
+    from launch.local_job import Controller
+
+    controller = object.__new__(Controller)
+    controller.timeout_s, controller.signal_delay_s = 3600, 60
+    controller.tasks = [
+        _Task(2),  # refused first
+        _Task(None, None, 2),  # seen running, killed, but its own exit came first
+        _Task(None, None, -9),  # seen running, ended by the kill
+    ]
+    monkeypatch.setattr(Controller, "_kill_group", staticmethod(lambda task: None))
+    codes, order, killed = controller.wait_attempt()
+    assert codes == [2, 2, -9] and order == [0, 1, 2]
+    assert killed == [2]
