@@ -12,10 +12,10 @@ import os
 import signal
 import threading
 import time
-from multiprocessing.managers import SyncManager
 
 from cqk_megatron.training import collectives
 from cqk_megatron.training.resilience.orphans import helper_dies_with_parent
+from cqk_megatron.training.resilience.writer_queue import WriterResultsManager
 
 __all__ = ["STOP_SIGNALS", "StopRequest", "protect_checkpoint_writer"]
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -72,10 +72,11 @@ def protect_checkpoint_writer() -> None:
         return
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGUSR1, signal.SIGTERM)}
     try:
-        # what filesystem_async._get_write_results_queue makes, with an initializer
-        manager = SyncManager(ctx=torch_mp.get_context("spawn"))
+        # what filesystem_async._get_write_results_queue makes, with an initializer, and
+        # items that stay pickled in the helper (writer_queue.py: it never imports torch)
+        manager = WriterResultsManager(ctx=torch_mp.get_context("spawn"))
         manager.start(helper_dies_with_parent, (os.getpid(), _on_main_thread()))
-        filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager
+        filesystem_async._results_queue = manager.PickledQueue()  # the proxy keeps it
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
