@@ -170,7 +170,8 @@ def _check_names(config: RunConfig, check: _Checks) -> None:
 
 def _check_architecture(m: ModelConfig, a: AttentionConfig, check: _Checks) -> None:
     """The architecture fields agree with the model family and the coupling's position."""
-    for key, value in MODEL_FAMILIES.get(m.family, {}).items():  # none for family=null
+    family = MODEL_FAMILIES.get(m.family, {}) if m.family is not None else {}
+    for key, value in family.items():  # none for family=null
         check(
             getattr(m, key) == value,
             f"model.{key}={getattr(m, key)!r} contradicts model.family={m.family!r}, which "
@@ -211,7 +212,7 @@ def _check_training(t: TrainConfig, check: _Checks) -> None:
     )
 
 
-def check_fault_bounds(t: TrainConfig, check) -> None:
+def check_fault_bounds(t: TrainConfig, check: _Checks) -> None:
     """The watchdog's bounds must nest, or a collective times out (with torch's bare
     error) before the watchdog can name the rank that caused it."""
     names = (
@@ -441,7 +442,7 @@ def _check_parallel_layout(config: RunConfig, check: _Checks) -> None:
     )
 
 
-def _check_recompute(t: TrainConfig, layers_per_chunk: int, check) -> None:
+def _check_recompute(t: TrainConfig, layers_per_chunk: int, check: _Checks) -> None:
     """``train.recompute*`` against the layers each model chunk holds (Megatron-Core's
     ``recompute_num_layers`` counts per chunk: per pipeline stage and virtual stage)."""
     n = t.recompute_num_layers

@@ -33,7 +33,7 @@ from cqk_megatron.variants import VARIANTS
 # ---------------------------------------------------------------------------------------
 
 
-def _deep_merge(base: dict, update: dict) -> dict:
+def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     merged = copy.deepcopy(base)
     for key, value in update.items():
         if value is None and isinstance(merged.get(key), dict):
@@ -45,7 +45,7 @@ def _deep_merge(base: dict, update: dict) -> dict:
     return merged
 
 
-def variant_preset(path: str | Path) -> dict | None:
+def variant_preset(path: str | Path) -> dict[str, Any] | None:
     """``variants/<preset>.yaml`` (any folder named ``variants``, the file absent) as the
     registry's preset: its ``attention.coupling`` and ``attention.scoring``. The presets
     live in the registry only (``variants/builtin.py``, or registered from code), so that
@@ -69,7 +69,7 @@ def _resolve_include(name: str, relative_to: Path) -> Path:
     )
 
 
-def read_yaml(path: str | Path, what: str = "config file", fix: str = "") -> dict:
+def read_yaml(path: str | Path, what: str = "config file", fix: str = "") -> dict[str, Any]:
     """The top-level mapping of one YAML file: the one reader of run configs, sweeps and
     cluster profiles, with one error format (the file, what is wrong, the fix); the
     caller types the mapping with ``from_dict``, whose errors name the key."""
@@ -85,7 +85,7 @@ def read_yaml(path: str | Path, what: str = "config file", fix: str = "") -> dic
     return data
 
 
-def load_yaml_dict(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
+def load_yaml_dict(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """Read a config file with its includes resolved into one nested dict."""
     path = Path(path)
     preset = variant_preset(path)
@@ -97,14 +97,14 @@ def load_yaml_dict(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     includes = data.pop("include", []) or []
     if isinstance(includes, str):
         includes = [includes]
-    merged: dict = {}
+    merged: dict[str, Any] = {}
     for name in includes:
         included = _resolve_include(name, path.parent)
         merged = _deep_merge(merged, load_yaml_dict(included, _seen + (path.resolve(),)))
     return _deep_merge(merged, data)
 
 
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``a.b=c`` overrides (``c`` parsed as YAML) to a nested dict."""
     data = _deep_merge({}, data)
     for override in overrides:
@@ -137,13 +137,13 @@ def _override_value(override: str, raw: str) -> Any:
         ) from error
 
 
-def apply_model_family(data: dict) -> dict:
+def apply_model_family(data: dict[str, Any]) -> dict[str, Any]:
     """Fill in the architecture fields of ``model.family`` that ``data`` leaves unset."""
     model = data.get("model")
     family = model.get("family") if isinstance(model, dict) else None
     if family not in MODEL_FAMILIES:
         return data  # None, or unknown: validate() names it
-    return _deep_merge(data, {"model": {**MODEL_FAMILIES[family], **model}})
+    return _deep_merge(data, {"model": {**MODEL_FAMILIES[family], **(model or {})}})
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -196,7 +196,7 @@ def _file_sources(path: Path) -> dict[str, str]:
     return sources
 
 
-def _override_keys(overrides: list[str]) -> Iterator[str]:
+def _override_keys(overrides: Sequence[str]) -> Iterator[str]:
     for override in overrides:
         dotted, raw = override.split("=", 1)  # load_config has refused any other form
         value = _override_value(override, raw)
@@ -229,7 +229,7 @@ def load_config_traced(
 def _yaml_value(value: Any) -> str:
     """``value`` as one line of YAML that reads back as it."""
     text = yaml.safe_dump([value], default_flow_style=True, width=1 << 30).strip()
-    return text[1:-1]  # the list's brackets
+    return str(text)[1:-1]  # the list's brackets
 
 
 def explain_config(traced: TracedConfig, title: str | None = None) -> str:
@@ -240,7 +240,7 @@ def explain_config(traced: TracedConfig, title: str | None = None) -> str:
     lines = [f"# {title}"] if title else []
     lines.append("# each value that is not the default says where it was set")
 
-    def emit(data: dict, prefix: str, indent: str) -> None:
+    def emit(data: dict[str, Any], prefix: str, indent: str) -> None:
         for key, value in data.items():
             dotted = f"{prefix}{key}"
             if isinstance(value, dict):

@@ -14,7 +14,7 @@ import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from cqk_megatron.errors import Refusal
 
@@ -24,6 +24,8 @@ from cqk_megatron.errors import Refusal
 from cqk_megatron.variants import (
     variant_name,
 )
+
+_T = TypeVar("_T")
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent.parent / "configs"
 
@@ -352,7 +354,8 @@ def _coerce(value: Any, annotation: Any, dotted: str, source: str) -> Any:
     if annotation is Any:
         return value
     if dataclasses.is_dataclass(annotation):
-        return from_dict(annotation, {} if value is None else value, source, f"{dotted}.")
+        cls = cast(type, annotation)  # is_dataclass is also true of an instance: never one here
+        return from_dict(cls, {} if value is None else value, source, f"{dotted}.")
     if typing.get_origin(annotation) is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{source}: '{dotted}' must be a mapping, got {value!r}")
@@ -377,7 +380,7 @@ def _coerce(value: Any, annotation: Any, dotted: str, source: str) -> Any:
     return value
 
 
-def _coerce_union(options: list, value: Any, dotted: str, source: str) -> Any:
+def _coerce_union(options: list[Any], value: Any, dotted: str, source: str) -> Any:
     errors = []
     for option in options:
         try:
@@ -398,13 +401,13 @@ def _type_name(annotation: Any) -> str:
     return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
 
 
-def from_dict(cls: type, data: dict, source: str = "config", prefix: str = "") -> Any:
+def from_dict(cls: type[_T], data: dict[str, Any], source: str = "config", prefix: str = "") -> _T:
     """Build dataclass ``cls`` from a nested dict, refusing unknown keys, bad types and
     missing required keys: the one typed reader of runs, sweeps and cluster profiles."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: '{prefix.rstrip('.') or 'top level'}' must be a mapping")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {f.name: f for f in dataclasses.fields(cast(Any, cls)) if f.init}
     kwargs = {}
     for key, value in renamed_keys(cls, data, source, prefix).items():
         if key not in fields:
@@ -419,7 +422,7 @@ def from_dict(cls: type, data: dict, source: str = "config", prefix: str = "") -
     return cls(**kwargs)
 
 
-def renamed_keys(cls: type, data: dict, source: str, prefix: str = "") -> dict:
+def renamed_keys(cls: type, data: dict[str, Any], source: str, prefix: str = "") -> dict[str, Any]:
     """``data`` with the keys ``cls.RENAMED_KEYS`` names under their new names; an old
     name warns, and an old and a new name together must agree."""
     renamed = dict(data)
@@ -442,7 +445,7 @@ def renamed_keys(cls: type, data: dict, source: str, prefix: str = "") -> dict:
     return renamed
 
 
-def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """A nested dict as ``{dotted key: value}`` (lists are values), as overrides name keys."""
     flat: dict[str, Any] = {}
     for key, value in data.items():
@@ -453,5 +456,5 @@ def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def to_dict(config: Any) -> dict:
+def to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)

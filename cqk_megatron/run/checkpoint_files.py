@@ -21,6 +21,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from cqk_megatron.config import ConfigError, RunConfig, load_config
 from cqk_megatron.config.changes import (
@@ -58,10 +59,7 @@ class CheckpointSaveError(CheckpointError):
     def __init__(self, message: str, disk_full: bool = False) -> None:
         super().__init__(message)
         self.disk_full = disk_full
-
-    @property
-    def refuses(self) -> bool:
-        return self.disk_full
+        self.refuses = disk_full
 
 
 def iteration_dir(checkpoints: Path, step: int) -> Path:
@@ -73,12 +71,20 @@ def iteration_step(folder: Path) -> int | None:
     return int(suffix) if folder.name.startswith("iter_") and suffix.isdigit() else None
 
 
+def _step(folder: Path) -> int:
+    """The step of an ``iter_NNNNNNN`` folder that ``iterations`` found."""
+    step = iteration_step(folder)
+    if step is None:
+        raise ValueError(f"{folder} is not an iter_NNNNNNN checkpoint folder")
+    return step
+
+
 def iterations(checkpoints: Path) -> list[Path]:
     """``iter_NNNNNNN`` folders (not staging ``.tmp`` ones), oldest first."""
     if not checkpoints.is_dir():
         return []
     found = [p for p in checkpoints.iterdir() if p.is_dir() and iteration_step(p) is not None]
-    return sorted(found, key=iteration_step)
+    return sorted(found, key=_step)
 
 
 # -- manifest ------------------------------------------------------------------------------
@@ -132,7 +138,7 @@ def write_manifest(
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
         name = str(path.relative_to(folder))
-        entry = {"size": path.stat().st_size}
+        entry: dict[str, int | str] = {"size": path.stat().st_size}
         if with_hashes:
             entry[algorithm] = digests.get(name) or file_hash.file_digest(path, algorithm)
         files[name] = entry
@@ -144,7 +150,7 @@ def _in_parts(name: str, parts: tuple[str, ...] | None) -> bool:
     return parts is None or name.split("/", 1)[0] in parts
 
 
-def _read_manifest(folder: Path) -> tuple[int, dict, str]:
+def _read_manifest(folder: Path) -> tuple[int, dict[str, Any], str]:
     """(step, files, hash algorithm) of ``folder``'s manifest."""
     manifest_path = folder / MANIFEST
     if not manifest_path.is_file():
@@ -209,7 +215,7 @@ class Candidate:
 
     @property
     def step(self) -> int:
-        return iteration_step(self.folder)
+        return _step(self.folder)
 
 
 def survey(
@@ -291,7 +297,7 @@ def retire(
     folders = iterations(checkpoints)
     if len([f for f in folders if f != just_written]) < keep:
         return []  # at most keep folders besides the new one: nothing to delete
-    kept = []
+    kept: list[Path] = []
     for folder in reversed(folders):
         if len(kept) == keep:
             break
@@ -305,11 +311,11 @@ def retire(
             continue
     if len(kept) < keep:
         return []  # fewer good folders than keep_last: every one stays
-    kept = set(kept) | {just_written}
-    oldest_kept = min(iteration_step(f) for f in kept)
+    staying = set(kept) | {just_written}
+    oldest_kept = min(_step(f) for f in staying)
     deleted = []
     for folder in folders:
-        if folder not in kept and iteration_step(folder) < oldest_kept:
+        if folder not in staying and _step(folder) < oldest_kept:
             shutil.rmtree(folder, ignore_errors=True)
             deleted.append(folder)
     return deleted
@@ -417,7 +423,7 @@ def all_corrupt_message(checkpoints: Path, found: list[Candidate]) -> str:
 
 
 def _newer_than(checkpoints: Path, step: int) -> list[Path]:
-    return [f for f in iterations(checkpoints) if iteration_step(f) > step]
+    return [f for f in iterations(checkpoints) if _step(f) > step]
 
 
 def choose_resume(

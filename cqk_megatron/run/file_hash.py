@@ -13,19 +13,26 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Protocol
 
 CHECKPOINT_HASH = "xxh3_128"  # what new checkpoint manifests record
 HASHES = ("xxh3_128", "sha256")  # what a manifest may name
 _BLOCK = 1 << 20
 
 
-def _hasher(algorithm: str):
+class _Hasher(Protocol):
+    def update(self, data: bytes | memoryview, /) -> None: ...
+    def hexdigest(self) -> str: ...
+
+
+def _hasher(algorithm: str) -> _Hasher:
     if algorithm == "sha256":
         return hashlib.sha256()
     if algorithm == "xxh3_128":
         import xxhash  # pinned in constraints.txt (a dependency of datasets too)
 
-        return xxhash.xxh3_128()
+        hasher: _Hasher = xxhash.xxh3_128()
+        return hasher
     raise ValueError(f"unknown hash algorithm {algorithm!r}; known: {', '.join(HASHES)}")
 
 

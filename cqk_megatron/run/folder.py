@@ -70,7 +70,7 @@ import string
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 
@@ -163,7 +163,7 @@ def human_bytes(count: float) -> str:
     raise AssertionError("unreachable")
 
 
-def is_no_space(error: BaseException) -> bool:
+def is_no_space(error: BaseException | None) -> bool:
     """``error`` (or what caused it) is a full disk or quota. PyTorch's zip writer reports
     a short write as ``enforce fail at inline_container.cc ... unexpected pos``."""
     seen = set()
@@ -204,7 +204,7 @@ def no_space_error(path: Path, error: BaseException, what: str = "") -> BaseExce
 # -- JSON-lines files ----------------------------------------------------------------------
 
 
-def read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The readable records of a JSON-lines file (a line cut short by a crash is skipped)."""
     path = Path(path)
     if not path.is_file():
@@ -220,7 +220,7 @@ def read_jsonl(path: Path) -> list[dict]:
     return records
 
 
-def append_event(run_dir: Path, event: str, **fields) -> None:
+def append_event(run_dir: Path, event: str, **fields: Any) -> None:
     """One line in ``jobs.jsonl``; a single ``write`` of a short line, so concurrent
     writers (the launcher, a job) do not interleave."""
     run_dir = Path(run_dir)
@@ -230,7 +230,7 @@ def append_event(run_dir: Path, event: str, **fields) -> None:
         file.write(json.dumps(record, default=str) + "\n")
 
 
-def events(run_dir: Path) -> list[dict]:
+def events(run_dir: Path) -> list[dict[str, Any]]:
     """The events of ``jobs.jsonl`` (each with an ``event`` name), in order."""
     return [e for e in read_jsonl(Path(run_dir) / JOBS) if "event" in e]
 
@@ -242,12 +242,12 @@ def events(run_dir: Path) -> list[dict]:
 class MetricsFile:
     """What ``read_metrics`` found: records in order, and a problem per unreadable line."""
 
-    records: list[dict] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     superseded: int = 0  # records dropped because a later attempt logged their steps again
 
 
-def records_up_to(records: list[dict], start_step: int) -> list[dict]:
+def records_up_to(records: list[dict[str, Any]], start_step: int) -> list[dict[str, Any]]:
     """Records of an attempt that (re)started at ``start_step``: the earlier ones up to it
     (and no summary)."""
     kept = []
@@ -270,7 +270,7 @@ def read_metrics(path: Path) -> MetricsFile:
     if not path.is_file():
         return result
     raw = path.read_text(errors="replace").splitlines()
-    records: list[dict] = []
+    records: list[dict[str, Any]] = []
     last_train = 0
     for number, text in enumerate(raw, start=1):
         if not text.strip():
@@ -310,7 +310,7 @@ def read_metrics(path: Path) -> MetricsFile:
     return result
 
 
-def last_record(records: list[dict], kind: str) -> dict | None:
+def last_record(records: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
     """The last record of ``kind`` (``TRAIN``, ``VALID``, ``SUMMARY``), or None."""
     found = [r for r in records if r.get("kind") == kind]
     return found[-1] if found else None
@@ -327,7 +327,7 @@ class RunStatus:
     """Where a run stands (see the module's docstring for what each state means)."""
 
     state: State
-    summary: dict | None = None  # the summary record, when there is one
+    summary: dict[str, Any] | None = None  # the summary record, when there is one
     why: str = ""  # for ``failed``: what ended it (the launcher's or the watchdog's words)
 
     @property
@@ -335,7 +335,7 @@ class RunStatus:
         return self.state == "finished"
 
 
-def _launcher_failure(history: list[dict]) -> dict | None:
+def _launcher_failure(history: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The ``failed`` event that ended the run for good, if the launcher recorded one."""
     last_start = max((i for i, e in enumerate(history) if e["event"] in _STARTS), default=-1)
     failures = [e for e in history[last_start + 1 :] if e["event"] == "failed"]
@@ -344,7 +344,7 @@ def _launcher_failure(history: list[dict]) -> dict | None:
     return None
 
 
-def _held_by_another_job(run_dir: Path, failure: dict) -> bool:
+def _held_by_another_job(run_dir: Path, failure: dict[str, Any]) -> bool:
     """A live process holds the run's lease and is not of the job that ``failure`` ended."""
     from cqk_megatron.run import lease as run_lease  # it imports this module for the file's name
 
@@ -352,7 +352,7 @@ def _held_by_another_job(run_dir: Path, failure: dict) -> bool:
     return holder is not None and holder.job_id != str(failure.get("job_id"))
 
 
-def _fault(run_dir: Path) -> dict | None:
+def _fault(run_dir: Path) -> dict[str, Any] | None:
     """The last crash record, watchdog verdict or refusal (a full disk at a save) in
     ``faults.jsonl``."""
     faults = [
@@ -363,12 +363,12 @@ def _fault(run_dir: Path) -> dict | None:
     return faults[-1] if faults else None
 
 
-def _time(record: dict) -> float:
+def _time(record: dict[str, Any]) -> float:
     value = record.get("time")
     return float(value) if isinstance(value, int | float) else 0.0
 
 
-def _why(record: dict) -> str:
+def _why(record: dict[str, Any]) -> str:
     """The launcher's or the watchdog's words for what ended the run, on one line."""
     text = record.get("why") or record.get("reason") or record.get("line")
     if not text and record.get("error"):  # a rank's crash record

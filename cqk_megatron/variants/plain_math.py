@@ -56,7 +56,7 @@ def group_mean(x: torch.Tensor, group_size: int) -> torch.Tensor:
     """Average query-head quantities over each group: ``[..., hq, d] -> [..., hq/g, d]``."""
     if group_size == 1:
         return x
-    return x.unflatten(-2, (x.shape[-2] // group_size, group_size)).mean(dim=-2)
+    return x.reshape(*x.shape[:-2], x.shape[-2] // group_size, group_size, x.shape[-1]).mean(-2)
 
 
 def _group_size(q: torch.Tensor, k: torch.Tensor) -> int:
@@ -91,7 +91,8 @@ class HeadMLP(nn.Module):
                 nn.init.zeros_(self.fc2.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.silu(self.fc1(x)))
+        out: torch.Tensor = self.fc2(F.silu(self.fc1(x)))
+        return out
 
 
 class PositiveStep(nn.Module):
@@ -149,14 +150,18 @@ class _IntegratorCoupling(QKCoupling):
 class EulerCoupling(_IntegratorCoupling):
     """Explicit Euler: ``q <- q + dt k ; k <- k + dt f(q_old)``."""
 
-    def step(self, q, k, dt, group):
+    def step(
+        self, q: torch.Tensor, k: torch.Tensor, dt: torch.Tensor | float, group: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return q + dt * expand_kv(k, group), k + dt * group_mean(self.f(q), group)
 
 
 class HamiltonianCoupling(_IntegratorCoupling):
     """Leapfrog (Stormer-Verlet): time-reversible and volume-preserving for any ``f``."""
 
-    def step(self, q, k, dt, group):
+    def step(
+        self, q: torch.Tensor, k: torch.Tensor, dt: torch.Tensor | float, group: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         k = k + (dt / 2) * group_mean(self.f(q), group)
         q = q + dt * expand_kv(k, group)
         k = k + (dt / 2) * group_mean(self.f(q), group)
@@ -178,7 +183,9 @@ class MLPOnlyCoupling(_IntegratorCoupling):
         self.f_q = HeadMLP(head_dim, hidden // 2)
         self.f_k = HeadMLP(head_dim, hidden - hidden // 2)
 
-    def step(self, q, k, dt, group):
+    def step(
+        self, q: torch.Tensor, k: torch.Tensor, dt: torch.Tensor | float, group: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return q + dt * self.f_q(q), k + dt * self.f_k(k)
 
 
@@ -209,7 +216,7 @@ class InvertibleCoupling(QKCoupling):
             for _ in range(layers)
         )
 
-    def _scale_shift(self, net: HeadMLP, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _scale_shift(self, net: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s, t = net(x).chunk(2, dim=-1)
         return self.scale_bound * torch.tanh(s / self.scale_bound), t
 
@@ -273,7 +280,8 @@ DIFFERENTIAL_KERNELS = ("paired", "split")
 
 def pair_values(v: torch.Tensor) -> torch.Tensor:
     """``[b, Hk, s, d] -> [b, Hk/2, s, 2d]``: value heads ``2j`` and ``2j+1`` side by side."""
-    return v.unflatten(1, (v.shape[1] // 2, 2)).transpose(2, 3).flatten(-2)
+    pairs = v.reshape(v.shape[0], v.shape[1] // 2, 2, *v.shape[2:])
+    return pairs.transpose(2, 3).flatten(-2)
 
 
 class DifferentialScoring(nn.Module):
@@ -353,4 +361,5 @@ class DifferentialScoring(nn.Module):
 
     def normalize(self, diff: torch.Tensor) -> torch.Tensor:
         """``(1 - lambda_init) RMSNorm(diff)`` over the ``2 head_dim`` of a differential head."""
-        return self.subln(diff) * (1 - self.lambda_init)
+        normed: torch.Tensor = self.subln(diff)
+        return normed * (1 - self.lambda_init)

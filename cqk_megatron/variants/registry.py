@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from functools import cache, lru_cache
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar, cast
 
 ModuleRef = type | tuple[str, str]  # a class, or (module path, class name) as in ModuleSpec
 MATH_FILE = Path(__file__).resolve().parent / "plain_math.py"
@@ -56,8 +56,9 @@ def math_constant(name: str) -> Any:
         targets = node.targets if isinstance(node, ast.Assign) else []
         if isinstance(node, ast.AnnAssign):
             targets = [node.target]
-        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
-            return ast.literal_eval(node.value)
+        if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                return ast.literal_eval(node.value)
     raise LookupError(f"{MATH_FILE} defines no literal constant {name}")
 
 
@@ -154,7 +155,7 @@ class CouplingVariant:
     name: str
     module: ModuleRef | None
     options: Mapping[str, str] = field(default_factory=dict)
-    fused: ModuleRef | Callable | None = None
+    fused: ModuleRef | Callable[..., Any] | None = None
     checks: Checks = _no_checks
     flops: Callable[[Heads, Mapping[str, Any]], CouplingCost] | None = None
     memory: Callable[[Heads, Mapping[str, Any]], CouplingMemory] | None = None
@@ -162,10 +163,10 @@ class CouplingVariant:
     kind = "coupling"
 
     def module_class(self) -> type | None:
-        return resolve(self.module)
+        return cast("type | None", resolve(self.module))
 
-    def fused_form(self) -> Callable | None:
-        return resolve(self.fused)
+    def fused_form(self) -> Callable[..., Any] | None:
+        return cast("Callable[..., Any] | None", resolve(self.fused))
 
     def constructor_options(self, attention: Any, head_dim: int) -> dict[str, Any]:
         """The module's keyword arguments (besides ``head_dim``) for an ``AttentionConfig``."""
@@ -198,10 +199,13 @@ class CouplingVariant:
         return _count_parameters(cls, (), (("head_dim", head_dim), *sorted(options.items())))
 
     def cost(self, heads: Heads, options: Mapping[str, Any]) -> CouplingCost:
-        return _declared(self, "flops", "FLOPs and MFU estimates")(heads, options)
+        return cast(
+            CouplingCost, _declared(self, "flops", "FLOPs and MFU estimates")(heads, options)
+        )
 
     def kept(self, heads: Heads, options: Mapping[str, Any]) -> CouplingMemory:
-        return _declared(self, "memory", "activation-memory estimates")(heads, options)
+        hook = _declared(self, "memory", "activation-memory estimates")
+        return cast(CouplingMemory, hook(heads, options))
 
 
 @dataclass(frozen=True)
@@ -230,10 +234,10 @@ class ScoringVariant:
     kind = "scoring"
 
     def core_attention_class(self) -> type:
-        return resolve(self.core_attention)
+        return cast(type, resolve(self.core_attention))
 
     def math_class(self) -> type | None:
-        return resolve(self.math)
+        return cast("type | None", resolve(self.math))
 
     def parameters(self, head_dim: int) -> int:
         """Parameters of one layer's scoring, counted on its math module (meta device)."""
@@ -243,16 +247,18 @@ class ScoringVariant:
         return _count_parameters(cls, (head_dim,), (("layer_index", 0),))
 
     def attention_calls(self, heads: Heads) -> AttentionCalls:
-        return _declared(self, "calls", "FLOPs and memory estimates")(heads)
+        return cast(AttentionCalls, _declared(self, "calls", "FLOPs and memory estimates")(heads))
 
     def activation_terms(self, heads: Heads) -> Mapping[str, ActivationTerm]:
-        return _declared(self, "memory", "activation-memory estimates")(heads)
+        hook = _declared(self, "memory", "activation-memory estimates")
+        return cast("Mapping[str, ActivationTerm]", hook(heads))
 
 
 Variant = CouplingVariant | ScoringVariant
+_V = TypeVar("_V", CouplingVariant, ScoringVariant)
 
 
-def _declared(variant: Variant, term: str, needed_by: str) -> Callable:
+def _declared(variant: Variant, term: str, needed_by: str) -> Callable[..., Any]:
     hook = getattr(variant, term)
     if hook is None:
         raise NotImplementedError(
@@ -260,11 +266,11 @@ def _declared(variant: Variant, term: str, needed_by: str) -> Callable:
             f"({type(variant).__name__}.{term}), which the {needed_by} need; add it to its "
             "registration"
         )
-    return hook
+    return cast("Callable[..., Any]", hook)
 
 
 @lru_cache(maxsize=256)
-def _count_parameters(cls: type, args: tuple, kwargs: tuple) -> int:
+def _count_parameters(cls: type, args: tuple[Any, ...], kwargs: tuple[Any, ...]) -> int:
     import torch  # only here: the registry itself stays importable without torch
 
     with torch.device("meta"):
@@ -295,7 +301,7 @@ def _check_name(name: str, what: str) -> None:
         raise ValueError(f"{what} name {name!r}: use letters, digits and '_' only")
 
 
-def _register(table: dict, variant: Variant) -> Variant:
+def _register(table: dict[str, _V], variant: _V) -> _V:
     _check_name(variant.name, variant.kind)
     if variant.name in table and table[variant.name] is not variant:
         raise ValueError(f"{variant.kind} {variant.name!r} is registered already")
@@ -342,16 +348,18 @@ def preset_of(text: str) -> str | None:
 @contextlib.contextmanager
 def registered(variant: Variant) -> Iterator[Variant]:
     """Register ``variant`` for the ``with`` block only (tests, notebooks)."""
-    table = _COUPLINGS if isinstance(variant, CouplingVariant) else _SCORINGS
-    _register(table, variant)
+    if isinstance(variant, CouplingVariant):
+        _register(_COUPLINGS, variant)
+    else:
+        _register(_SCORINGS, variant)
     try:
         yield variant
     finally:
-        del table[variant.name]
+        del (_COUPLINGS if isinstance(variant, CouplingVariant) else _SCORINGS)[variant.name]
         _BY_CLASS.clear()
 
 
-def unknown_message(kind: str, name: Any, table: Mapping) -> str:
+def unknown_message(kind: str, name: Any, table: Mapping[str, Any]) -> str:
     """The one message for an unregistered name, wherever it is looked up."""
     return f"attention.{kind}={name!r} is unknown; choose one of {list(table)} (or {ADDING})"
 
@@ -430,7 +438,7 @@ def check_config(config: Any) -> list[str]:
     already known to be positive), plus the rules every coupling shares; unregistered
     names are ``unknown_names``'s to report."""
     a = config.attention
-    problems = []
+    problems: list[str] = []
     for variant in _chosen(config)[0]:
         problems.extend(variant.checks(config))
         if (

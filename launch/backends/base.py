@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from cqk_megatron.run.folder import events
 
@@ -122,11 +122,11 @@ class Backend(ABC):
     def job_state(self, job_id: str) -> str:
         """The state of the job recorded as ``job_id`` (``UNKNOWN`` when nobody knows)."""
 
-    def live_state(self, job: submitit.Job) -> str:
+    def live_state(self, job: submitit.Job[Any]) -> str:
         """The state of a job this launcher submitted (its submitit handle)."""
         return self.job_state(str(job.job_id))
 
-    def exited(self, job: submitit.Job) -> bool:
+    def exited(self, job: submitit.Job[Any]) -> bool:
         """Whether ``job`` has visibly ended, where knowing costs nothing (a child process);
         ``False`` where only asking the scheduler would tell."""
         return False

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import submitit
 from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE
@@ -91,10 +91,10 @@ class LocalBackend(Backend):
             return "UNKNOWN"
         return "RUNNING" if local_job.is_controller(pid) else "FINISHED"
 
-    def live_state(self, job: submitit.Job) -> str:
+    def live_state(self, job: submitit.Job[Any]) -> str:
         return job.state  # the launcher's own process handle: the surest word on it
 
-    def exited(self, job: submitit.Job) -> bool:
+    def exited(self, job: submitit.Job[Any]) -> bool:
         return job.done()  # a child process: Popen.poll costs nothing
 
     def cancel(self, job_id: str) -> str:
