@@ -40,7 +40,7 @@ setup(
         ],
         "eval": ["lm-eval>=0.4.13", "accelerate>=1.0"],
         "analysis": ["pandas>=2.0", "scipy>=1.11", "matplotlib>=3.7", "threadpoolctl>=3"],
-        "dev": ["pytest>=8", "pytest-xdist>=3.5", "ruff>=0.6"],
+        "dev": ["pytest>=8", "pytest-xdist>=3.5", "ruff>=0.6", "mypy>=1.10"],
     },
     entry_points={
         "console_scripts": [
