@@ -1,0 +1,90 @@
+"""Every path, config include and link that README.md and docs/ name exists.
+
+A doc that points at a file, a config include or a section that has moved sends a user to
+nothing; this fails on it, naming the page, the line and what is missing.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from cqk_megatron.variants import VARIANTS
+
+REPO = Path(__file__).resolve().parent.parent
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# Top-level folders of the repository: a path a doc names inside one of them must exist.
+TRACKED_ROOTS = ("configs", "cqk_megatron", "data_tools", "docs", "launch", "scripts", "tests")
+PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./*-]*[\w/*])" % "|".join(TRACKED_ROOTS))
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+INCLUDE = re.compile(r"include:\s*\[([^\]]*)\]")
+PLACEHOLDER = re.compile(r"[A-Z]{3,}|NAME|\.\.\.|<|\*")  # configs/runs/NAME.yaml, tests/gpu/*
+
+
+def _mentions(page: Path) -> list[tuple[int, str, str]]:
+    """(line, kind, target) for each path, include and link of ``page``."""
+    found = []
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        found += [(number, "path", m) for m in PATH.findall(line)]
+        for group in INCLUDE.findall(line):
+            found += [(number, "include", item.strip(" '\"")) for item in group.split(",")]
+        found += [(number, "link", m) for m in LINK.findall(line)]
+    return found
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors for the headings of ``page``."""
+    anchors = set()
+    for line in page.read_text().splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
+
+
+def _missing_include(target: str) -> str | None:
+    folder, _, name = target.rpartition("/")
+    if folder == "variants":  # a preset of the variant registry, not a file
+        ok = name.removesuffix(".yaml") in VARIANTS or PLACEHOLDER.search(name)
+        return None if ok else f"include {target}: no registered variant preset of that name"
+    return None if (REPO / "configs" / target).exists() else f"configs/{target} does not exist"
+
+
+def _missing(page: Path, kind: str, target: str) -> str | None:
+    if kind == "path":
+        if PLACEHOLDER.search(target) or (REPO / target.rstrip("/")).exists():
+            return None
+        return f"{target} does not exist"
+    if kind == "include":
+        return _missing_include(target)
+    if target.startswith(("http://", "https://", "mailto:")):
+        return None
+    file, _, anchor = target.partition("#")
+    linked = (page.parent / file).resolve() if file else page
+    if not linked.exists():
+        return f"the link {target} leads to no file"
+    if anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+        return f"the link {target} leads to no heading of {linked.name}"
+    return None
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_named_path_exists(page: Path) -> None:
+    problems = [
+        f"{page.relative_to(REPO)}:{number}: {problem}"
+        for number, kind, target in _mentions(page)
+        if (problem := _missing(page, kind, target))
+    ]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_check_sees_a_missing_path(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "Run `configs/runs/nowhere.yaml`.\ninclude: [models/none.yaml, variants/nothing.yaml]\n"
+        "See [there](missing.md) and [here](#no-such-heading).\n# A heading\n"
+    )
+    problems = [p for n, k, t in _mentions(page) if (p := _missing(page, k, t))]
+    assert len(problems) == 5, problems
