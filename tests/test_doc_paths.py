@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # Top-level folders of the repository: a path a doc names inside one of them must exist.
 TRACKED_ROOTS = ("configs", "cqk_megatron", "data_tools", "docs", "launch", "scripts", "tests")
-PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./*-]*[\w/*])" % "|".join(TRACKED_ROOTS))
+_ROOTS = "|".join(TRACKED_ROOTS)
+PATH = re.compile(rf"(?<![\w./-])((?:{_ROOTS})/[\w./*-]*[\w/*])")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 INCLUDE = re.compile(r"include:\s*\[([^\]]*)\]")
 PLACEHOLDER = re.compile(r"[A-Z]{3,}|NAME|\.\.\.|<|\*")  # configs/runs/NAME.yaml, tests/gpu/*
