@@ -371,6 +371,39 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(
     watch.assert_no_process_left()
 
 
+# (run file, first line): a key given twice in a run file, which YAML would silently merge
+# away (the second ``train:`` replaced the first whole: train_steps went back to the
+# included 200)
+DUPLICATE_CASES = {
+    "section twice": (
+        "include: [{config}]\ntrain:\n  train_steps: 7\n  save_interval: 7\n"
+        "model:\n  hidden_size: 64\ntrain:\n  lr: 0.001\n",
+        "key 'train' is given twice (lines 2 and 7)",
+    ),
+    "key twice in a section": (
+        "include: [{config}]\ntrain:\n  train_steps: 7\n  lr: 0.001\n  train_steps: 9\n",
+        "key 'train.train_steps' is given twice (lines 3 and 5)",
+    ),
+}
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+@pytest.mark.parametrize(
+    ("text", "first"), list(DUPLICATE_CASES.values()), ids=list(DUPLICATE_CASES)
+)
+def test_a_key_given_twice_in_a_run_file_is_refused(
+    text, first, entry, tmp_path, capsys, monkeypatch
+):
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(text.replace("{config}", CONFIG))
+    watch = Watch(tmp_path)
+    argv = ["--config", str(run_file), f"log.root={tmp_path / 'runs'}"]
+    outcome = ENTRY_POINTS[entry](argv, capsys, monkeypatch)
+    check(outcome, EXIT_REFUSED, f"{run_file}: {first}", "merge them into one")
+    watch.assert_unchanged()
+    watch.assert_no_process_left()
+
+
 # -- bad data ------------------------------------------------------------------------------
 
 
