@@ -540,6 +540,84 @@ def test_the_data_tools_refuse_random_bytes(tool, name, first, prepared_data, tm
     watch.assert_no_process_left()
 
 
+def _truncated_gzip(data: Path, name: str) -> Path:
+    """The case's corpus gzipped, then cut to half its bytes (an interrupted copy)."""
+    import gzip
+
+    path = data / name
+    packed = gzip.compress((data / "docs.jsonl").read_bytes())
+    path.write_bytes(packed[: len(packed) // 2])
+    return path
+
+
+def _not_gzip(data: Path, name: str) -> Path:
+    path = data / name
+    path.write_bytes((data / "docs.jsonl").read_bytes())  # named .gz, never compressed
+    return path
+
+
+def _truncated_parquet(data: Path, name: str) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = data / name
+    texts = [json.loads(line)["text"] for line in (data / "docs.jsonl").read_text().splitlines()]
+    pq.write_table(pa.table({"text": texts}), path)
+    path.write_bytes(path.read_bytes()[:-100])  # its footer cut off
+    return path
+
+
+# (make the input, its name, first line): inputs that cannot be read to their end
+UNREADABLE_CASES = {
+    "truncated .jsonl.gz": (
+        _truncated_gzip,
+        "docs.jsonl.gz",
+        "error: input '{path}' is not a readable .gz file: its compressed data ends before "
+        "the end-of-stream marker (truncated?)",
+    ),
+    "truncated .txt.gz": (
+        _truncated_gzip,
+        "docs.txt.gz",
+        "error: input '{path}' is not a readable .gz file: its compressed data ends",
+    ),
+    ".gz that is not gzip": (
+        _not_gzip,
+        "docs.jsonl.gz",
+        "error: input '{path}' is not a readable .gz file: Not a gzipped file",
+    ),
+    "parquet without its footer": (
+        _truncated_parquet,
+        "docs.parquet",
+        "error: cannot read '{path}' as parquet: ",
+    ),
+    "random bytes as parquet": (
+        lambda data, name: _noise(data, name),
+        "noise.parquet",
+        "error: cannot read '{path}' as parquet: ",
+    ),
+}
+
+
+@pytest.mark.parametrize("tool", [_preprocess, _train_tokenizer], ids=["preprocess", "tokenizer"])
+@pytest.mark.parametrize(
+    ("make", "name", "first"), list(UNREADABLE_CASES.values()), ids=list(UNREADABLE_CASES)
+)
+def test_the_data_tools_name_an_input_they_cannot_read(
+    make, name, first, tool, prepared_data, tmp_path, capsys
+):
+    """A truncated or mislabelled compressed file, a damaged Parquet file: one line naming
+    the file and what is wrong, exit 2, nothing written (a truncated .gz was an EOFError
+    traceback, exit 1)."""
+    data = copy_data(prepared_data, tmp_path)
+    source = make(data, name)
+    main, argv = tool(data, source)
+    watch = Watch(tmp_path)
+    outcome = data_tool(main, argv, capsys)
+    check(outcome, EXIT_REFUSED, first.replace("{path}", str(source)))
+    watch.assert_unchanged()
+    watch.assert_no_process_left()
+
+
 # -- damaged checkpoints at resume ---------------------------------------------------------
 
 
