@@ -8,13 +8,19 @@ import codecs
 import gzip
 import lzma
 import re
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from cqk_megatron.data.errors import DataError
+
 _CHUNK = 16 << 20
 _NON_BLANK = re.compile(r"\S")
 _OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+# what the decompressors raise for a file that is cut short or is not what its name says
+_DECOMPRESSION_ERRORS = (EOFError, gzip.BadGzipFile, lzma.LZMAError, zlib.error, OSError)
 
 
 def open_binary(path: Path) -> IO[bytes]:
@@ -55,24 +61,49 @@ class Utf8Report:
     has_text: bool  # anything but whitespace
 
 
+def _unreadable(path: Path, error: Exception) -> DataError:
+    """A compressed input that cannot be read to its end, as one line naming it."""
+    kind = path.suffix.lower()
+    if isinstance(error, EOFError):
+        what = "its compressed data ends before the end-of-stream marker (truncated?)"
+    else:
+        what = str(error)
+    return DataError(
+        f"input '{path}' is not a readable {kind} file: {what}; copy or compress it again, "
+        "or leave it out of the inputs"
+    )
+
+
+def _read_chunks(path: Path) -> Iterator[bytes]:
+    """The file's bytes in chunks; a damaged compressed file raises ``DataError``."""
+    try:
+        with open_binary(path) as stream:
+            while chunk := stream.read(_CHUNK):
+                yield chunk
+    except _DECOMPRESSION_ERRORS as error:
+        if path.suffix.lower() not in _OPENERS:
+            raise  # a plain file that cannot be read: not a decompression problem
+        raise _unreadable(path, error) from error
+
+
 def _decode_chunks(path: Path):
     """Yield decoded text chunks; a multi-byte character split by a chunk boundary is kept
     whole (the decoder reports how far it got)."""
     _Counter.reset()
     pending = b""
     position = 0
-    with open_binary(path) as stream:
-        while True:
-            chunk = stream.read(_CHUNK)
-            final = not chunk
-            data = pending + chunk
-            _Counter.base = position
-            text, consumed = codecs.utf_8_decode(data, "cqk-count", final)
-            pending = data[consumed:]
-            position += consumed
-            yield text, position
-            if final:
-                return
+    chunks = _read_chunks(path)
+    while True:
+        chunk = next(chunks, b"")
+        final = not chunk
+        data = pending + chunk
+        _Counter.base = position
+        text, consumed = codecs.utf_8_decode(data, "cqk-count", final)
+        pending = data[consumed:]
+        position += consumed
+        yield text, position
+        if final:
+            return
 
 
 def scan_utf8(path: Path) -> Utf8Report:

@@ -371,6 +371,39 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(
     watch.assert_no_process_left()
 
 
+# (run file, first line): a key given twice in a run file, which YAML would silently merge
+# away (the second ``train:`` replaced the first whole: train_steps went back to the
+# included 200)
+DUPLICATE_CASES = {
+    "section twice": (
+        "include: [{config}]\ntrain:\n  train_steps: 7\n  save_interval: 7\n"
+        "model:\n  hidden_size: 64\ntrain:\n  lr: 0.001\n",
+        "key 'train' is given twice (lines 2 and 7)",
+    ),
+    "key twice in a section": (
+        "include: [{config}]\ntrain:\n  train_steps: 7\n  lr: 0.001\n  train_steps: 9\n",
+        "key 'train.train_steps' is given twice (lines 3 and 5)",
+    ),
+}
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+@pytest.mark.parametrize(
+    ("text", "first"), list(DUPLICATE_CASES.values()), ids=list(DUPLICATE_CASES)
+)
+def test_a_key_given_twice_in_a_run_file_is_refused(
+    text, first, entry, tmp_path, capsys, monkeypatch
+):
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(text.replace("{config}", CONFIG))
+    watch = Watch(tmp_path)
+    argv = ["--config", str(run_file), f"log.root={tmp_path / 'runs'}"]
+    outcome = ENTRY_POINTS[entry](argv, capsys, monkeypatch)
+    check(outcome, EXIT_REFUSED, f"{run_file}: {first}", "merge them into one")
+    watch.assert_unchanged()
+    watch.assert_no_process_left()
+
+
 # -- bad data ------------------------------------------------------------------------------
 
 
@@ -499,6 +532,84 @@ def test_the_data_tools_refuse_random_bytes(tool, name, first, prepared_data, tm
     for 20,655 bad sequences)."""
     data = copy_data(prepared_data, tmp_path)
     source = _noise(data, name)
+    main, argv = tool(data, source)
+    watch = Watch(tmp_path)
+    outcome = data_tool(main, argv, capsys)
+    check(outcome, EXIT_REFUSED, first.replace("{path}", str(source)))
+    watch.assert_unchanged()
+    watch.assert_no_process_left()
+
+
+def _truncated_gzip(data: Path, name: str) -> Path:
+    """The case's corpus gzipped, then cut to half its bytes (an interrupted copy)."""
+    import gzip
+
+    path = data / name
+    packed = gzip.compress((data / "docs.jsonl").read_bytes())
+    path.write_bytes(packed[: len(packed) // 2])
+    return path
+
+
+def _not_gzip(data: Path, name: str) -> Path:
+    path = data / name
+    path.write_bytes((data / "docs.jsonl").read_bytes())  # named .gz, never compressed
+    return path
+
+
+def _truncated_parquet(data: Path, name: str) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = data / name
+    texts = [json.loads(line)["text"] for line in (data / "docs.jsonl").read_text().splitlines()]
+    pq.write_table(pa.table({"text": texts}), path)
+    path.write_bytes(path.read_bytes()[:-100])  # its footer cut off
+    return path
+
+
+# (make the input, its name, first line): inputs that cannot be read to their end
+UNREADABLE_CASES = {
+    "truncated .jsonl.gz": (
+        _truncated_gzip,
+        "docs.jsonl.gz",
+        "error: input '{path}' is not a readable .gz file: its compressed data ends before "
+        "the end-of-stream marker (truncated?)",
+    ),
+    "truncated .txt.gz": (
+        _truncated_gzip,
+        "docs.txt.gz",
+        "error: input '{path}' is not a readable .gz file: its compressed data ends",
+    ),
+    ".gz that is not gzip": (
+        _not_gzip,
+        "docs.jsonl.gz",
+        "error: input '{path}' is not a readable .gz file: Not a gzipped file",
+    ),
+    "parquet without its footer": (
+        _truncated_parquet,
+        "docs.parquet",
+        "error: cannot read '{path}' as parquet: ",
+    ),
+    "random bytes as parquet": (
+        lambda data, name: _noise(data, name),
+        "noise.parquet",
+        "error: cannot read '{path}' as parquet: ",
+    ),
+}
+
+
+@pytest.mark.parametrize("tool", [_preprocess, _train_tokenizer], ids=["preprocess", "tokenizer"])
+@pytest.mark.parametrize(
+    ("make", "name", "first"), list(UNREADABLE_CASES.values()), ids=list(UNREADABLE_CASES)
+)
+def test_the_data_tools_name_an_input_they_cannot_read(
+    make, name, first, tool, prepared_data, tmp_path, capsys
+):
+    """A truncated or mislabelled compressed file, a damaged Parquet file: one line naming
+    the file and what is wrong, exit 2, nothing written (a truncated .gz was an EOFError
+    traceback, exit 1)."""
+    data = copy_data(prepared_data, tmp_path)
+    source = make(data, name)
     main, argv = tool(data, source)
     watch = Watch(tmp_path)
     outcome = data_tool(main, argv, capsys)

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from cqk_megatron.config.duplicates import refuse_duplicate_keys
 from cqk_megatron.config.schema import (
     CONFIGS_DIR,
     MODEL_FAMILIES,
@@ -76,10 +77,12 @@ def read_yaml(path: str | Path, what: str = "config file", fix: str = "") -> dic
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{what} '{path}' does not exist" + (f" ({fix})" if fix else ""))
+    text = path.read_text()
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML: {error}") from error
+    refuse_duplicate_keys(path, text)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of keys")
     return data
