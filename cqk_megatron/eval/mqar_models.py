@@ -97,11 +97,10 @@ def reinit_like_torch(model: torch.nn.Module, part: str = "torch") -> None:
 
 
 def plain_config_for(config: RunConfig) -> PlainConfig:
-    """The ``PlainConfig`` computing the same function as ``config``'s Megatron model
-    (standard scoring only: the plain model has no differential attention)."""
+    """The ``PlainConfig`` computing the same function as ``config``'s Megatron model."""
     m, a = config.model, config.attention
-    if a.scoring != "standard":
-        raise ValueError("the plain model implements standard scoring only")
+    if a.scoring not in ("standard", "differential"):
+        raise ValueError(f"attention.scoring={a.scoring!r} has no plain form")
     if a.coupling not in PLAIN_COUPLINGS:
         raise ValueError(
             f"attention.coupling={a.coupling!r} has no plain form (eval/plain_model.py writes "
@@ -132,6 +131,7 @@ def plain_config_for(config: RunConfig) -> PlainConfig:
         dt_init=a.dt_init,
         invertible_layers=a.invertible_layers,
         invertible_bound=a.invertible_scale_bound,
+        scoring=a.scoring,
     )
 
 
@@ -192,6 +192,9 @@ def _layer_tensor(prefix: str, rest: str, tensor: torch.Tensor, config: RunConfi
         return {f"{prefix}mlp.up.{kind}": tensor}
     if module in _RENAMES:
         return {f"{prefix}{_RENAMES[module]}.{kind}": tensor}
+    if rest.startswith("self_attention.core_attention.differential."):
+        inner = rest[len("self_attention.core_attention.differential.") :]
+        return {f"{prefix}attn.differential.{inner}": tensor}
     if rest.startswith("self_attention.coupling."):
         inner = rest[len("self_attention.coupling.") :]
         return {f"{prefix}attn.coupling.{'dt_raw' if inner == 'dt.raw' else inner}": tensor}

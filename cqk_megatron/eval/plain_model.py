@@ -20,6 +20,13 @@ reads its group's key and a key receives the mean over its group of what the que
 - ``mlp_only``: ``q, k = q + dt f_q(q), k + dt f_k(k)`` (``f_q``, ``f_k`` split ``f``'s width)
 - ``invertible``: per layer ``q = q exp(s1(k)) + t1(k); k = k exp(s2(q)) + t2(q)``, log-scales
   bounded by ``bound * tanh(s / bound)``
+
+Scoring is ``standard`` (softmax attention) or ``differential`` (Ye et al., 2024), written
+out from the paper's formula: heads ``2i`` and ``2i+1`` give the two maps of differential
+head ``i``, value heads ``2j`` and ``2j+1`` side by side its value of width ``2d``,
+``(1 - lambda_init) RMSNorm((A1 - lambda A2) v)`` its output, with
+``lambda = exp(lq1.lk1) - exp(lq2.lk2) + lambda_init`` and
+``lambda_init = 0.8 - 0.6 exp(-0.3 l)`` at 0-based depth ``l``.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ POSITIONS = ("learned", "rope")
 # not imported: this model is independent by design). tests/test_plain_reference.py checks
 # each one against the Megatron model and that every registered coupling is here.
 COUPLINGS = ("none", "hamiltonian", "euler", "mlp_only", "invertible")
+SCORINGS = ("standard", "differential")
 DT_PARAMS = ("exp", "softplus")
 INITS = ("torch", "gpt2")
 
@@ -86,6 +94,8 @@ class PlainConfig:
     invertible_bound: float = 2.0
     # sdpa: torch's fused kernel (fast); explicit: softmax(q k^T / sqrt(d)) written out
     attention_kernel: str = "sdpa"
+    scoring: str = "standard"  # standard | differential (maps always written out)
+    lambda_std: float = 0.1  # differential: lambda vectors start N(0, lambda_std)
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -97,11 +107,14 @@ class PlainConfig:
             ("init", INITS),
             ("coupling_position", ("pre_rope", "post_rope")),
             ("attention_kernel", ("sdpa", "explicit")),
+            ("scoring", SCORINGS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"PlainConfig.{name}={getattr(self, name)!r}; one of {allowed}")
         if self.hidden % self.heads or self.heads % self.num_kv_heads:
             raise ValueError("PlainConfig: hidden % heads and heads % kv_heads must be 0")
+        if self.scoring == "differential" and self.num_kv_heads % 2:
+            raise ValueError("PlainConfig: differential scoring pairs heads; kv_heads must be even")
 
     @property
     def head_dim(self) -> int:
@@ -226,8 +239,41 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tenso
     return x * cos + torch.cat((-second, first), dim=-1) * sin
 
 
+class PlainDifferential(nn.Module):
+    """Differential Attention's scoring for one layer, from the paper's formula."""
+
+    def __init__(self, config: PlainConfig, layer_index: int) -> None:
+        super().__init__()
+        d = config.head_dim
+        self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer_index)
+        self.scale = 1 / math.sqrt(d)
+        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            vector = torch.empty(d, device=None).normal_(0, config.lambda_std)
+            setattr(self, name, nn.Parameter(vector))
+        self.subln = PlainRMSNorm(2 * d, config.norm_eps)
+
+    def lam(self) -> torch.Tensor:
+        first = torch.exp((self.lambda_q1 * self.lambda_k1).sum())
+        return first - torch.exp((self.lambda_q2 * self.lambda_k2).sum()) + self.lambda_init
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q``: ``[b, s, H, d]``; ``k``, ``v``: ``[b, s, Hk, d]`` -> ``[b, s, H d]``."""
+        b, s, heads, d = q.shape
+        group = heads // k.shape[2]  # query heads per key head: pairs share it too
+        q = q.view(b, s, heads // 2, 2, d).permute(0, 2, 3, 1, 4)  # [b, H/2, 2, s, d]
+        k = k.view(b, s, k.shape[2] // 2, 2, d).permute(0, 2, 3, 1, 4)
+        v = v.reshape(b, s, v.shape[2] // 2, 2 * d).transpose(1, 2)  # [b, Hk/2, s, 2d]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = q @ k.transpose(-1, -2) * self.scale  # [b, H/2, 2, s, s]
+        future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+        maps = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+        out = (maps[:, :, 0] - self.lam() * maps[:, :, 1]) @ v  # [b, H/2, s, 2d]
+        out = self.subln(out) * (1 - self.lambda_init)
+        return out.transpose(1, 2).reshape(b, s, heads * d)
+
+
 class PlainAttention(nn.Module):
-    def __init__(self, config: PlainConfig) -> None:
+    def __init__(self, config: PlainConfig, layer_index: int = 0) -> None:
         super().__init__()
         self.config = config
         d, hq, hk = config.head_dim, config.heads, config.num_kv_heads
@@ -236,6 +282,9 @@ class PlainAttention(nn.Module):
         self.v = nn.Linear(config.hidden, hk * d, bias=config.bias)
         self.o = nn.Linear(hq * d, config.hidden, bias=config.bias)
         self.coupling = PlainCoupling(config) if config.coupling != "none" else None
+        self.differential = (
+            PlainDifferential(config, layer_index) if config.scoring == "differential" else None
+        )
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -250,6 +299,8 @@ class PlainAttention(nn.Module):
             q, k = rotate(q, positions, c.rotary_base), rotate(k, positions, c.rotary_base)
         if self.coupling is not None and couple_after_rope:
             q, k = self.coupling(q, k)
+        if self.differential is not None:
+            return self.o(self.differential(q, k, v))
         group = c.heads // c.num_kv_heads
         k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, h, s, d]
@@ -286,9 +337,9 @@ def _norm(config: PlainConfig) -> nn.Module:
 
 
 class PlainBlock(nn.Module):
-    def __init__(self, config: PlainConfig) -> None:
+    def __init__(self, config: PlainConfig, layer_index: int = 0) -> None:
         super().__init__()
-        self.norm1, self.attn = _norm(config), PlainAttention(config)
+        self.norm1, self.attn = _norm(config), PlainAttention(config, layer_index)
         self.norm2, self.mlp = _norm(config), PlainMLP(config)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -306,7 +357,7 @@ class PlainLM(nn.Module):
         self.pos_emb = (
             nn.Embedding(config.seq_len, config.hidden) if config.positions == "learned" else None
         )
-        self.blocks = nn.ModuleList(PlainBlock(config) for _ in range(config.layers))
+        self.blocks = nn.ModuleList(PlainBlock(config, index) for index in range(config.layers))
         self.final_norm = _norm(config)
         self.head = (
             None
@@ -320,10 +371,17 @@ class PlainLM(nn.Module):
     def _gpt2_init(self) -> None:
         """GPT-2's (and Megatron's) scheme: N(0, 0.02) weights, zero biases, and the two
         projections into the residual stream at 0.02 / sqrt(2 layers). The coupling keeps
-        PyTorch's defaults, as the project's ``coupling.py`` does."""
+        PyTorch's defaults, as the project's ``coupling.py`` does, and the differential
+        scoring its own (lambda vectors N(0, lambda_std), sub-layer norm ones)."""
         std = 0.02
         coupling = {
             id(p) for b in self.blocks if b.attn.coupling for p in b.attn.coupling.parameters()
+        }
+        coupling |= {
+            id(p)
+            for b in self.blocks
+            if b.attn.differential
+            for p in b.attn.differential.parameters()
         }
         residual = {id(b.attn.o.weight) for b in self.blocks} | {
             id(b.mlp.down.weight) for b in self.blocks
