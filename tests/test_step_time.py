@@ -12,7 +12,7 @@ import pytest
 from cqk_megatron.cli import plan as plan_cli
 from cqk_megatron.config import CONFIGS_DIR, ConfigError, load_config
 from cqk_megatron.perf.flops import flops_per_token
-from cqk_megatron.planner.dp_traffic import dp_collectives
+from cqk_megatron.perf.traffic import dp_collectives
 from cqk_megatron.planner.hardware import load_hardware
 from cqk_megatron.planner.step_time import predict_step
 from launch.resources import load_profile
@@ -73,7 +73,7 @@ def test_tensor_parallel_traffic_and_its_link():
     # 16 layers x (2 forward + 2 backward) x 8 micro-batches, each kind
     assert {t.kind for t in sp} == {"all_gather", "reduce_scatter"}
     assert all(t.calls == 16 * 4 * 8 and t.link == "NVLink" for t in sp)
-    assert all(t.elements == 4 * 2048 * 2048 for t in sp)  # micro-batch x seq x hidden
+    assert all(t.elements == t.calls * 4 * 2048 * 2048 for t in sp)  # micro-batch x seq x h
     tp1 = predict_step(
         run_1b("parallel.tensor_parallel=1", "parallel.sequence_parallel=false"),
         load_hardware(H100),
@@ -103,12 +103,19 @@ def test_the_pipeline_bubble_is_p_minus_1_over_v_slots():
     assert {"pp_p2p", "tied_embeddings"} <= parts
 
 
-def test_overlap_hides_gradient_buckets_but_the_last():
+def test_what_the_engine_issues_inside_the_backward_is_hidden_and_the_rest_exposed():
     hardware = load_hardware(H100)
-    overlapped = predict_step(run_1b(), hardware)
-    in_line = predict_step(run_1b("train.overlap_grad_reduce=false"), hardware)
+    overlapped = predict_step(run_1b("train.engine=megatron"), hardware)
+    in_line = predict_step(
+        run_1b("train.engine=megatron", "train.overlap_grad_reduce=false"), hardware
+    )
     grads = [t for t in overlapped.transfers if t.part == "dp_gradients"]
-    assert all(t.exposed_s >= t.seconds / t.calls for t in grads)
+    assert {t.overlapped for t in grads} == {True}
+    # all but the last bucket hide behind the last micro-batch's backward
+    assert all(t.seconds / t.calls <= t.exposed_s < 0.5 * t.seconds for t in grads)
+    assert [t.exposed_s for t in in_line.transfers if t.part == "dp_gradients"] == [
+        t.seconds for t in in_line.transfers if t.part == "dp_gradients"
+    ]
     assert overlapped.parts["dp_exposed"] < in_line.parts["dp_exposed"]
 
 

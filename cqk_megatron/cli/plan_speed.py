@@ -23,7 +23,10 @@ def rank_layouts(
     for result in results:
         if result.fits:
             built = training_config(config, result.layout, micro_batch, global_batch)
-            ranked.append((result, predict_step(built, hardware)))
+            try:
+                ranked.append((result, predict_step(built, hardware)))
+            except ValueError as error:  # a setting the model does not price
+                print(f"{result.layout.describe()}: not ranked: {error}")
     ranked.sort(key=lambda pair: -pair[1].tokens_per_s_per_gpu)
     return ranked
 

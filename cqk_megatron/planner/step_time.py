@@ -10,8 +10,9 @@ peak; the coupling's vector work is priced as HBM traffic. Every collective is l
 kind with its bytes, dtype and link (NVLink inside a node, the network across nodes) and
 timed as a ring: ``(n - 1) / n`` of the buffer for a reduce-scatter or all-gather, twice
 that for an all-reduce, at ``LINK_EFFICIENCY`` of the link's one-way bandwidth, plus a
-latency per call. Data-parallel collectives are the engine's (``dp_traffic``): those
-issued inside the backward hide behind its compute, but for the last bucket; the rest,
+latency per call. Data-parallel collectives are the engine's (``perf.traffic``, which the
+communication audit checks against the real engines): those issued inside the backward
+hide behind its compute; the rest,
 tensor and sequence parallel (Megatron issues them in line), pipeline sends and the tied
 embeddings' sum are exposed. The pipeline bubble is ``(p - 1) / v`` micro-batch slots.
 """
@@ -30,7 +31,7 @@ from cqk_megatron.model.params import (
 )
 from cqk_megatron.perf.flops import flops_breakdown, flops_per_token
 from cqk_megatron.perf.memory import BYTES
-from cqk_megatron.planner.dp_traffic import Collective, dp_collectives
+from cqk_megatron.perf.traffic import Collective, dp_collectives, reduce_bucket_elements
 from cqk_megatron.planner.hardware import ClusterHardware
 
 # The fraction of the dense bf16 peak that the model's matmuls reach, the norms, softmax
@@ -56,7 +57,7 @@ class Transfer:
 
     part: str  # dp_gradients, dp_parameters, tp_sp, tp_embedding, tp_grad_sums, pp_p2p, ...
     kind: str  # all_reduce | reduce_scatter | all_gather | send
-    elements: int  # per call, the whole buffer
+    elements: int  # the whole buffer of every call of the step, summed
     dtype: str
     calls: int  # per step
     group_size: int
@@ -74,7 +75,7 @@ class Transfer:
         """Bytes each rank sends in the step (the ring's share)."""
         n = self.group_size
         share = 1.0 if self.kind == "send" else RING_FACTOR[self.kind] * (n - 1) / n
-        return share * self.elements * BYTES[self.dtype] * self.calls
+        return share * self.elements * BYTES[self.dtype]
 
 
 @dataclass
@@ -212,23 +213,16 @@ def tensor_parallel_transfers(config: RunConfig, shape: _Shape, crosses: bool) -
     per_layer = 2 * passes
     kind = "all_gather" if shape.sp else "all_reduce"
     calls = layers * per_layer * shape.microbatches
-    dtype = "bf16" if shape.precision == "bf16" else shape.precision
+    dtype = shape.precision
+    other = "reduce_scatter" if shape.sp else "all_reduce"
     transfers = [
-        Transfer("tp_sp", kind, activation, dtype, calls, shape.tp, crosses, False),
-        Transfer(
-            "tp_sp",
-            "reduce_scatter" if shape.sp else "all_reduce",
-            activation,
-            dtype,
-            calls,
-            shape.tp,
-            crosses,
-            False,
-        ),
+        Transfer("tp_sp", kind, activation * calls, dtype, calls, shape.tp, crosses, False),
+        Transfer("tp_sp", other, activation * calls, dtype, calls, shape.tp, crosses, False),
     ]
     edge_calls = 3 * shape.microbatches  # embedding forward, output layer forward and backward
+    edge = activation * edge_calls
     transfers.append(
-        Transfer("tp_embedding", kind, activation, dtype, edge_calls, shape.tp, crosses, False)
+        Transfer("tp_embedding", kind, edge, dtype, edge_calls, shape.tp, crosses, False)
     )
     replicated = layers * (2 * norm_parameters(config) + coupling_parameters(config))
     replicated += layers * scoring_parameters(config) + m.hidden_size
@@ -246,9 +240,10 @@ def pipeline_transfers(config: RunConfig, shape: _Shape, crosses: bool) -> list[
         return []
     m = config.model
     elements = shape.micro_batch * shape.seq * m.hidden_size // (shape.tp if shape.sp else 1)
-    dtype = "bf16" if shape.precision == "bf16" else shape.precision
     calls = 2 * shape.vp * shape.microbatches
-    transfers = [Transfer("pp_p2p", "send", elements, dtype, calls, 2, crosses, False)]
+    transfers = [
+        Transfer("pp_p2p", "send", elements * calls, shape.precision, calls, 2, crosses, False)
+    ]
     if m.tie_embeddings:
         table = embedding_parameters(config, shape.tp)
         transfers.append(
@@ -257,35 +252,63 @@ def pipeline_transfers(config: RunConfig, shape: _Shape, crosses: bool) -> list[
     return transfers
 
 
+def zero3_collectives(config: RunConfig, dp: int) -> list[Collective]:
+    """DeepSpeed ZeRO-3, which ``perf.traffic`` leaves out: every micro-batch gathers the
+    parameters for the forward and again for the backward (prefetched beside the compute)
+    and reduce-scatters the fp32 gradients bucket by bucket from the backward's hooks."""
+    t = config.train
+    params = stage_parameters(config, config.parallel.tensor_parallel, 1, first=True, last=True)
+    micro = max(1, t.global_batch_size // (t.micro_batch_size * dp))
+    buckets = -(-params // reduce_bucket_elements(params, dp))
+    grad = "fp64" if t.precision == "fp64" else "fp32"
+    gathers = Collective(
+        "parameter gather", "all_gather", 2 * params * micro, t.precision, 2 * buckets * micro, True
+    )
+    reduction = Collective(
+        "gradient reduction", "reduce_scatter", params * micro, grad, buckets * micro, True
+    )
+    return [gathers, reduction]
+
+
+def engine_collectives(config: RunConfig, dp: int) -> list[Collective]:
+    """The data-parallel collectives of ``config``'s engine in one step."""
+    t = config.train
+    if t.engine == "deepspeed" and t.offload_optimizer:
+        raise ValueError("the step-time model does not price train.offload_optimizer")
+    if t.engine == "deepspeed" and t.zero_stage == 3 and dp > 1:
+        return zero3_collectives(config, dp)
+    return dp_collectives(config, dp)
+
+
 def data_parallel_transfers(
     collectives: list[Collective], shape: _Shape, crosses: bool
 ) -> list[Transfer]:
-    part = {"gradients": "dp_gradients", "parameters": "dp_parameters"}
+    part = {"gradient reduction": "dp_gradients", "parameter gather": "dp_parameters"}
     return [
         Transfer(
-            part.get(c.what, f"dp_{c.what}"),
+            part.get(c.what, "dp_" + c.what.replace(" ", "_")),
             c.kind,
             c.elements,
             c.dtype,
             c.calls,
             shape.dp,
             crosses,
-            c.overlapped,
+            c.in_backward,
         )
         for c in collectives
     ]
 
 
 def _expose(transfers: list[Transfer], hideable_s: float) -> list[Transfer]:
-    """Overlapped transfers hide behind ``hideable_s`` of compute, but for one call of each
-    (the last bucket waits for the end of the backward); the rest is exposed."""
+    """Overlapped transfers hide behind ``hideable_s`` of compute, in order; what does
+    not fit, and every transfer issued after the backward, is exposed. The last bucket
+    starts when the backward ends: where the engine's list has no part of a transfer
+    after the backward (Megatron's), one call of it stays exposed."""
+    after = {t.part for t in transfers if not t.overlapped}
     out = []
     for t in transfers:
-        if not t.overlapped:
-            out.append(replace(t, exposed_s=t.seconds))
-            continue
-        last_call = t.seconds / t.calls
-        hidden = min(t.seconds - last_call, hideable_s)
+        last_bucket = t.seconds / t.calls if t.part not in after else 0.0
+        hidden = min(t.seconds - last_bucket, hideable_s) if t.overlapped else 0.0
         hideable_s -= hidden
         out.append(replace(t, exposed_s=t.seconds - hidden))
     return out
@@ -309,23 +332,24 @@ def predict_step(
 ) -> StepPrediction:
     """One step of ``config`` (a training config: parallel sizes, engine, batch set) on
     ``hardware``. ``collectives``: the engine's data-parallel traffic (default:
-    ``dp_traffic.dp_collectives(config)``)."""
+    ``engine_collectives``)."""
     shape = _Shape.of(config)
     links = _links(shape, hardware)
     compute = compute_seconds(config, shape, hardware)
     per_microbatch = compute / shape.microbatches
-    dp_list = dp_collectives(config) if collectives is None else collectives
+    dp_list = engine_collectives(config, shape.dp) if collectives is None else collectives
     inline = [
         _timed(t, hardware)
         for t in tensor_parallel_transfers(config, shape, links["tp"])
         + pipeline_transfers(config, shape, links["pp"])
     ]
     dp = [_timed(t, hardware) for t in data_parallel_transfers(dp_list, shape, links["dp"])]
-    # Megatron issues the gradient buckets in the last micro-batch's backward; ZeRO-2 and
-    # ZeRO-3 in every one (their calls are a multiple of the micro-batches).
-    backward_s = per_microbatch * 2.0 / 3.0
-    zero_per_micro = config.train.engine == "deepspeed" and config.train.zero_stage >= 2
-    hideable = backward_s * (shape.microbatches if zero_per_micro else 1)
+    # Megatron and ZeRO-1 issue the gradient buckets in the last micro-batch's backward;
+    # ZeRO-2 in every one; ZeRO-3 also gathers beside the forwards.
+    hideable = per_microbatch * 2.0 / 3.0
+    if config.train.engine == "deepspeed" and config.train.zero_stage >= 2:
+        share = 1.0 if config.train.zero_stage == 3 else 2.0 / 3.0
+        hideable = per_microbatch * share * shape.microbatches
     dp = _expose(dp, hideable)
     inline = _expose(inline, 0.0)
     in_line = {"tp_sp", "tp_embedding", "pp_p2p"}  # inside each micro-batch's slot
@@ -359,12 +383,12 @@ def format_prediction(prediction: StepPrediction) -> str:
     lines = [
         f"  step {p.step_s * 1e3:.1f} ms ({p.microbatches} micro-batches): "
         + ", ".join(f"{name} {s * 1e3:.1f} ms" for name, s in p.parts.items()),
-        f"  {'collective':<15} {'kind':<15} {'dtype':>5} {'elements':>13} {'calls':>6} "
+        f"  {'collective':<15} {'kind':<15} {'dtype':>5} {'elements/step':>14} {'calls':>6} "
         f"{'link':>8} {'GB sent':>8} {'ms':>8} {'exposed':>8}",
     ]
     for t in p.transfers:
         lines.append(
-            f"  {t.part:<15} {t.kind:<15} {t.dtype:>5} {t.elements:>13,} {t.calls:>6} "
+            f"  {t.part:<15} {t.kind:<15} {t.dtype:>5} {t.elements:>14,} {t.calls:>6} "
             f"{t.link:>8} {t.bytes_per_step / 1e9:>8.3f} {t.seconds * 1e3:>8.1f} "
             f"{t.exposed_s * 1e3:>8.1f}"
         )
