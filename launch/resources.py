@@ -78,6 +78,9 @@ class ClusterProfile:
 
 
 _PROFILE_KEYS = {f.name for f in dataclasses.fields(ClusterProfile)} - {"source", "resources"}
+# Blocks of a profile that other readers own: the GPU figures of the step-time model
+# (``cqk_megatron.planner.hardware``).
+_PLANNER_KEYS = {"hardware"}
 _RESOURCE_KEYS = {f.name for f in dataclasses.fields(Resources)}
 # Whole-number resources and their least values (the rest start at 1).
 _AT_LEAST_ZERO = ("gpus_per_node", "max_restarts")
@@ -130,9 +133,11 @@ def load_profile(path: str | Path | None) -> ClusterProfile:
     if path is None:
         return ClusterProfile()
     data = read_yaml(path, "cluster profile", "see configs/clusters/")
+    for key in _PLANNER_KEYS:
+        data.pop(key, None)
     unknown = sorted(set(data) - _PROFILE_KEYS - _RESOURCE_KEYS)
     if unknown:
-        known = sorted(_PROFILE_KEYS | _RESOURCE_KEYS)
+        known = sorted(_PROFILE_KEYS | _RESOURCE_KEYS | _PLANNER_KEYS)
         raise ConfigError(f"{path}: unknown keys {unknown}; known: {known}")
     values = {k: data.pop(k) for k in list(data) if k in _PROFILE_KEYS}
     if isinstance(values.get("env"), dict):  # exported as text: OMP_NUM_THREADS: 8 is "8"

@@ -11,6 +11,16 @@ With ``--tp/--pp`` it prints one layout stage by stage; otherwise every layout o
 stage) and whether it fits, and with ``--show-overrides`` the ``section.key=value``
 overrides that train each layout that fits. All numbers are per GPU, for the pipeline
 stage that needs the most. The planner itself is ``cqk_megatron.perf.fit``.
+
+    cqk plan --config configs/runs/1b_4x8.yaml --profile configs/clusters/example_h100.yaml
+        [--explain]
+    cqk plan --sweep configs/sweeps/ladder.yaml --profile configs/clusters/example_h100.yaml
+
+With ``--profile`` (a cluster profile with a ``hardware:`` block) the layouts that fit
+are ranked by the step-time model's predicted tokens/s/GPU, each with its budget
+(``--explain``: every collective); ``--gpus`` defaults to the config's world size,
+``--gpu-mem`` to the profile's, ``--micro-batch`` to the config's. ``--sweep`` prints each
+run's predicted GPU-hours and the sweep's total.
 """
 
 from __future__ import annotations
@@ -44,13 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = new_parser("cqk plan", __doc__.split("\n\n")[0])
     parser.add_argument(
         "--config",
-        required=True,
+        default=None,
         help="model or run config YAML, e.g. configs/models/1b.yaml or configs/runs/1b_4x8.yaml",
     )
-    parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    parser.add_argument("--gpu-mem", default="80GiB", help="memory per GPU (80GiB, 80GB, ...)")
-    parser.add_argument("--reserve", default="4GiB", help="per-GPU memory kept back")
-    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    add_size_arguments(parser)
+    add_speed_arguments(parser)
     parser.add_argument(
         "--seq", type=int, default=None, help="sequence length (default: model.seq_length)"
     )
@@ -118,6 +126,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_size_arguments(parser: argparse.ArgumentParser) -> None:
+    """How many GPUs, their memory, and the micro-batch."""
+    parser.add_argument(
+        "--gpus", type=int, default=None, help="number of GPUs (default: parallel.world_size)"
+    )
+    parser.add_argument(
+        "--gpu-mem", default=None, help="memory per GPU (80GiB, 80GB, ...; default: 80GiB)"
+    )
+    parser.add_argument("--reserve", default="4GiB", help="per-GPU memory kept back")
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="sequences per micro-batch (default: 1; with --profile the config's)",
+    )
+
+
+def add_speed_arguments(parser: argparse.ArgumentParser) -> None:
+    """The step-time model's options (``cli/plan_speed.py``)."""
+    parser.add_argument(
+        "--profile",
+        default=None,
+        help="cluster profile with a hardware: block: rank the layouts by predicted speed",
+    )
+    parser.add_argument(
+        "--explain", action="store_true", help="with --profile: every collective of each layout"
+    )
+    parser.add_argument(
+        "--sweep",
+        default=None,
+        help="with --profile: a sweep file; print each run's predicted GPU-hours and the total",
+    )
+
+
 @dataclass
 class Choices:
     """What the command line asks for, read and checked once for every variant."""
@@ -128,6 +170,7 @@ class Choices:
     gpu_mem: int
     reserve: int
     variants: list[str | None]
+    hardware: object = None  # planner.hardware.ClusterHardware with --profile
 
 
 def read_choices(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Choices:
@@ -136,8 +179,12 @@ def read_choices(args: argparse.Namespace, parser: argparse.ArgumentParser) -> C
     unknown = [v for v in variants if v is not None and v not in VARIANTS]
     if unknown:
         parser.error(f"--variants {unknown[0]!r} is unknown; choose from {list(VARIANTS)}")
+    hardware = read_hardware(args, parser)
     try:
-        gpu_mem, reserve = parse_bytes(args.gpu_mem), parse_bytes(args.reserve)
+        reserve = parse_bytes(args.reserve)
+        gpu_mem = parse_bytes(args.gpu_mem) if args.gpu_mem else None
+        if gpu_mem is None:
+            gpu_mem = hardware.hbm_bytes if hardware else parse_bytes("80GiB")
         shardings = TRAINING_SHARDINGS if args.zero == "all" else (normalize_sharding(args.zero),)
     except ValueError as error:
         parser.error(str(error))
@@ -150,7 +197,23 @@ def read_choices(args: argparse.Namespace, parser: argparse.ArgumentParser) -> C
     if any(r not in RECOMPUTE for r in recomputes):
         parser.error(f"--recompute {args.recompute!r}: choose one of {list(RECOMPUTE)} or all")
     sp = {"auto": None, "on": True, "off": False}[args.sequence_parallel]
-    return Choices(shardings, recomputes, sp, gpu_mem, reserve, variants)
+    return Choices(shardings, recomputes, sp, gpu_mem, reserve, variants, hardware)
+
+
+def read_hardware(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """``--profile``'s GPU figures (None without it); ``--explain`` and ``--sweep`` need it."""
+    from cqk_megatron.planner.hardware import load_hardware
+
+    if args.profile is None:
+        if args.explain or args.sweep:
+            parser.error("--explain and --sweep need --profile (a cluster profile's GPU figures)")
+        return None
+    if args.config is None and args.sweep is None:
+        parser.error("give --config (a model or run config) or --sweep (a sweep file)")
+    try:
+        return load_hardware(args.profile)
+    except ConfigError as error:
+        parser.error(str(error))
 
 
 def load_variant_config(args: argparse.Namespace, variant: str | None) -> RunConfig:
@@ -232,12 +295,28 @@ def one_layout_results(
     ]
 
 
-def print_one_layout(args: argparse.Namespace, config: RunConfig, results: list[PlanResult]) -> int:
+def print_one_layout(
+    args: argparse.Namespace, config: RunConfig, results: list[PlanResult], c: Choices
+) -> int:
     for result in results:
         print(f"\n{result.message}\n{format_stages(result)}")
+    print_ranking(args, config, results, c)
     if args.show_overrides:
         print(format_overrides(config, results, args.micro_batch, args.global_batch))
     return 0 if any(r.fits for r in results) else 1
+
+
+def print_ranking(
+    args: argparse.Namespace, config: RunConfig, results: list[PlanResult], c: Choices
+) -> None:
+    """With ``--profile``: the layouts that fit, fastest first (``cli/plan_speed.py``)."""
+    if c.hardware is None or not any(r.fits for r in results):
+        return
+    from cqk_megatron.cli.plan_speed import format_ranking, rank_layouts
+
+    ranked = rank_layouts(config, results, c.hardware, args.micro_batch, args.global_batch)
+    print(f"\nlayouts that fit, fastest first, on {c.hardware.gpu}:")
+    print(format_ranking(ranked, args.explain))
 
 
 def print_every_layout(args: argparse.Namespace, config: RunConfig, c: Choices) -> int:
@@ -263,6 +342,7 @@ def print_every_layout(args: argparse.Namespace, config: RunConfig, c: Choices) 
     )
     if shown:
         print(format_layouts(shown))
+    print_ranking(args, config, results, c)
     if args.show_overrides and fitting:
         print(format_overrides(config, results, args.micro_batch, args.global_batch))
     return 0 if fitting else 1
@@ -275,6 +355,7 @@ def plan_variant(
         config = load_variant_config(args, variant)
     except ConfigError as error:
         parser.error(str(error))
+    set_config_defaults(args, parser, config, c)
     print(
         f"{args.config}: {config.attention.variant}, {total_parameters(config):,} parameters, "
         f"{args.precision}; {args.gpus} GPUs x {gib(c.gpu_mem)}"
@@ -282,8 +363,21 @@ def plan_variant(
     if args.build_check:
         check_against_built_model(config)
     if args.tp is not None or args.pp is not None:
-        return print_one_layout(args, config, one_layout_results(args, parser, config, c))
+        return print_one_layout(args, config, one_layout_results(args, parser, config, c), c)
     return print_every_layout(args, config, c)
+
+
+def set_config_defaults(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, config: RunConfig, c: Choices
+) -> None:
+    """``--gpus`` from ``parallel.world_size``; ``--micro-batch`` 1, or with ``--profile``
+    the config's (the speed of its own batch)."""
+    if args.gpus is None:
+        args.gpus = config.parallel.world_size
+        if args.gpus is None:
+            parser.error(f"--gpus is needed: {args.config} sets no parallel.world_size")
+    if args.micro_batch is None:
+        args.micro_batch = config.train.micro_batch_size if c.hardware is not None else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,6 +385,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     choices = read_choices(args, parser)
+    if args.sweep is not None:
+        from cqk_megatron.cli.plan_speed import format_sweep_hours
+
+        try:
+            print(format_sweep_hours(args.sweep, choices.hardware))
+        except ConfigError as error:
+            parser.error(str(error))
+        return 0
+    if args.config is None:
+        parser.error("--config is required (or --sweep with --profile)")
     codes = [plan_variant(args, parser, choices, variant) for variant in choices.variants]
     return max(codes)
 

@@ -1,0 +1,159 @@
+"""The step-time model (cqk_megatron.planner.step_time), the GPU figures of the cluster
+profiles (planner.hardware) and ``cqk plan --profile`` / ``--sweep``. Pure arithmetic on
+configs: no test runs a model or reads a clock."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from cqk_megatron.cli import plan as plan_cli
+from cqk_megatron.config import CONFIGS_DIR, ConfigError, load_config
+from cqk_megatron.perf.flops import flops_per_token
+from cqk_megatron.perf.traffic import dp_collectives
+from cqk_megatron.planner.hardware import load_hardware
+from cqk_megatron.planner.step_time import predict_step
+from launch.resources import load_profile
+
+H100 = CONFIGS_DIR / "clusters/example_h100.yaml"
+H200 = CONFIGS_DIR / "clusters/example_h200.yaml"
+RUN_1B = CONFIGS_DIR / "runs/1b_4x8.yaml"
+
+
+def run_1b(*overrides: str):
+    return load_config(RUN_1B, list(overrides))
+
+
+def test_the_example_profiles_carry_the_public_figures_and_still_launch():
+    h100, h200 = load_hardware(H100), load_hardware(H200)
+    assert (h100.peak_bf16_tflops, h100.hbm_tb_s, h100.gpus_per_node) == (989, 3.35, 8)
+    assert (h200.peak_bf16_tflops, h200.hbm_tb_s, h200.hbm_gib) == (989, 4.8, 139)
+    assert h100.intra_node_gb_s == 450 and h100.inter_node_gb_s == 50  # 900 both ways; NDR
+    for path in (H100, H200):  # the launcher leaves the hardware block to the planner
+        assert load_profile(path).resources.gpus_per_node == 8
+
+
+def test_a_profile_without_gpu_figures_is_refused_naming_the_block(tmp_path: Path):
+    with pytest.raises(ConfigError, match="no 'hardware:' block"):
+        load_hardware(CONFIGS_DIR / "clusters/local.yaml")
+    bad = tmp_path / "p.yaml"
+    bad.write_text(H100.read_text().replace("inter_node_gb_s: 50", "inter_node_gb_s: 0"))
+    with pytest.raises(ConfigError, match="'hardware.inter_node_gb_s' must be positive"):
+        load_hardware(bad)
+
+
+def test_the_parts_add_up_to_the_step_and_give_tokens_and_mfu():
+    config = run_1b()
+    p = predict_step(config, load_hardware(H100))
+    assert p.step_s == pytest.approx(sum(p.parts.values()))
+    tokens = config.train.global_batch_size * config.model.seq_length
+    assert p.tokens_per_s_per_gpu == pytest.approx(tokens / p.step_s / 32)
+    assert p.mfu == pytest.approx(p.tokens_per_s_per_gpu * flops_per_token(config) / 989e12)
+    assert 0.2 < p.mfu < 0.5  # Megatron-LM publishes 41-48% on H100 (docs/performance.md)
+
+
+def test_the_dp_traffic_priced_is_the_engines():
+    # the communication audit compares what an engine issues with dp_collectives; the
+    # model must price exactly those collectives
+    config = run_1b()
+    p = predict_step(config, load_hardware(H100))
+    priced = [t for t in p.transfers if t.part.startswith("dp_")]
+    expected = dp_collectives(config)
+    assert [(t.kind, t.elements, t.dtype, t.calls) for t in priced] == [
+        (c.kind, c.elements, c.dtype, c.calls) for c in expected
+    ]
+    assert all(t.group_size == 16 and t.link == "network" for t in priced)
+
+
+def test_tensor_parallel_traffic_and_its_link():
+    tp2 = predict_step(run_1b(), load_hardware(H100))
+    sp = [t for t in tp2.transfers if t.part == "tp_sp"]
+    # 16 layers x (2 forward + 2 backward) x 8 micro-batches, each kind
+    assert {t.kind for t in sp} == {"all_gather", "reduce_scatter"}
+    assert all(t.calls == 16 * 4 * 8 and t.link == "NVLink" for t in sp)
+    assert all(t.elements == t.calls * 4 * 2048 * 2048 for t in sp)  # micro-batch x seq x h
+    tp1 = predict_step(
+        run_1b("parallel.tensor_parallel=1", "parallel.sequence_parallel=false"),
+        load_hardware(H100),
+    )
+    assert not [t for t in tp1.transfers if t.part.startswith("tp_")]
+    assert tp1.parts["tp_pp_in_line"] == 0
+
+
+def test_the_pipeline_bubble_is_p_minus_1_over_v_slots():
+    overrides = [
+        "parallel.pipeline_parallel=4",
+        "train.engine=megatron",
+        "model.tie_embeddings=true",
+    ]
+    config = run_1b(*overrides)
+    p = predict_step(config, load_hardware(H100))
+    slot = (p.parts["compute"] + p.parts["tp_pp_in_line"]) / p.microbatches
+    assert p.parts["pipeline_bubble"] == pytest.approx(3 * slot)
+    interleaved = predict_step(
+        dataclasses.replace(
+            config, parallel=dataclasses.replace(config.parallel, virtual_pipeline=2)
+        ),
+        load_hardware(H100),
+    )
+    assert interleaved.parts["pipeline_bubble"] < p.parts["pipeline_bubble"]
+    parts = {t.part for t in p.transfers}
+    assert {"pp_p2p", "tied_embeddings"} <= parts
+
+
+def test_what_the_engine_issues_inside_the_backward_is_hidden_and_the_rest_exposed():
+    hardware = load_hardware(H100)
+    overlapped = predict_step(run_1b("train.engine=megatron"), hardware)
+    in_line = predict_step(
+        run_1b("train.engine=megatron", "train.overlap_grad_reduce=false"), hardware
+    )
+    grads = [t for t in overlapped.transfers if t.part == "dp_gradients"]
+    assert {t.overlapped for t in grads} == {True}
+    # all but the last bucket hide behind the last micro-batch's backward
+    assert all(t.seconds / t.calls <= t.exposed_s < 0.5 * t.seconds for t in grads)
+    assert [t.exposed_s for t in in_line.transfers if t.part == "dp_gradients"] == [
+        t.seconds for t in in_line.transfers if t.part == "dp_gradients"
+    ]
+    assert overlapped.parts["dp_exposed"] < in_line.parts["dp_exposed"]
+
+
+def test_plan_ranks_the_fitting_layouts_by_predicted_speed(capsys):
+    code = plan_cli.main(["--config", str(RUN_1B), "--profile", str(H100), "--no-build-check"])
+    out = capsys.readouterr().out
+    assert code == 0
+    ranking = out.split("fastest first")[1].splitlines()[2:]
+    rows = [line.split() for line in ranking if line[:4].strip().isdigit()]
+    speeds = [float(r[-2].replace(",", "")) for r in rows]
+    assert len(rows) >= 6 and speeds == sorted(speeds, reverse=True)
+    assert "32 GPUs x 79.0 GiB" in out  # --gpus and --gpu-mem from the config and profile
+
+
+def test_plan_explains_every_collective_of_one_layout(capsys):
+    argv = ["--config", str(RUN_1B), "--profile", str(H100), "--no-build-check", "--explain"]
+    assert plan_cli.main([*argv, "--tp", "2", "--zero", "2"]) == 0
+    out = capsys.readouterr().out.split("fastest first")[1]
+    assert "TP=2 PP=1 DP=16 SP zero2" in out
+    for part in ("tp_sp", "tp_embedding", "tp_grad_sums", "dp_gradients", "dp_parameters"):
+        assert part in out
+
+
+def test_plan_prints_a_sweeps_gpu_hours(capsys):
+    sweep = CONFIGS_DIR / "sweeps/ladder.yaml"
+    assert plan_cli.main(["--sweep", str(sweep), "--profile", str(H100)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split() for line in lines[1:-1]}
+    assert len(rows) == 96  # 60M and 150M: 3 budgets x 3 and 1 seeds; the rest 1 x 1
+    name, gpus, steps, step_s, _, hours = rows["ladder-1b-coupled-s0"]
+    assert float(hours) == pytest.approx(float(step_s) * int(steps) * int(gpus) / 3600, rel=0.01)
+    total = float(lines[-1].split()[1].replace(",", ""))
+    listed = sum(float(r[-1].replace(",", "")) for r in rows.values())
+    assert total == pytest.approx(listed, abs=0.05 * len(rows) + 0.5)
+
+
+def test_plan_without_a_profile_refuses_explain(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        plan_cli.main(["--config", str(RUN_1B), "--explain"])
+    assert exit_info.value.code == 2
+    assert "--explain and --sweep need --profile" in capsys.readouterr().err
