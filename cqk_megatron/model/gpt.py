@@ -21,10 +21,12 @@ from cqk_megatron.parallel.device import device
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
-def transformer_config(config: RunConfig) -> TransformerConfig:
-    """Megatron's ``TransformerConfig`` for our model, layout and precision."""
+def transformer_config(config: RunConfig, device_type: str | None = None) -> TransformerConfig:
+    """Megatron's ``TransformerConfig`` for our model, layout and precision, on this rank's
+    device (``device_type``: the one to build it for instead, e.g. a GPU run's on CPU)."""
     m, p = config.model, config.parallel
-    on_gpu = device().type == "cuda"
+    device_type = device_type or device().type
+    on_gpu = device_type == "cuda"
     bf16 = config.train.precision == "bf16"
     dtype = PRECISIONS[config.train.precision]
     return TransformerConfig(
@@ -52,17 +54,40 @@ def transformer_config(config: RunConfig) -> TransformerConfig:
         # CPU: initialise full weights then slice, so every TP layout starts identical.
         use_cpu_initialization=not on_gpu,
         perform_initialization=True,
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        cross_entropy_loss_fusion=False,
         deallocate_pipeline_outputs=False,
-        **p2p_options(p.pipeline_parallel, p.virtual_pipeline, device().type),
+        **fusion_options(config, device_type),
+        **p2p_options(p.pipeline_parallel, p.virtual_pipeline, device_type),
         **recompute_options(config),
     )
+
+
+def fusion_options(config: RunConfig, device_type: str) -> dict:
+    """Megatron-Core's fused kernels: on GPU, those that need neither Transformer Engine nor
+    Apex (``megatron.core.fusions``, compiled by ``torch.compile``); on CPU none, where
+    compiling them costs more than they save.
+
+    - ``bias_activation_fusion``: SwiGLU as one function with a written-out backward
+      (``bias_swiglu_impl``), the same math as the unfused ``silu(a) * b``. Megatron's gelu
+      fusion uses the tanh approximation, a different function, so it stays off.
+    - ``cross_entropy_loss_fusion`` (``native``): the vocabulary-parallel cross-entropy in
+      three compiled pieces and one all-reduce instead of two. Its backward casts the
+      logits' gradient to bf16, exact only where the logits are bf16, so bf16 runs only.
+    - Off, for they need Apex's or Transformer Engine's kernels: ``masked_softmax_fusion``
+      (our attention is SDPA or TE's own anyway), ``apply_rope_fusion``,
+      ``gradient_accumulation_fusion``, ``persist_layer_norm``. ``bias_dropout_fusion``
+      too: the shipped models have neither biases nor dropout, so it would fuse nothing.
+    """
+    on_gpu = device_type == "cuda"
+    return {
+        "bias_activation_fusion": on_gpu and config.model.swiglu,
+        "cross_entropy_loss_fusion": on_gpu and config.train.precision == "bf16",
+        "cross_entropy_fusion_impl": "native",
+        "gradient_accumulation_fusion": False,
+        "bias_dropout_fusion": False,
+        "masked_softmax_fusion": False,
+        "persist_layer_norm": False,
+        "apply_rope_fusion": False,
+    }
 
 
 def p2p_options(pipeline_parallel: int, virtual_pipeline: int | None, device_type: str) -> dict:
