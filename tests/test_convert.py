@@ -626,8 +626,13 @@ def test_existing_output_folder_is_refused_unless_overwrite(exports, tmp_path):
     with pytest.raises(ConversionError, match="already exists.*--force"):
         export_state_dict(state, config, target, with_tokenizer=False)
     assert (target / "keep.txt").read_text() == "mine"
+    # overwrite replaces only what an export wrote: not a file of someone else's
+    with pytest.raises(ConversionError, match=r"1 file\(s\) that no earlier .*keep.txt"):
+        export_state_dict(state, config, target, with_tokenizer=False, overwrite=True)
+    (target / "keep.txt").unlink()
     export_state_dict(state, config, target, with_tokenizer=False, overwrite=True)
-    assert not (target / "keep.txt").exists() and (target / "config.json").is_file()
+    export_state_dict(state, config, target, with_tokenizer=False, overwrite=True)  # its own
+    assert (target / "config.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging left behind
 
 

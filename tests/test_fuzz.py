@@ -26,6 +26,7 @@ cases (tests/test_launch_status.py, tests/test_cancel.py).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -776,6 +777,100 @@ def test_export_overwrite_never_deletes_a_run(source, target, prepared_run, tmp_
     watch = Watch(tmp_path)
     outcome = convert(_export(tmp_path / source, tmp_path / target, "--overwrite"), capsys)
     check(outcome, EXIT_REFUSED, "cqk convert export: error: --force would delete")
+    watch.assert_unchanged()
+    watch.assert_no_process_left()
+
+
+def _dataset_folder(case: Path, prepared_data: Path) -> Path:
+    """A preprocessed corpus and its tokenizer, as ``cqk-preprocess`` leaves them."""
+    folder = case / "corpus"
+    folder.mkdir()
+    for name in ("docs_text_document.bin", "docs_text_document.idx", "spm.model"):
+        shutil.copy(prepared_data / name, folder / name)
+    shutil.copy(prepared_data / "docs_text_document.meta.json", folder)
+    return folder
+
+
+def _tokenizer_folder(case: Path, prepared_data: Path) -> Path:
+    folder = case / "tokenizer"
+    folder.mkdir()
+    shutil.copy(prepared_data / "spm.model", folder)
+    return folder
+
+
+def _unknown_files(case: Path, prepared_data: Path) -> Path:
+    folder = case / "notes"
+    folder.mkdir()
+    (folder / "todo.txt").write_text("mine\n")
+    (folder / "plots").mkdir()
+    (folder / "plots" / "loss.csv").write_text("1,2\n")
+    return folder
+
+
+def _export_with_a_file_added(case: Path, prepared_data: Path) -> Path:
+    """An earlier export, then a file of the user's put beside its files."""
+    folder = case / "hf"
+    outcome = convert(_export(case / "runs" / RUN, folder), _Quiet())
+    assert outcome.code == 0, outcome.err
+    (folder / "eval_results.json").write_text("{}\n")
+    return folder
+
+
+class _Quiet:
+    """A stand-in for ``capsys`` where a case prepares its folder with a command."""
+
+    def readouterr(self):
+        return argparse.Namespace(out="", err="")
+
+
+# (what is at the output, first line): --force onto what no export wrote
+FOREIGN_TARGETS = {
+    "a dataset": (
+        _dataset_folder,
+        "which holds 4 file(s) that no earlier cqk convert export wrote: a dataset "
+        "(docs_text_document.bin, docs_text_document.idx, docs_text_document.meta.json); "
+        "a tokenizer (spm.model)",
+    ),
+    "a tokenizer": (
+        _tokenizer_folder,
+        "which holds 1 file(s) that no earlier cqk convert export wrote: a tokenizer (spm.model)",
+    ),
+    "unknown files": (
+        _unknown_files,
+        "which holds 2 file(s) that no earlier cqk convert export wrote: other files "
+        "(plots/loss.csv, todo.txt)",
+    ),
+    "an export with a file added": (
+        _export_with_a_file_added,
+        "which holds 1 file(s) that the earlier cqk convert export there wrote",
+    ),
+}
+
+
+@pytest.mark.parametrize("command", ["export", "import"])
+@pytest.mark.parametrize(
+    ("make", "first"), list(FOREIGN_TARGETS.values()), ids=list(FOREIGN_TARGETS)
+)
+def test_force_never_deletes_what_the_command_did_not_write(
+    make, first, command, prepared_run, prepared_data, tmp_path, capsys
+):
+    """``--force`` onto a dataset, a tokenizer or unknown files: refused naming them, exit
+    2, nothing deleted (an export deleted a corpus and its tokenizer, exit 0)."""
+    run_dir = copy_run(prepared_run, tmp_path)
+    target = make(tmp_path, prepared_data)
+    source = run_dir
+    if command == "import":
+        source = tmp_path / "hf-source"
+        assert convert(_export(run_dir, source), capsys).code == 0
+    watch = Watch(tmp_path)
+    argv = [command, str(source), str(target), "--force"]
+    argv += ["--no-tokenizer"] if command == "export" else []
+    outcome = convert(argv, capsys)
+    said = f"cqk convert {command}: error: --force would delete '{target}', "
+    # what an import may replace is its own weights-only checkpoint: to it, every one of
+    # these folders is foreign; an export names what it found in full
+    said += first if command == "export" else "which holds "
+    check(outcome, EXIT_REFUSED, said, "nothing was deleted")
     watch.assert_unchanged()
     watch.assert_no_process_left()
 

@@ -116,7 +116,11 @@ def import_checkpoint(
     checkpoint_dir = Path(checkpoint_dir)
     # only what an import writes may be replaced: never a run's checkpoint or the input
     check_target(
-        checkpoint_dir, overwrite, inputs=[Path(hf_dir)], replaceable=weights_only_checkpoint
+        checkpoint_dir,
+        overwrite,
+        inputs=[Path(hf_dir)],
+        replaceable=weights_only_checkpoint,
+        command="cqk convert import",
     )
     state, config = import_hf_folder(hf_dir)
     write_full_state_dict(state, config, checkpoint_dir)
