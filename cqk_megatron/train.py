@@ -4,7 +4,8 @@ cqk_megatron.train``, as the launchers start each rank).
 Runs under torchrun, ``srun`` or submitit (see ``cqk_megatron.parallel.process_groups``), on CPU
 (gloo, fp32) or GPU (NCCL, bf16). Before a process group is built it runs the pre-flight
 checks (``cqk_megatron.planner.preflight``: data, tokenizer, run folder and its lease, checkpoints,
-disk). Exit codes (``cqk_megatron/errors.py``): 0 finished, 75 stopped by a signal or
+disk). A run that finished all of its ``train.train_steps`` trains nothing and changes
+nothing, and says so. Exit codes (``cqk_megatron/errors.py``): 0 finished, 75 stopped by a signal or
 the wall-clock budget after saving a checkpoint (requeue and run again with ``--resume
 auto``), 76 the watchdog ended it (a rank was lost: relaunch), 2 refused before training (a
 bad config, data, run folder or checkpoints; one line says why) or at a save onto a full
@@ -100,9 +101,14 @@ def main(argv: list[str] | None = None) -> int:
             validate(traced.config)
             return 0
         config = validate(traced.config, _launch_world_size())
-        if not args.skip_preflight:
-            from cqk_megatron.planner.preflight import preflight
+        from cqk_megatron.planner.preflight import finished_message, preflight
 
+        finished = finished_message(config, args.resume)
+        if finished is not None:  # its records stay as they are: no step runs
+            if _rank0():
+                print(finished, flush=True)
+            return 0
+        if not args.skip_preflight:
             for note in preflight(config, args.resume):
                 if _rank0():
                     print(note, file=sys.stderr)

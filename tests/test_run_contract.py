@@ -352,6 +352,7 @@ SOURCES = sorted(
 NAMES = {
     "config.yaml": "cqk_megatron/run/folder.py",
     "metrics.jsonl": "cqk_megatron/run/folder.py",
+    "history.jsonl": "cqk_megatron/run/folder.py",
     "jobs.jsonl": "cqk_megatron/run/folder.py",
     "faults.jsonl": "cqk_megatron/run/folder.py",
     "lease.json": "cqk_megatron/run/folder.py",

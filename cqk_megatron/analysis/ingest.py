@@ -10,7 +10,11 @@ The table has one row per logged loss: ``run, variant, seed, size, shape, params
 params_non_embedding, flops_per_token, split ("train" | "valid"), step, tokens, flops,
 loss, final, lr, tokens_per_s, step_time_s, process_cpu_s, time, finished, source``
 (``tokens_per_s`` and ``step_time_s`` are wall clock; ``process_cpu_s`` is the training
-process's cumulative CPU time, see ``step_time``). FLOPs are
+process's cumulative CPU time, see ``step_time``), and the settings the row's step ran
+under: ``attempt`` (which attempt of the run trained it, from 0) and ``settings`` (that
+attempt's engine, ZeRO stage, layout, micro-batch and precision), read from the run's
+``history.jsonl`` (``cqk_megatron.run.history``); a run without one (or a wandb run) has
+one attempt, its ``config.yaml``'s. FLOPs are
 ``flops_per_token * tokens`` where the run's summary gives ``flops_per_token``, else
 ``6 * params_total * tokens`` (the usual estimate; ``flops_source`` says which).
 """
@@ -41,6 +45,7 @@ from cqk_megatron.run.folder import (
     run_status,
 )
 from cqk_megatron.run.folder import read_metrics as read_metrics_file
+from cqk_megatron.run.history import Attempt, attempt_of_step, read_history, settings_label
 
 REQUIRED = {TRAIN: ("step", "tokens", "loss"), VALID: ("step", "tokens", "val_loss")}
 COLUMNS = [
@@ -66,6 +71,8 @@ COLUMNS = [
     "time",
     "finished",
     "source",
+    "attempt",
+    "settings",
 ]
 
 
@@ -159,6 +166,7 @@ class RunRecord:
     problems: list[str]
     state: str = ""  # the run contract's state (``run_status``); wandb: finished or partial
     why: str = ""  # for a failed run: what ended it
+    history: list[Attempt] = field(default_factory=list)  # the attempts that trained steps
 
 
 def read_run_dir(path: Path) -> RunRecord:
@@ -174,7 +182,15 @@ def read_run_dir(path: Path) -> RunRecord:
     lines, problems = read_metrics(metrics_path)
     status = run_status(path)
     return RunRecord(
-        str(path), config, lines, status.finished, "jsonl", problems, status.state, status.why
+        str(path),
+        config,
+        lines,
+        status.finished,
+        "jsonl",
+        problems,
+        status.state,
+        status.why,
+        read_history(path),
     )
 
 
@@ -205,6 +221,15 @@ def _finite(value) -> float:
     except (TypeError, ValueError):
         return math.nan
     return number if math.isfinite(number) else math.nan
+
+
+def _attempt_of(record: RunRecord, step: int) -> tuple[int, str]:
+    """Which attempt of the run trained ``step``, and the settings it ran under (a valid
+    record of step ``step`` evaluates the weights that attempt trained)."""
+    found = attempt_of_step(record.history, step)
+    if found is None:
+        return 0, settings_label(record.config)
+    return record.history.index(found), settings_label(found.run_config())
 
 
 def record_rows(record: RunRecord) -> tuple[list[dict], list[str]]:
@@ -244,6 +269,7 @@ def record_rows(record: RunRecord) -> tuple[list[dict], list[str]]:
         kind = line.get("kind")
         if kind not in STEP_KINDS or latest[(kind, line.get("step"))] is not line:
             continue
+        attempt, settings = _attempt_of(record, int(line["step"]))
         loss = _finite(line["loss"] if kind == TRAIN else line["val_loss"])
         if math.isnan(loss):
             dropped += 1
@@ -268,6 +294,8 @@ def record_rows(record: RunRecord) -> tuple[list[dict], list[str]]:
                 "step_time_s": _finite(line.get("step_time_s")),
                 "process_cpu_s": _finite(line.get("process_cpu_s")),
                 "time": _finite(line.get("time")),
+                "attempt": attempt,
+                "settings": settings,
             }
         )
     if dropped:
@@ -371,9 +399,23 @@ def ingest(paths: list[str | Path], wandb_project: str | None = None) -> Ingeste
 # ---------------------------------------------------------------------------------------
 
 
+def _settings_by_steps(rows: pd.DataFrame) -> str:
+    """The settings each attempt of a run trained under, with its steps: ``deepspeed zero1
+    tp1 pp1 mbs2 fp32 (steps 1-100); deepspeed zero2 tp2 ... (steps 101-200)``."""
+    train = rows[rows["split"] == "train"]
+    if train.empty:
+        train = rows
+    parts = []
+    for _, attempt in train.groupby("attempt", sort=True):
+        first, last = int(attempt["step"].min()), int(attempt["step"].max())
+        parts.append(f"{attempt['settings'].iloc[0]} (steps {first}-{last})")
+    return "; ".join(parts)
+
+
 def run_summary(table: pd.DataFrame) -> pd.DataFrame:
     """One row per run: counts, tokens seen, last validation loss, throughput (wall
-    clock), CPU seconds per step (``step_time``), status."""
+    clock), CPU seconds per step (``step_time``), status, and the settings each of its
+    attempts trained under (from its history)."""
     if table.empty:
         return pd.DataFrame()
     valid = table[table["split"] == "valid"].sort_values("step")
@@ -403,6 +445,7 @@ def run_summary(table: pd.DataFrame) -> pd.DataFrame:
             "tokens_per_s": train.groupby("run")["tokens_per_s"].median(),
             **{column: step_time[column] for column in step_time.columns},
             "finished": first["finished"],
+            "settings": {run: _settings_by_steps(rows) for run, rows in table.groupby("run")},
         }
     )
     summary.index.name = "run"

@@ -1,10 +1,18 @@
 """What differs between two run configs, and which differences matter for a checkpoint.
 
 A checkpoint records the config it was saved with (``iter_*/config.yaml``), and a run
-folder its last started config (``config.yaml``). Resuming, ``train.init_from``,
-``cqk-convert export`` and the launcher's pre-flight compare them with the config in
-hand: a change of a *shape* key makes the weights of one unloadable into the other; a
-change of a *schedule* key changes the learning rate from the resume step on.
+folder the config of its last attempt that trained a step (``config.yaml``, with every
+attempt in ``history.jsonl``). Resuming, ``train.init_from``, ``cqk convert export`` and
+the launcher's pre-flight compare them with the config in hand:
+
+- a change of a *shape* key makes the weights of one unloadable into the other;
+- a change of a *model* key (``MODEL_KEYS``: the shape keys and every other key that
+  changes what the model computes, such as the coupling's steps) makes a resumed run
+  another model than the one its earlier steps trained, so a resume refuses it: the
+  change is a new run (``train.init_from`` starts one from these weights);
+- a change of a *schedule* key changes the learning rate from the resume step on;
+- every other change (layout, engine, ZeRO stage, batch split, the learning-rate tail)
+  keeps the model's function: a resume takes it and the run's history records it.
 """
 
 from __future__ import annotations
@@ -33,6 +41,20 @@ SHAPE_KEYS = (
     "attention.coupling_hidden",
     "attention.invertible_layers",
 )
+# Keys that change what the model computes with the same parameters: with the shape keys,
+# the keys whose change makes a resumed run another model than its earlier steps trained
+# (a model family is its fields: normalization, swiglu, position embedding, biases).
+FUNCTION_KEYS = (
+    "model.seq_length",
+    "model.rotary_base",
+    "model.layernorm_epsilon",
+    "model.position_embedding_type",
+    "model.add_bias_linear",
+    "attention.steps",
+    "attention.position",
+    "attention.invertible_scale_bound",
+)
+MODEL_KEYS = SHAPE_KEYS + FUNCTION_KEYS
 # Keys of ``cqk_megatron.training.lr_schedule.learning_rate``.
 SCHEDULE_KEYS = (
     "train.train_steps",
@@ -67,6 +89,17 @@ def shape_changes(old: RunConfig, new: RunConfig) -> list[Change]:
     return changes(old, new, SHAPE_KEYS)
 
 
+def model_changes(old: RunConfig, new: RunConfig) -> list[Change]:
+    """The changes that make ``new`` another model than ``old`` (``MODEL_KEYS``)."""
+    return changes(old, new, MODEL_KEYS)
+
+
+def kept_function_changes(old: RunConfig, new: RunConfig) -> list[Change]:
+    """The changes a resume takes: every one but the model's and the folder's location."""
+    skip = set(MODEL_KEYS) | set(LOCATION_KEYS)
+    return [c for c in changes(old, new) if c.key not in skip]
+
+
 def schedule_changes(old: RunConfig, new: RunConfig) -> list[Change]:
     return changes(old, new, SCHEDULE_KEYS)
 
@@ -74,6 +107,22 @@ def schedule_changes(old: RunConfig, new: RunConfig) -> list[Change]:
 def listed(found: list[Change], limit: int = 8) -> str:
     text = ", ".join(str(c) for c in found[:limit])
     return text + (f" and {len(found) - limit} more" if len(found) > limit else "")
+
+
+def new_run_fix(run: str, checkpoint: str = "CHECKPOINT") -> str:
+    """How to train a change of the model's function: never as a resume of ``run``."""
+    return (
+        f"set them back to resume run '{run}', or train the change as a new run (another "
+        f"name=..., from these weights with train.init_from={checkpoint} or --resume "
+        f"weights:{checkpoint}), or start '{run}' over with --resume none"
+    )
+
+
+def model_change_message(where: str, found: list[Change], fix: str) -> str:
+    """One line: ``where`` holds another model (``found``: its ``MODEL_KEYS`` changes)."""
+    kind = "shape" if any(c.key in SHAPE_KEYS for c in found) else "model"
+    fields = ", ".join(f"{c.key}={c.old!r} (this config: {c.new!r})" for c in found)
+    return f"{where} holds a run of another {kind}: {fields}; {fix}"
 
 
 def shape_mismatch_message(saved: str, found: list[Change], fix: str) -> str:

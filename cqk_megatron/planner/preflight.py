@@ -5,9 +5,11 @@ before it starts training; each refusal is one ``PreflightError`` line (exit 2).
 1. the data: prefixes, indexes, ``.bin`` sizes, tokenizer against ``model.vocab_size``,
    splits against ``model.seq_length`` (``cqk_megatron.data.checks``);
 2. the run folder: a live holder of its lease; its recorded ``config.yaml`` against this
-   config (changes are listed; a shape change is refused unless the run starts over,
-   ``--resume none``); its checkpoints (refused if some exist and none verifies; the
-   launcher verifies by hash, as the job will, and names the one the run resumes from);
+   config (changes that keep the model's function are listed, and the run's history
+   records them; a change of what the model computes, ``changes.MODEL_KEYS``, is refused
+   unless the run starts over, ``--resume none``); its checkpoints (refused if some exist
+   and none verifies; the launcher verifies by hash, as the job will, and names the one
+   the run resumes from);
 3. the disk: room for one checkpoint, estimated from the model's parameter count
    (``params.total_parameters``) and the precision.
 
@@ -19,7 +21,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from cqk_megatron.config import ConfigError, RunConfig, load_config
-from cqk_megatron.config.changes import LOCATION_KEYS, changes, listed, shape_changes
+from cqk_megatron.config.changes import (
+    LOCATION_KEYS,
+    changes,
+    kept_function_changes,
+    listed,
+    model_change_message,
+    model_changes,
+    new_run_fix,
+)
 from cqk_megatron.data.checks import check_run_data
 from cqk_megatron.data.errors import DataError
 from cqk_megatron.model.params import total_parameters
@@ -29,10 +39,12 @@ from cqk_megatron.run import lease as run_lease
 from cqk_megatron.run.folder import (
     CHECKPOINTS,
     CONFIG,
+    HISTORY,
     SUPERSEDED,
     free_bytes,
     human_bytes,
     run_dir_of,
+    run_status,
 )
 
 OPTIMIZER_BYTES_PER_PARAMETER = 12  # fp32 master weights + Adam's two fp32 moments
@@ -83,23 +95,52 @@ def check_run_folder(
                 f"{recorded_path} (the run's recorded config) does not load: {error}; move the "
                 "run folder aside or fix the file"
             ) from error
-        shapes = shape_changes(recorded, config)
-        if shapes and resume != "none":
-            fields = ", ".join(f"{c.key}={c.old!r} (this config: {c.new!r})" for c in shapes)
+        models = model_changes(recorded, config)
+        if models and resume != "none":
+            saved = checkpoint_files.iterations(run_dir / CHECKPOINTS)
+            fix = new_run_fix(config.name, str(saved[-1]) if saved else "CHECKPOINT")
             raise PreflightError(
-                f"run folder {run_dir} holds a run of another shape: {fields}; train the new "
-                "shape as a new run (another name=...), or start this run over with "
-                "--resume none (its checkpoints and metrics are moved to superseded/)"
+                model_change_message(f"run folder {run_dir}", models, fix)
+                + " (its checkpoints and records are moved to superseded/)"
             )
-        other = [c for c in changes(recorded, config) if c.key not in LOCATION_KEYS]
-        other = [c for c in other if c not in shapes]
+        other = kept_function_changes(recorded, config)
         if other:
             notes.append(
-                f"note: run '{config.name}' continues with changed settings: {listed(other)}"
+                f"note: run '{config.name}' continues with changed settings: {listed(other)} "
+                f"(recorded in {HISTORY} with the step they take effect)"
             )
     hashes = hash_checkpoints and config.train.checkpoint_hashes  # as the job will
     notes += _check_checkpoints(run_dir / CHECKPOINTS, resume, hashes)
     return notes
+
+
+def finished_message(config: RunConfig, resume: str = "auto") -> str | None:
+    """The line that says a run has nothing to train (None when it has): it finished all
+    of this config's ``train.train_steps``. Such a run trains nothing and changes nothing,
+    whatever else this config changes (``--resume none`` starts it over instead)."""
+    run_dir = run_dir_of(config)
+    if resume == "none" or not run_status(run_dir, config.train.train_steps).finished:
+        return None
+    line = (
+        f"run '{config.name}' finished all {config.train.train_steps} steps in {run_dir}: "
+        "nothing to train, nothing changed"
+    )
+    recorded = _recorded_config(run_dir / CONFIG)
+    differ = [] if recorded is None else changes(recorded, config)
+    differ = [c for c in differ if c.key not in LOCATION_KEYS]
+    if differ:
+        line += (
+            f"; these settings were not applied: {listed(differ)}. Train them as a new run "
+            "(another name=...), or raise train.train_steps to continue this one"
+        )
+    return line
+
+
+def _recorded_config(path: Path) -> RunConfig | None:
+    try:
+        return load_config(path) if path.is_file() else None
+    except ConfigError:
+        return None
 
 
 def _check_checkpoints(checkpoints: Path, resume: str, hashes: bool) -> list[str]:

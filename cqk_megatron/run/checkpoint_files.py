@@ -25,6 +25,8 @@ from typing import Any
 
 from cqk_megatron.config import ConfigError, RunConfig, load_config
 from cqk_megatron.config.changes import (
+    model_change_message,
+    model_changes,
     shape_changes,
     shape_mismatch_message,
 )
@@ -35,6 +37,7 @@ from cqk_megatron.run.file_hash import CHECKPOINT_HASH, HASHES
 from cqk_megatron.run.folder import (
     CHECKPOINTS,
     CONFIG,
+    HISTORY,
     METRICS,
     SUPERSEDED,
     WANDB_ID,
@@ -372,6 +375,17 @@ def check_same_shape(folder: Path, config: RunConfig, fix: str) -> None:
         raise CheckpointError(shape_mismatch_message(f"checkpoint {folder}", found, fix))
 
 
+def check_same_model(folder: Path, config: RunConfig, fix: str) -> None:
+    """Refuse, naming the fields, a resume from a checkpoint whose recorded model computes
+    another function (``changes.MODEL_KEYS``: its shapes, the coupling's steps, ...)."""
+    saved = saved_config(folder)
+    if saved is None:
+        return
+    found = model_changes(saved, config)
+    if found:
+        raise CheckpointError(model_change_message(f"checkpoint {folder}", found, fix))
+
+
 # -- where a run starts -------------------------------------------------------------------------
 
 
@@ -461,12 +475,16 @@ def choose_resume(
     return ResumeChoice(folder, weights_only=weights_only, supersede=newer)
 
 
+# The records of a run that ``--resume none`` moves to superseded/ (its checkpoints too).
+STARTED_OVER = (METRICS, HISTORY, CONFIG, WANDB_ID)
+
+
 def apply_choice(run_dir: Path, choice: ResumeChoice) -> str | None:
     """Move what the choice supersedes out of the way; a line saying where, if anything
     moved. Rank 0 only, before anything new is written."""
     paths = list(choice.supersede)
-    if choice.start_over:  # a new run in the same folder: new metrics, a new wandb run
-        paths += [run_dir / METRICS, run_dir / WANDB_ID]
+    if choice.start_over:  # a new run in the same folder: new records, a new wandb run
+        paths += [run_dir / name for name in STARTED_OVER]
     moved = supersede(run_dir, paths)
     checkpoints = run_dir / CHECKPOINTS
     if checkpoints.is_dir():
@@ -478,5 +496,5 @@ def apply_choice(run_dir: Path, choice: ResumeChoice) -> str | None:
         return None
     names = ", ".join(p.name for p in choice.supersede if p.name.startswith("iter_"))
     what = [f"checkpoint(s) {names}"] if names else []
-    what += [name for name in (METRICS, WANDB_ID) if choice.start_over and (moved / name).exists()]
+    what += [name for name in STARTED_OVER if choice.start_over and (moved / name).exists()]
     return f"moved {' and '.join(what)} to {moved} (superseded, not deleted)"

@@ -4,9 +4,12 @@ convert read it through this module. Torch-free: they read run folders without M
 
 The files (each name defined here and nowhere else):
 
-- ``config.yaml`` (``CONFIG``): the resolved config, replaced only when a run really
-  starts (after its lease is taken and its checkpoint chosen), so a refused attempt never
-  rewrites it (``write_config``);
+- ``config.yaml`` (``CONFIG``): the resolved config of the run's last attempt that
+  trained a step, replaced after that step (``history.record_attempt``), so that it never
+  names settings under which no step ran: a refused attempt, one that fails before its
+  first step and a resubmission of a finished run leave it as it was;
+- ``history.jsonl`` (``HISTORY``): every attempt's settings and the step from which they
+  held (``cqk_megatron.run.history``);
 - ``metrics.jsonl`` (``METRICS``): rank 0's records, one JSON object a line, each with a
   ``kind`` (``RECORD_KINDS``): ``train`` and ``valid`` per logged step, and ``summary``
   once, when the run has trained all of its ``train.train_steps`` and evaluated. Written by
@@ -78,6 +81,7 @@ from cqk_megatron.config import RunConfig, to_dict
 from cqk_megatron.run.atomic import write_text_atomically
 
 CONFIG = "config.yaml"
+HISTORY = "history.jsonl"
 METRICS = "metrics.jsonl"
 JOBS = "jobs.jsonl"
 FAULTS = "faults.jsonl"
@@ -407,7 +411,7 @@ def run_status(run_dir: Path, train_steps: int | None = None) -> RunStatus:
 
 # The files only a run writes (``config.yaml`` aside: other tools write files of that name,
 # and a run that wrote it has written ``checkpoints/`` and ``metrics.jsonl`` before it).
-_RUN_FILES = (CHECKPOINTS, METRICS, JOBS, FAULTS, LEASE, SUPERSEDED)
+_RUN_FILES = (CHECKPOINTS, METRICS, HISTORY, JOBS, FAULTS, LEASE, SUPERSEDED)
 
 
 def run_folder_file(folder: Path) -> str | None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from cqk_megatron.config import RunConfig, validate
+from cqk_megatron.config.changes import new_run_fix
 from cqk_megatron.data.checks import run_samples
 from cqk_megatron.errors import EXIT_REQUEUE, EXIT_WATCHDOG
 from cqk_megatron.model import params
@@ -33,13 +34,14 @@ from cqk_megatron.parallel.process_groups import (
 from cqk_megatron.perf.fit import check_fits, gpu_memory_bytes
 from cqk_megatron.run import checkpoint_files
 from cqk_megatron.run import lease as run_lease
-from cqk_megatron.run.folder import CHECKPOINTS, run_dir_of, write_config
+from cqk_megatron.run.folder import CHECKPOINTS, run_dir_of
 from cqk_megatron.training import checkpoint, collectives, replicas
 from cqk_megatron.training.async_save import Saver
 from cqk_megatron.training.callbacks.base import Callbacks, StepOutcome, TrainingRun
 from cqk_megatron.training.callbacks.checkpointing import Checkpointing
 from cqk_megatron.training.callbacks.divergence import NonFiniteGuard, TrainingError
 from cqk_megatron.training.callbacks.metrics import RunSummary, TrainMetrics
+from cqk_megatron.training.callbacks.records import RunRecords
 from cqk_megatron.training.callbacks.replicas import ReplicaChecks
 from cqk_megatron.training.callbacks.stop import StopAndRequeue
 from cqk_megatron.training.callbacks.validation import Validation
@@ -152,6 +154,12 @@ RESUME_SHAPE_FIX = (
 )
 
 
+def _resume_model_fix(config: RunConfig, folder: Path) -> str:
+    return "this run's checkpoints were saved with those values: " + new_run_fix(
+        config.name, str(folder)
+    )
+
+
 def _choose_start(
     checkpoints: Path, resume: str, config: RunConfig
 ) -> tuple[checkpoint_files.ResumeChoice, checkpoint.ResumePlan | None]:
@@ -167,6 +175,9 @@ def _choose_start(
         plan = None
         if choice.folder is not None:
             checkpoint_files.check_same_shape(choice.folder, config, RESUME_SHAPE_FIX)
+            if not choice.weights_only:  # weights only: a new run may start from them
+                fix = _resume_model_fix(config, choice.folder)
+                checkpoint_files.check_same_model(choice.folder, config, fix)
             checkpoint.check_same_global_batch(choice.folder, config)
             plan = checkpoint.resume_plan(choice.folder, config, choice.weights_only)
         return choice, plan
@@ -207,16 +218,22 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
     )
     saver = Saver(run_dir / CHECKPOINTS, engine, model, config, lease)
     freeze_long_lived()  # the model, its engine, the datasets and the modules they imported
-    return run_loop(run, callbacks_in_order(run, replica_check, saver, params))
+    records = RunRecords(run_dir, state.step)
+    return run_loop(run, callbacks_in_order(run, records, replica_check, saver, params))
 
 
 def callbacks_in_order(
-    run: TrainingRun, replica_check: replicas.ReplicaCheck, saver: Saver, params: tuple[int, int]
+    run: TrainingRun,
+    records: RunRecords,
+    replica_check: replicas.ReplicaCheck,
+    saver: Saver,
+    params: tuple[int, int],
 ) -> Callbacks:
     """The loop's callbacks; each hook runs on them in this order (docs/training.md)."""
     return Callbacks(
         [
             TrainMetrics(run),  # the step's record first: it shows a step that then fails
+            records,  # the settings this attempt's first step ran under
             NonFiniteGuard(),
             ReplicaChecks(replica_check),  # before this step's weights are saved
             Validation(),
@@ -316,8 +333,8 @@ def _open_metrics(run_dir: Path, config: RunConfig, choice, plan, state, on_star
 def _start_run(run_dir: Path, config: RunConfig, choice, plan, state) -> None:
     """Rank 0, once the run is certain to start (before its first step): set superseded
     files aside, say where it starts and whether the optimizer state came with it (a
-    warning when a change of layout restarts it), warn of a changed schedule, and record
-    the config it runs with."""
+    warning when a change of layout restarts it) and warn of a changed schedule. Its
+    config is recorded after its first step (``RunRecords``)."""
     folder = choice.folder
     for reason in choice.refused:
         print(f"skipping checkpoint: {reason}", file=sys.stderr)
@@ -342,4 +359,3 @@ def _start_run(run_dir: Path, config: RunConfig, choice, plan, state) -> None:
         warning = schedule_warning(folder, config, state.step)
         if warning:
             print(warning, file=sys.stderr, flush=True)
-    write_config(run_dir, config)

@@ -1,0 +1,162 @@
+"""A run's records say what ran (``cqk_megatron/run/history.py``): each attempt that trains
+a step records its settings and start step in ``history.jsonl`` and ``config.yaml``; a
+resume takes a change that keeps the model's function and records it; a change of what
+the model computes is refused (exit 2, nothing written); a finished run trains nothing and
+changes nothing. The README's three training commands are run as written, each with a
+shorter ``train.train_steps`` (and the run folder under the test's ``log.root``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from _multiproc import free_port
+
+from cqk_megatron.analysis.ingest import ingest, run_summary
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {
+    **os.environ,
+    "PYTHONPATH": str(REPO),
+    "DS_ACCELERATOR": "cpu",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONWARNINGS": "ignore",
+}
+STEPS = 6
+SHORT = [f"train.train_steps={STEPS}", "train.save_interval=3", "train.eval_interval=3"]
+
+# README.md's three training commands, after `cqk` / `torchrun`.
+ONE_PROCESS = ["--config", "configs/runs/tiny_cpu.yaml"]
+CHANGED_MODEL = [*ONE_PROCESS, "attention.steps=3", "train.lr=6e-4"]
+TP2_ZERO2 = [*ONE_PROCESS, "parallel.tensor_parallel=2", "train.zero_stage=2"]
+
+
+def cqk_train(root: Path, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "cqk_megatron", "train", *args, f"log.root={root}"]
+    return _run(command)
+
+
+def torchrun(root: Path, ranks: int, *args: str) -> subprocess.CompletedProcess:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={ranks}",
+        f"--master-port={free_port()}",
+        "-m",
+        "cqk_megatron.train",
+        *args,
+        f"log.root={root}",
+    ]
+    return _run(command)
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=400, check=False
+    )
+
+
+def history(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
+
+
+def recorded(run_dir: Path) -> dict:
+    return yaml.safe_load((run_dir / "config.yaml").read_text())
+
+
+def snapshot(run_dir: Path) -> dict[str, str]:
+    """Every file of a run folder and a digest of its contents."""
+    return {
+        str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file()
+    }
+
+
+def assert_ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory) -> Path:
+    """README's first command: the run ``tiny-cpu``, trained to the end."""
+    root = tmp_path_factory.mktemp("runs")
+    assert_ok(cqk_train(root, *ONE_PROCESS, *SHORT))
+    return root
+
+
+def test_the_readme_commands_under_distinct_names_leave_true_records(first_run):
+    root = first_run
+    assert_ok(cqk_train(root, *CHANGED_MODEL, *SHORT, "name=tiny-cpu-steps3"))
+    assert_ok(torchrun(root, 4, *TP2_ZERO2, *SHORT, "name=tiny-cpu-tp2"))
+    expected = {
+        "tiny-cpu": {"steps": 1, "lr": 3e-3, "tp": 1, "zero": 1},
+        "tiny-cpu-steps3": {"steps": 3, "lr": 6e-4, "tp": 1, "zero": 1},
+        "tiny-cpu-tp2": {"steps": 1, "lr": 3e-3, "tp": 2, "zero": 2},
+    }
+    for name, want in expected.items():
+        attempts = history(root / name)
+        assert [a["start_step"] for a in attempts] == [0], name
+        for config in (attempts[0]["config"], recorded(root / name)):
+            assert config["attention"]["steps"] == want["steps"], name
+            assert config["train"]["lr"] == pytest.approx(want["lr"]), name
+            assert config["parallel"]["tensor_parallel"] == want["tp"], name
+            assert config["train"]["zero_stage"] == want["zero"], name
+
+
+def test_a_finished_run_resubmitted_with_changes_trains_nothing_and_changes_nothing(first_run):
+    run_dir = first_run / "tiny-cpu"
+    before = snapshot(run_dir)
+    changed = cqk_train(first_run, *CHANGED_MODEL, *SHORT)
+    assert_ok(changed)
+    assert "nothing to train, nothing changed" in changed.stdout
+    assert "attention.steps 1 -> 3" in changed.stdout
+    relaid = torchrun(first_run, 4, *TP2_ZERO2, *SHORT)
+    assert_ok(relaid)
+    assert "nothing to train, nothing changed" in relaid.stdout
+    assert snapshot(run_dir) == before
+    config = recorded(run_dir)
+    assert (config["attention"]["steps"], config["parallel"]["tensor_parallel"]) == (1, 1)
+
+
+def test_a_resume_that_changes_the_model_is_refused_and_writes_nothing(first_run):
+    run_dir = first_run / "tiny-cpu"
+    before = snapshot(run_dir)
+    longer = [f"train.train_steps={STEPS + 3}"]
+    result = cqk_train(first_run, *CHANGED_MODEL, *SHORT, *longer)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    assert "attention.steps=1 (this config: 3)" in lines[0]
+    assert "name=" in lines[0] and "train.init_from=" in lines[0]
+    assert snapshot(run_dir) == before
+
+
+def test_a_layout_change_on_resume_is_recorded_with_its_step(tmp_path):
+    name = "tiny-cpu-relaid"
+    assert_ok(cqk_train(tmp_path, *ONE_PROCESS, *SHORT, f"name={name}"))
+    longer = [f"train.train_steps={STEPS + 3}", f"name={name}"]
+    result = torchrun(tmp_path, 2, *ONE_PROCESS, *SHORT, *longer, "parallel.tensor_parallel=2")
+    assert_ok(result)
+    attempts = history(tmp_path / name)
+    assert [a["start_step"] for a in attempts] == [0, STEPS]
+    changed = {c["key"]: (c["old"], c["new"]) for c in attempts[1]["changes"]}
+    assert changed == {
+        "parallel.tensor_parallel": (1, 2),
+        "train.train_steps": (STEPS, STEPS + 3),
+    }
+    assert recorded(tmp_path / name)["parallel"]["tensor_parallel"] == 2
+    # cqk analyze: each step's metrics are the settings that step ran under
+    table = ingest([tmp_path]).table
+    train = table[table["split"] == "train"].set_index("step")
+    assert train.loc[STEPS, "settings"].split()[2] == "tp1"
+    assert train.loc[STEPS + 1, "settings"].split()[2] == "tp2"
+    settings = run_summary(table).set_index("run").loc[name, "settings"]
+    assert f"(steps 1-{STEPS})" in settings and f"(steps {STEPS + 1}-{STEPS + 3})" in settings
