@@ -3,25 +3,31 @@ ingestion (good, partial and bad run folders), the report command, and the ladde
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
+import re
 import struct
 import sys
+from pathlib import Path
 
 import _tiny
 import numpy as np
 import pandas as pd
 import pytest
 
-from cqk_megatron.analysis import cli, compare
+from cqk_megatron.analysis import cli, compare, plots
 from cqk_megatron.analysis.fits import (
     PARAMS,
+    Bootstrap,
     ChinchillaFit,
     bootstrap_chinchilla,
     fit_chinchilla,
     fit_compute_law,
 )
 from cqk_megatron.analysis.ingest import ingest
+from cqk_megatron.analysis.intervals import NOT_IDENTIFIED, format_interval
 from cqk_megatron.analysis.report import (
     Options,
     analyze,
@@ -34,6 +40,7 @@ from cqk_megatron.bench.overhead import count_variant_parameters
 from cqk_megatron.config import CONFIGS_DIR, ConfigError, load_config, save_config
 from cqk_megatron.planner.sweep import expand_sweep
 
+REPO = Path(__file__).resolve().parent.parent
 # Chinchilla's published fit (Hoffmann et al., 2022) as the ground truth.
 TRUE = ChinchillaFit(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)
 MULTIPLIER = 2.4  # the paper's 60M data-efficiency figure, built into the synthetic variant
@@ -72,6 +79,7 @@ def test_fit_recovers_constants_and_multiplier(capsys):
             f"95% [{low:.3f}, {high:.3f}]"
         )
         assert low <= truth <= high, lines[-1]
+        assert boot.estimate(name).identified, lines[-1]  # six sizes, three budgets
     assert abs(boot.point.E - TRUE.E) / TRUE.E < 0.05
     assert abs(boot.point.alpha - TRUE.alpha) < 0.05 and abs(boot.point.beta - TRUE.beta) < 0.05
 
@@ -194,6 +202,7 @@ SHAPES = {  # (layers, hidden, heads)
     "m": (2, 64, 4),
     "l": (3, 96, 4),
 }
+DEMO_SHAPES = {"w64": (2, 64, 2), "w96": (3, 96, 3), "w128": (4, 128, 4)}  # sweeps/demo.yaml
 COUPLINGS = {
     "standard": ("none", "standard"),
     "coupled": ("hamiltonian", "standard"),
@@ -202,7 +211,7 @@ COUPLINGS = {
 
 
 def tiny_config(name, variant, shape, seed, extra=()):
-    layers, hidden, heads = SHAPES[shape]
+    layers, hidden, heads = {**SHAPES, **DEMO_SHAPES}[shape]
     return _tiny.tiny_config(
         "+".join(COUPLINGS[variant]),
         f"name={name}",
@@ -230,12 +239,14 @@ def write_run(
     extra=(),
     cpu_per_step=None,
     tokens_per_s=None,
+    law=None,
 ):
     """A run folder: config.yaml and metrics.jsonl following a known scaling law.
 
     ``cpu_per_step``: the process's CPU seconds per step (a number, or a function of the
     step), recorded as the loop does (cumulative ``process_cpu_s``); None: records without
-    it, as before the loop had it. ``tokens_per_s``: the wall-clock throughput logged."""
+    it, as before the loop had it. ``tokens_per_s``: the wall-clock throughput logged.
+    ``law``: the scaling law the losses follow (default: the variant's)."""
     name = f"test-{shape}-{variant}-s{seed}"
     folder = root / name
     folder.mkdir(parents=True)
@@ -246,7 +257,7 @@ def write_run(
     embedding = 2 * config.model.padded_vocab_size * config.model.hidden_size
     non_embedding = total - embedding
     tokens_per_step = 8 * config.model.seq_length * 40  # scaled so D spans 1e5..1e7
-    law = VARIANT_LAWS[variant]
+    law = law or VARIANT_LAWS[variant]
     rng = np.random.default_rng(noise_seed + 17 * seed)
     lines = []
     cpu_total = 12.0  # the process's start-up
@@ -579,9 +590,16 @@ def test_multiplier_at_measured_budgets_and_compute_budgets_follow_the_runs(tmp_
         assert tokens == budget_by_n[n]  # read at the size's own budget, not 20 N
     # the synthetic coupled law is worth 2x tokens everywhere (six runs: a rough fit)
     assert ((frame["multiplier"] > 1.5) & (frame["multiplier"] < 3.0)).all(), frame
-    per_param = analyze(ingested, Options(n_boot=4)).multipliers["coupled"]
-    measured_rows = per_param[~per_param["extrapolated"]]
-    assert (measured_rows["tokens"] == 20 * measured_rows["params"]).all()
+    # per-param adds rows read from the fits at D = 20 N; the measured rows stay the same
+    per_param = analyze(ingested, Options(n_boot=4, multiplier_at="per_param"))
+    per_param = per_param.multipliers["coupled"]
+    columns = ["params", "tokens", "multiplier", "low", "high"]
+    measured_rows = per_param[~per_param["extrapolated"]].reset_index(drop=True)
+    pd.testing.assert_frame_equal(measured_rows[columns], frame[columns])
+    from_fits = per_param[per_param["extrapolated"] & per_param["params"].isin(frame["params"])]
+    assert len(from_fits) == len(SHAPES)
+    assert (from_fits["tokens"] == 20 * from_fits["params"]).all()
+    assert from_fits["read at"].str.contains("from the fits").all()
     flops = measured.points["flops"]
     budgets = compute_budgets(measured.points)
     assert budgets[0] <= flops.min() * 10 and flops.max() < budgets[-1] <= 1000 * flops.max()
@@ -605,3 +623,153 @@ def test_steps_logged_again_after_a_resume_count_once(tmp_path):
     assert not table.duplicated(["split", "step"]).any()
     later = table[table["step"] > 40]
     assert (later["loss"] == 1.0).all() and len(later) == len(again)
+
+
+# ---------------------------------------------------------------------------------------
+# one multiplier, intervals that contain their point, "not identified"
+# ---------------------------------------------------------------------------------------
+
+# Coupled with a smaller size term: its multiplier over standard changes with D, so that
+# reading it at another D than the runs' budget gives other numbers.
+DEMO_LAWS = {"standard": LAW, "coupled": ChinchillaFit(2.0, 32.0, 60.0, alpha=0.30, beta=0.28)}
+DEMO_BOOTSTRAP = "24"
+NUMBER = r"(?:[-+0-9.e]+|∞)"
+PRINTED_INTERVAL = re.compile(rf"({NUMBER})×? \[({NUMBER})×?, ({NUMBER})×?\]")
+
+
+def _number(text: str) -> float:
+    return math.inf if text == "∞" else float(text)
+
+
+def demo_report_flags() -> list[str]:
+    """The flags scripts/demo.sh gives `cqk analyze report` (the demo's report)."""
+    script = (REPO / "scripts" / "demo.sh").read_text()
+    return re.findall(r"--multiplier-at \S+", script)[0].split()
+
+
+@pytest.fixture(scope="module")
+def demo_runs(tmp_path_factory):
+    """Run folders shaped like the demo's six: 3 sizes x {standard, coupled}, one seed,
+    ten evaluations a run."""
+    root = tmp_path_factory.mktemp("demo_runs")
+    for shape in DEMO_SHAPES:
+        for variant, law in DEMO_LAWS.items():
+            write_run(root, variant, shape, steps=400, law=law)
+    return root
+
+
+@pytest.fixture(scope="module")
+def demo_outputs(demo_runs, tmp_path_factory):
+    """What `cqk analyze fit` prints and the demo's `report.md`, on the demo's runs."""
+    out = tmp_path_factory.mktemp("demo_report")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        cli.main(["fit", str(demo_runs), "--bootstrap", DEMO_BOOTSTRAP])
+    flags = demo_report_flags()
+    cli.main(["report", str(demo_runs), "--out", str(out), "--bootstrap", DEMO_BOOTSTRAP, *flags])
+    return printed.getvalue(), (out / "report.md").read_text(), out
+
+
+def multiplier_rows(text: str) -> list[list[str]]:
+    """The multiplier table's rows (variant, N, D, multiplier, read at) in ``text``."""
+    start = text.index("| variant | N (params) | D (tokens) | multiplier")
+    rows = []
+    for line in text[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def test_fit_and_the_demo_report_give_the_same_multipliers(demo_outputs):
+    printed, report, _ = demo_outputs
+    from_fit, from_report = multiplier_rows(printed), multiplier_rows(report)
+    assert from_fit == from_report
+    assert [row[1] for row in from_fit] == ["107K", "332K", "853K"]  # the demo's sizes
+    for row in from_fit:
+        assert row[2] == "8.2M" and row[4].startswith("measured: the size's N and training")
+
+
+def test_every_printed_interval_contains_its_point_estimate(demo_outputs):
+    printed, report, out = demo_outputs
+    found = PRINTED_INTERVAL.findall(printed) + PRINTED_INTERVAL.findall(report)
+    assert len(found) >= 10, found  # B, beta, and three multipliers, in each
+    for point, low, high in found:
+        assert _number(low) <= _number(point) <= _number(high), (point, low, high)
+    fits = json.loads((out / "fits.json").read_text())
+    for variant in fits["chinchilla"].values():
+        for name, estimate in variant["intervals"].items():
+            assert estimate["low"] <= estimate["point"] <= estimate["high"], (name, estimate)
+    for rows in fits["multipliers"].values():
+        for row in rows:
+            assert row["low"] <= row["multiplier"] <= row["high"], row
+
+
+def test_interval_contains_the_point_when_every_replicate_lies_on_one_side():
+    # A fit with barely enough runs: every replicate lands above the point fit.
+    point = ChinchillaFit(E=2.0, A=40.0, B=60.0, alpha=0.30, beta=0.28)
+    above = [
+        ChinchillaFit(E=2.0 + d, A=40.0 * (1 + d), B=60.0, alpha=0.30 + d, beta=0.28)
+        for d in np.linspace(0.01, 0.2, 20)
+    ]
+    boot = Bootstrap(point, above)
+    for name in ("E", "A", "alpha"):
+        low, high = boot.interval(name, 0.95)
+        assert low <= getattr(point, name) <= high, (name, low, high)
+        assert low < getattr(point, name) < high  # centred: not sitting on the point
+
+
+def test_an_interval_wider_than_a_decade_is_not_identified():
+    point = ChinchillaFit(E=2.0, A=40.0, B=60.0, alpha=0.30, beta=0.28, n_sizes=6)
+    spread = [
+        ChinchillaFit(E=2.0, A=40.0 * f, B=60.0 * f**0.1, alpha=0.30, beta=0.28)
+        for f in np.geomspace(1 / 30, 30, 21)
+    ]
+    boot = Bootstrap(point, spread)
+    assert not boot.estimate("A").identified and boot.estimate("B").identified
+    assert format_interval(boot.estimate("A")) == NOT_IDENTIFIED
+    assert "spans more than 1 decade" in boot.estimate("A").reason
+
+
+def test_a_three_size_fit_prints_not_identified_for_its_size_term(demo_outputs):
+    printed, report, _ = demo_outputs
+    for text in (printed, report):
+        header = "| variant | points | sizes | E | A | B | alpha | beta | replicates |"
+        rows = text[text.index(header) :].splitlines()[2:4]
+        for line in rows:
+            names, values = header.strip("|").split("|"), line.strip("|").split("|")
+            cells = {k.strip(): v.strip() for k, v in zip(names, values, strict=True)}
+            assert cells["sizes"] == "3"
+            for name in ("E", "A", "alpha"):
+                assert cells[name] == NOT_IDENTIFIED, line
+            assert PRINTED_INTERVAL.fullmatch(cells["B"]), line  # the budgets fix B, beta
+        assert "E, A, alpha: 3 model sizes; E, A and alpha need at least 4" in text
+    assert "## Compute-optimal allocation" in report and f"_{NOT_IDENTIFIED}:" in report
+
+
+def test_the_multiplier_figure_labels_its_axes(monkeypatch):
+    frame = pd.DataFrame(
+        {
+            "params": [1e5, 3e5, 9e5],
+            "tokens": [8e5] * 3,
+            "multiplier": [0.88, 0.94, 1.15],
+            "low": [0.80, 0.91, 0.99],
+            "high": [0.97, 0.97, 1.32],
+            "identified": [True] * 3,
+            "extrapolated": [False] * 3,
+        }
+    )
+    drawn = {}
+    monkeypatch.setattr(plots, "save", lambda fig, path: drawn.setdefault("fig", fig))
+    plots.multiplier_vs_size({"coupled": frame}, Path("unused.png"), "standard")
+    ax = drawn["fig"].axes[0]
+    drawn["fig"].canvas.draw()
+    low, high = ax.get_ylim()
+    labels = [
+        label.get_text()
+        for tick, label in zip(ax.get_yticks(), ax.get_yticklabels(), strict=True)
+        if low <= tick <= high and label.get_text()
+    ]
+    assert len(labels) >= 3 and all(text.endswith("×") for text in labels), labels
+    assert "multiplier" in ax.get_ylabel() and "standard" in ax.get_ylabel()
+    assert "model size N" in ax.get_xlabel()

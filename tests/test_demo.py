@@ -177,21 +177,31 @@ def test_demo_ladder_end_to_end(tmp_path):
     for name in finished:
         assert f"skipped {name}: " in result.stdout, result.stdout[-3000:]
 
-    # the analysis: an L(N, D) fit per variant, every constant with its interval
+    # the analysis: an L(N, D) fit per variant; the size term, which three sizes cannot
+    # fix, "not identified"; the token term an interval that contains its point, or "not
+    # identified" where it spans more than a decade (eight steps a run fix little)
     report = (out / "report" / "report.md").read_text()
     rows = fit_rows(report)
     assert set(rows) == set(VARIANTS), rows
-    interval = re.compile(r"^\S+ \[\S+, \S+\]$")
+    interval = re.compile(r"^(\S+) \[(\S+), (\S+)\]$")
     for variant, cells in rows.items():
         for name, cell in zip(PARAMS, cells, strict=True):
-            assert interval.match(cell), (variant, name, cell)
+            if name in ("E", "A", "alpha"):
+                assert cell == "not identified by these runs", (variant, name, cell)
+                continue
+            if cell == "not identified by these runs":
+                continue
+            found = interval.match(cell)
+            assert found, (variant, name, cell)
+            point, low, high = map(float, found.groups())
+            assert low <= point <= high, (variant, name, cell)
     for heading in (
         "## Data-efficiency multiplier over standard attention",
         "## Loss vs compute",
         "## What these fits can and cannot mean",
     ):
         assert heading in report, heading
-    assert "each measured size's own training budget" in report
+    assert "measured: the size's N and training tokens" in report
     assert "(CPU" in report  # step time from process CPU time
     for figure in ("loss_curves", "fits_loss_vs_tokens", "loss_vs_compute", "multiplier_vs_size"):
         png = out / "report" / "figures" / f"{figure}.png"

@@ -2,8 +2,9 @@
 
 - data-efficiency multiplier of a variant over standard attention: at ``N`` parameters
   and ``D`` tokens, the tokens standard attention needs to reach the variant's loss,
-  divided by ``D`` (the paper: 2.4x at 60M);
-- its trend with model size (at a fixed tokens-per-parameter ratio);
+  divided by ``D`` (the paper: 2.4x at 60M); at the measured sizes it is read at each
+  size's own ``N`` and training budget ``D``;
+- its trend with model size (extrapolated, at a fixed tokens-per-parameter ratio);
 - the size where one variant overtakes another (differential over coupled);
 - percentage changes of perplexity against standard at each size, from points;
 - seed variance per variant and size.
@@ -19,6 +20,7 @@ import pandas as pd
 from scipy.optimize import brentq
 
 from cqk_megatron.analysis.fits import Bootstrap, ChinchillaFit
+from cqk_megatron.analysis.intervals import interval
 
 TOKENS_PER_PARAM = 20.0  # Chinchilla's compute-optimal ratio, the ladder's budget
 SEARCH_RANGE = (1e6, 1e13)  # parameters searched for a crossover
@@ -32,15 +34,6 @@ def data_efficiency_multiplier(
     return baseline.tokens_to_reach(target, n) / np.asarray(tokens, dtype=float)
 
 
-def _interval(values: np.ndarray, level: float) -> tuple[float, float]:
-    values = values[~np.isnan(values)]
-    if values.size == 0:
-        return math.nan, math.nan
-    tail = 100 * (1 - level) / 2
-    low, high = np.percentile(values, [tail, 100 - tail])
-    return float(low), float(high)
-
-
 def multiplier_vs_size(
     variant: Bootstrap,
     baseline: Bootstrap,
@@ -48,14 +41,17 @@ def multiplier_vs_size(
     tokens_per_param: float = TOKENS_PER_PARAM,
     level: float = 0.9,
     tokens=None,
+    unidentified: str = "",
 ) -> pd.DataFrame:
     """Multiplier at each size (``D = tokens_per_param * N``, or ``tokens``: one D per
-    size, such as the budget each size was trained for) with a bootstrap interval.
+    size, such as the budget each size was trained for) with a bootstrap interval
+    centred on it, in factors (``intervals``); ``unidentified``: why none of these rows
+    is identified (such as extrapolating in N from too few sizes).
 
     Replicate ``i`` of the variant is paired with replicate ``i`` of the baseline; the
     two were resampled independently, so the interval carries both fits' uncertainty.
-    An infinite multiplier (standard never reaches the loss at that size) counts as
-    above every finite one in the percentiles.
+    An infinite multiplier (standard never reaches the loss at that size) is infinitely
+    far from any finite one: an interval that includes one is not identified.
     """
     sizes = np.asarray(sizes, dtype=float)
     budgets = tokens_per_param * sizes if tokens is None else np.asarray(tokens, dtype=float)
@@ -65,15 +61,17 @@ def multiplier_vs_size(
     rows = []
     for n, tokens in zip(sizes, budgets, strict=True):
         point = float(data_efficiency_multiplier(variant.point, baseline.point, n, tokens))
-        replicas = np.array([float(data_efficiency_multiplier(v, b, n, tokens)) for v, b in pairs])
-        low, high = _interval(np.where(np.isinf(replicas), 1e300, replicas), level)
+        replicas = [float(data_efficiency_multiplier(v, b, n, tokens)) for v, b in pairs]
+        found = interval(point, replicas, level, log_scale=True, unidentified=unidentified)
         rows.append(
             {
                 "params": n,
                 "tokens": tokens,
                 "multiplier": point,
-                "low": low if low < 1e299 else math.inf,
-                "high": high if high < 1e299 else math.inf,
+                "low": found.low,
+                "high": found.high,
+                "identified": found.identified,
+                "reason": found.reason,
             }
         )
     return pd.DataFrame(rows)
@@ -108,10 +106,12 @@ def crossover_size(
 @dataclass
 class Crossover:
     size: float | None  # from the point fits
-    low: float  # bootstrap interval of the size, over replicates that cross
+    low: float  # interval of the size centred on it, over replicates that cross
     high: float
     fraction_crossing: float  # replicates with a crossover in the search range
     replicates: int
+    identified: bool = True
+    reason: str = ""
 
 
 def crossover_with_uncertainty(
@@ -120,19 +120,25 @@ def crossover_with_uncertainty(
     tokens_per_param: float = TOKENS_PER_PARAM,
     level: float = 0.9,
 ) -> Crossover:
+    """The crossover size from the point fits, its interval centred on it over the
+    replicates that cross (none when the point fits do not), and whether the fits'
+    size terms, which the search extrapolates, are identified."""
     point = crossover_size(challenger.point, incumbent.point, tokens_per_param)
     sizes = [
         crossover_size(c, i, tokens_per_param)
         for c, i in zip(challenger.samples, incumbent.samples, strict=False)
     ]
-    found = np.array([s for s in sizes if s is not None])
-    low, high = _interval(np.log(found), level) if found.size else (math.nan, math.nan)
+    found = [s for s in sizes if s is not None]
+    why = challenger.point.unidentified("alpha") or incumbent.point.unidentified("alpha")
+    estimate = interval(math.nan if point is None else point, found, level, True, why)
     return Crossover(
         size=point,
-        low=math.exp(low) if found.size else math.nan,
-        high=math.exp(high) if found.size else math.nan,
-        fraction_crossing=found.size / max(len(sizes), 1),
+        low=estimate.low,
+        high=estimate.high,
+        fraction_crossing=len(found) / max(len(sizes), 1),
         replicates=len(sizes),
+        identified=estimate.identified,
+        reason=estimate.reason,
     )
 
 

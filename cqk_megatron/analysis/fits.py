@@ -8,7 +8,10 @@ a, b in 0..25). The objective is evaluated at every grid point first and L-BFGS 
 from the best few (the grid only ranks basins; L-BFGS from the best ones reaches the
 minimum that a start from every point finds, at a fraction of the cost, which is what
 makes bootstrapping affordable). Confidence intervals come from a bootstrap over runs
-(all of a run's points go together, since they share a model and a schedule).
+(all of a run's points go together, since they share a model and a schedule), centred on
+the point fit (``intervals``). The size term's constants E, A and alpha are fixed by the
+model sizes alone: with fewer than ``MIN_SIZES`` sizes they are not identified, whatever
+their bootstrap says.
 
 ``L(C) = E + A C^-a`` is fitted the same way on the compute frontier (the points no
 cheaper point beats).
@@ -26,7 +29,15 @@ import numpy as np
 from scipy.optimize import minimize
 from scipy.special import logsumexp
 
+from cqk_megatron.analysis.intervals import Interval, interval
+
 HUBER_DELTA = 1e-3
+# E + A/N^alpha has three constants that only the model sizes fix (each size's loss
+# curve gives one asymptote): three sizes fit them exactly and test nothing; four is the
+# least that can.
+MIN_SIZES = 4
+SIZE_TERM = ("E", "A", "alpha")
+LOG_SCALE = frozenset({"E", "A", "B"})  # positive constants: intervals in factors
 MAX_LOG_CONSTANT = 300.0  # log A, log B, log E beyond this: the fit ran off
 CHINCHILLA_GRID = {
     "alpha": np.arange(0.0, 2.01, 0.5),
@@ -90,10 +101,22 @@ class ChinchillaFit:
     beta: float
     objective: float = math.nan
     n_points: int = 0
+    n_sizes: int = 0
 
     def predict(self, n, d):
         n, d = np.asarray(n, dtype=float), np.asarray(d, dtype=float)
         return self.E + self.A / n**self.alpha + self.B / d**self.beta
+
+    def unidentified(self, name: str) -> str:
+        """Why the sizes cannot identify parameter ``name`` ("" when they can)."""
+        if name in SIZE_TERM and self.n_sizes < MIN_SIZES:
+            return f"{self.n_sizes} model sizes; E, A and alpha need at least {MIN_SIZES}"
+        return ""
+
+    @property
+    def size_term_identified(self) -> bool:
+        """Whether the sizes pin E + A/N^alpha down: extrapolating in N needs it."""
+        return not self.unidentified("alpha")
 
     def tokens_to_reach(self, loss, n):
         """Tokens a model of ``n`` parameters needs to reach ``loss`` (inf: never)."""
@@ -211,6 +234,7 @@ def _fit_chinchilla(
         beta=float(beta),
         objective=float(best.fun),
         n_points=len(loss),
+        n_sizes=len(np.unique(n)),
     )
 
 
@@ -234,14 +258,17 @@ class Bootstrap:
     def values(self, name: str) -> np.ndarray:
         return np.array([getattr(s, name) for s in self.samples])
 
+    def estimate(self, name: str, level: float = 0.95) -> Interval:
+        """A parameter's point value, its interval centred on it (``intervals``), and
+        whether these runs identify it."""
+        point = float(getattr(self.point, name))
+        why = self.point.unidentified(name) if hasattr(self.point, "unidentified") else ""
+        return interval(point, self.values(name), level, name in LOG_SCALE, why)
+
     def interval(self, name: str, level: float = 0.95) -> tuple[float, float]:
-        """Percentile interval of a parameter (or any attribute) over the replicates."""
-        values = self.values(name)
-        if values.size == 0:
-            return (math.nan, math.nan)
-        tail = 100 * (1 - level) / 2
-        low, high = np.percentile(values, [tail, 100 - tail])
-        return float(low), float(high)
+        """``(low, high)`` of ``estimate``: it always contains the point value."""
+        found = self.estimate(name, level)
+        return found.low, found.high
 
 
 def _resample_indices(groups: np.ndarray, rng: np.random.Generator) -> np.ndarray:

@@ -15,7 +15,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
-from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
+from matplotlib.ticker import (  # noqa: E402
+    FixedLocator,
+    FuncFormatter,
+    LogLocator,
+    NullFormatter,
+    NullLocator,
+)
 
 from cqk_megatron.analysis.ingest import humanize_count  # noqa: E402
 from cqk_megatron.config import VARIANTS  # noqa: E402
@@ -214,30 +220,54 @@ def chinchilla_fits(points: pd.DataFrame, fits: dict, path: Path, n_column: str)
     return save(fig, path)
 
 
-def multiplier_vs_size(multipliers: dict, path: Path, budget: str) -> Path:
-    """Data-efficiency multiplier over standard attention vs size, with bootstrap bars."""
+def multiplier_vs_size(multipliers: dict, path: Path, baseline: str = "standard") -> Path:
+    """Data-efficiency multiplier over the baseline vs size: at the measured sizes (filled,
+    with their intervals), from the fits alone (hollow), and where the runs do not
+    identify it (a cross at the point, no bar: its interval is not a measurement)."""
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    shown = [1.0]
     for offset, (variant, frame) in enumerate(multipliers.items()):
         color = variant_color(variant)
+        frame = frame[np.isfinite(frame["multiplier"]) & (frame["multiplier"] > 0)]
         x = frame["params"].to_numpy() * (1 + 0.04 * offset)  # dodge overlapping bars
-        y = frame["multiplier"].to_numpy()
-        finite = np.isfinite(y)
-        # an infinite bound (standard never gets there) is drawn as a bar to the edge
-        low = np.where(np.isfinite(frame["low"]), frame["low"], y)
-        high = np.where(np.isfinite(frame["high"]), frame["high"], y * 10)
-        x, y, low, high = x[finite], y[finite], low[finite], high[finite]
-        errors = np.vstack([np.clip(y - low, 0, None), np.clip(high - y, 0, None)])
-        ax.errorbar(x, y, yerr=errors, fmt="o-", color=color, capsize=3, label=variant)
+        for key, rows in frame.groupby(["extrapolated", "identified"], sort=False):
+            extrapolated, identified = key
+            here = x[frame.index.get_indexer(rows.index)]
+            y = rows["multiplier"].to_numpy()
+            label = f"{variant}, {'from the fits' if extrapolated else 'measured sizes'}"
+            if not identified:
+                ax.plot(here, y, "x", color=color, ms=8, label=f"{label}: not identified")
+                shown.extend(y)
+                continue
+            errors = np.vstack([y - rows["low"].to_numpy(), rows["high"].to_numpy() - y])
+            face = "none" if extrapolated else color
+            ax.errorbar(
+                here, y, yerr=errors, fmt="o", color=color, mfc=face, capsize=3, label=label
+            )
+            shown.extend([*y, *rows["low"], *rows["high"]])
     ax.axhline(1.0, color="gray", lw=1, ls="--")
     _log_count_axis(ax)
-    ax.set_yscale("log")
-    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}×"))
-    ax.yaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("model size N (parameters)")
-    ax.set_ylabel("tokens standard needs / tokens variant needs (×)")
-    ax.set_title(f"Data-efficiency multiplier over standard attention\nat {budget}")
+    _multiplier_axis(ax, shown)
+    ax.set_xlabel("model size N (non-embedding parameters)")
+    ax.set_ylabel(f"multiplier: tokens {baseline} needs\n/ tokens the variant needs (×)")
+    ax.set_title(
+        f"Data-efficiency multiplier over {baseline} attention\n"
+        "at each measured size's N and training tokens; bars: bootstrap intervals"
+    )
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
     return save(fig, path)
+
+
+def _multiplier_axis(ax, values) -> None:
+    """A log axis with about five labelled ticks (1.05×, 1.1×, ...) over the values shown:
+    the default decade ticks leave a range such as 0.9× to 1.2× with one label or none."""
+    values = np.asarray([v for v in values if np.isfinite(v) and v > 0])
+    low, high = float(values.min()) / 1.05, float(values.max()) * 1.05
+    ax.set_yscale("log")
+    ax.set_ylim(low, high)
+    ticks = sorted({float(f"{t:.2g}") for t in np.geomspace(low, high, 6)[1:-1]} | {1.0})
+    ax.yaxis.set_major_locator(FixedLocator([t for t in ticks if low <= t <= high]))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}×"))
+    ax.yaxis.set_minor_locator(NullLocator())

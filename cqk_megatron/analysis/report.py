@@ -25,6 +25,7 @@ from cqk_megatron.analysis.fits import (
     bootstrap_compute_law,
 )
 from cqk_megatron.analysis.ingest import Ingested, fit_points, humanize_count, run_summary
+from cqk_megatron.analysis.intervals import NOT_IDENTIFIED, format_interval
 from cqk_megatron.analysis.step_time import CPU_CLOCK, format_ratio, step_time_ratios
 from cqk_megatron.run.atomic import atomic_path, write_text_atomically
 
@@ -44,10 +45,11 @@ class Options:
     n_boot: int = 200
     level: float = 0.95
     tokens_per_param: float = compare.TOKENS_PER_PARAM
-    # where the multiplier is read: "per_param" at D = tokens_per_param x N, at the
-    # measured sizes and ladder sizes beyond; "measured" at each measured size's own
-    # training budget (what a small ladder, far from 20 tokens per parameter, supports)
-    multiplier_at: str = "per_param"
+    # Where the multiplier is read. Always at each measured size's own N and training
+    # budget D (the one definition at the measured sizes); "per_param" adds rows from the
+    # fits at D = tokens_per_param x N, at the measured sizes and ladder sizes beyond,
+    # each labelled as such.
+    multiplier_at: str = "measured"
     baseline: str = "standard"
     crossovers: tuple = DEFAULT_CROSSOVERS
     seed: int = 0
@@ -68,27 +70,59 @@ class Analysis:
     gains: pd.DataFrame | None = None
 
 
-def multiplier_sizes(
-    points: pd.DataFrame, options: Options
-) -> tuple[list[float], list[float] | None, float]:
-    """Where to read the multiplier: one N per measured size (the baseline's, else the
-    smallest variant's), plus, with ``multiplier_at="per_param"``, the ladder sizes up to
-    30x beyond the largest (extrapolating further says nothing); the token budget of
-    each (None: ``tokens_per_param`` x N; ``"measured"``: the most tokens the size's
-    runs saw); and the largest measured N."""
+MEASURED = "measured: the size's N and training tokens"
+
+
+def measured_sizes(points: pd.DataFrame, options: Options) -> tuple[list[float], list[float]]:
+    """The one place the multiplier is read at the measured sizes: per size, N is the
+    baseline's parameter count there (else the smallest variant's) and D the size's
+    training budget (the most tokens its baseline runs saw, else any of its runs)."""
+    per_size = points.groupby(["size", "variant"])[options.n_column].min().unstack("variant")
+    smallest = per_size.min(axis=1)
+    sizes = per_size.get(options.baseline, smallest).fillna(smallest).sort_values()
+    budgets = points.groupby("size")["tokens"].max()
+    baseline_rows = points[points["variant"] == options.baseline]
+    budgets.update(baseline_rows.groupby("size")["tokens"].max())
+    return [float(n) for n in sizes], [float(budgets[s]) for s in sizes.index]
+
+
+def per_param_sizes(measured: list[float]) -> tuple[list[float], list[float]]:
+    """Sizes for the rows read at D = tokens_per_param x N: the measured ones, and the
+    ladder sizes up to 30x beyond the largest (further says nothing)."""
+    largest = max(measured)
+    return measured, [s for s in LADDER_SIZES if largest * 1.01 < s <= 30 * largest]
+
+
+def multipliers(
+    fit: Bootstrap, baseline: Bootstrap, points: pd.DataFrame, options: Options
+) -> pd.DataFrame:
+    """The variant's multiplier over the baseline: at the measured sizes (always), and
+    with ``multiplier_at="per_param"`` at D = tokens_per_param x N as well; the
+    ``read at`` column says which, ``extrapolated`` marks the rows not at a measured
+    (N, D)."""
     if options.multiplier_at not in ("per_param", "measured"):
         raise ValueError(
             f"multiplier_at must be 'per_param' or 'measured', not {options.multiplier_at!r}"
         )
-    per_size = points.groupby(["size", "variant"])[options.n_column].min().unstack("variant")
-    measured = per_size.get(options.baseline, per_size.min(axis=1)).fillna(per_size.min(axis=1))
-    measured = measured.sort_values()
-    largest = float(measured.max())
+    sizes, budgets = measured_sizes(points, options)
+    level, per_param = options.level, options.tokens_per_param
+    frame = compare.multiplier_vs_size(fit, baseline, sizes, level=level, tokens=budgets)
+    frame["read at"], frame["extrapolated"] = MEASURED, False
     if options.multiplier_at == "measured":
-        budgets = points.groupby("size")["tokens"].max()
-        return [float(n) for n in measured], [float(budgets[s]) for s in measured.index], largest
-    extra = [s for s in LADDER_SIZES if largest * 1.01 < s <= 30 * largest]
-    return [float(n) for n in measured] + extra, None, largest
+        return frame
+    within, beyond = per_param_sizes(sizes)
+    frames = [frame, compare.multiplier_vs_size(fit, baseline, within, per_param, level)]
+    frames[-1]["read at"] = f"D = {per_param:g}·N, from the fits"
+    if beyond:
+        # beyond the largest size the fits extrapolate in N: their size terms must hold
+        why = fit.point.unidentified("alpha") or baseline.point.unidentified("alpha")
+        frames.append(
+            compare.multiplier_vs_size(fit, baseline, beyond, per_param, level, unidentified=why)
+        )
+        frames[-1]["read at"] = f"D = {per_param:g}·N, N beyond the runs"
+    for extra in frames[1:]:
+        extra["extrapolated"] = True
+    return pd.concat(frames, ignore_index=True)
 
 
 def compute_budgets(points: pd.DataFrame) -> list[float]:
@@ -134,14 +168,9 @@ def analyze(ingested: Ingested, options: Options | None = None) -> Analysis:
 
     baseline = analysis.fits.get(options.baseline)
     if baseline is not None:
-        sizes, budgets, largest = multiplier_sizes(points, options)
         for variant, fit in analysis.fits.items():
             if variant != options.baseline:
-                frame = compare.multiplier_vs_size(
-                    fit, baseline, sizes, options.tokens_per_param, options.level, budgets
-                )
-                frame["extrapolated"] = frame["params"] > largest * 1.01
-                analysis.multipliers[variant] = frame
+                analysis.multipliers[variant] = multipliers(fit, baseline, points, options)
     for challenger, incumbent in options.crossovers:
         if challenger in analysis.fits and incumbent in analysis.fits:
             analysis.crossovers[(challenger, incumbent)] = compare.crossover_with_uncertainty(
@@ -207,24 +236,28 @@ def _times(value) -> str:
     return "∞" if math.isinf(value) else f"{value:.2f}×"
 
 
-def _with_interval(point: float, interval: tuple[float, float], fmt: str = "{:.3g}") -> str:
-    low, high = interval
-    if math.isnan(low):
-        return fmt.format(point)
-    return f"{fmt.format(point)} [{fmt.format(low)}, {fmt.format(high)}]"
-
-
 def _fits_table(analysis: Analysis) -> pd.DataFrame:
     rows = []
     for variant, boot in analysis.fits.items():
-        row = {"variant": variant, "points": boot.point.n_points}
+        row = {"variant": variant, "points": boot.point.n_points, "sizes": boot.point.n_sizes}
         for name in PARAMS:
-            row[name] = _with_interval(
-                getattr(boot.point, name), boot.interval(name, analysis.options.level)
-            )
+            row[name] = format_interval(boot.estimate(name, analysis.options.level))
         row["replicates"] = f"{len(boot.samples)} (+{boot.failed} unfit)"
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def unidentified_notes(analysis: Analysis) -> list[str]:
+    """Why each "not identified" of the fits' table is so, one line per variant."""
+    lines = []
+    for variant, boot in analysis.fits.items():
+        reasons = {}
+        for name in PARAMS:
+            found = boot.estimate(name, analysis.options.level)
+            if not found.identified:
+                reasons.setdefault(found.reason, []).append(name)
+        lines += [f"{variant}: {', '.join(names)}: {why}" for why, names in reasons.items()]
+    return lines
 
 
 def _compute_table(analysis: Analysis) -> pd.DataFrame:
@@ -235,9 +268,9 @@ def _compute_table(analysis: Analysis) -> pd.DataFrame:
             {
                 "variant": variant,
                 "frontier points": boot.point.n_points,
-                "E (nats)": _with_interval(boot.point.E, boot.interval("E", level)),
+                "E (nats)": format_interval(boot.estimate("E", level)),
                 "A": f"{boot.point.A:.3g}",
-                "a": _with_interval(boot.point.a, boot.interval("a", level)),
+                "a": format_interval(boot.estimate("a", level)),
             }
         )
     return pd.DataFrame(rows)
@@ -248,6 +281,8 @@ def _optimal_table(analysis: Analysis) -> pd.DataFrame:
     most = analysis.points["flops"].max()
     for variant, boot in analysis.fits.items():
         fit = boot.point
+        if not fit.size_term_identified:
+            continue  # the allocation rests on A and alpha (see the fits' notes)
         a_exp, b_exp = fit.exponents
         for budget in compute_budgets(analysis.points):
             n_opt, d_opt = fit.compute_optimal(budget)
@@ -266,6 +301,15 @@ def _optimal_table(analysis: Analysis) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def multiplier_cell(row) -> str:
+    """``1.10× [1.05×, 1.15×]``, or "not identified by these runs"."""
+    if not row["identified"]:
+        return NOT_IDENTIFIED
+    if math.isnan(row["low"]):
+        return _times(row["multiplier"])
+    return f"{_times(row['multiplier'])} [{_times(row['low'])}, {_times(row['high'])}]"
+
+
 def _multiplier_table(analysis: Analysis) -> pd.DataFrame:
     rows = []
     for variant, frame in analysis.multipliers.items():
@@ -275,24 +319,55 @@ def _multiplier_table(analysis: Analysis) -> pd.DataFrame:
                     "variant": variant,
                     "N (params)": humanize_count(row["params"]),
                     "D (tokens)": humanize_count(row["tokens"]),
-                    "multiplier": _times(row["multiplier"]),
-                    f"{analysis.options.level:.0%} interval": (
-                        f"{_times(row['low'])} – {_times(row['high'])}"
-                    ),
-                    "": "extrapolated" if row["extrapolated"] else "measured size",
+                    f"multiplier [{analysis.options.level:.0%} interval]": multiplier_cell(row),
+                    "read at": row["read at"],
                 }
             )
     return pd.DataFrame(rows)
 
 
+def multiplier_definition(options: Options) -> str:
+    """What the multiplier table holds, the same words under ``fit`` and ``report``."""
+    extra = (
+        f"; rows read at D = {options.tokens_per_param:g}·N come from the fits alone, "
+        "beyond the runs' budgets or sizes"
+        if options.multiplier_at == "per_param"
+        else ""
+    )
+    return (
+        f"Tokens {options.baseline} attention needs to reach the variant's loss, over the "
+        "variant's tokens, from the two L(N, D) fits (∞: it never reaches it at that "
+        "size; above 1: the variant needs fewer tokens). At the measured sizes it is read "
+        f"at the size's N ({options.baseline}'s parameter count) and its runs' training "
+        f"tokens D{extra}. The interval pairs bootstrap replicates of both fits and is "
+        "centred on the multiplier (in factors)."
+    )
+
+
+def crossover_words(cross: compare.Crossover, options: Options) -> str:
+    """Where the challenger overtakes, its interval, and the replicates that cross."""
+    if not cross.identified:
+        return f"{NOT_IDENTIFIED} ({cross.reason})"
+    where = (
+        f"at N ≈ {humanize_count(cross.size)} parameters"
+        if cross.size
+        else f"nowhere between {humanize_count(compare.SEARCH_RANGE[0])} and "
+        f"{humanize_count(compare.SEARCH_RANGE[1])} parameters"
+    )
+    interval = (
+        f"{humanize_count(cross.low)} – {humanize_count(cross.high)}"
+        if not math.isnan(cross.low)
+        else "n/a"
+    )
+    return (
+        f"{where} (D = {options.tokens_per_param:g}·N); {options.level:.0%} interval "
+        f"{interval}; {cross.fraction_crossing:.0%} of {cross.replicates} bootstrap "
+        "replicates cross"
+    )
+
+
 def _relative(path: Path, folder: Path) -> str:
     return os.path.relpath(path, folder).replace(os.sep, "/")
-
-
-def _budget_words(options: Options) -> str:
-    if options.multiplier_at == "measured":
-        return "each measured size's own training budget D"
-    return f"D = {options.tokens_per_param:g} tokens per parameter"
 
 
 def _gains_section(analysis: Analysis) -> list[str]:
@@ -388,7 +463,10 @@ def _alpha_interval(analysis: Analysis) -> list[str]:
     (the table has the others)."""
     o, runs = analysis.options, analysis.runs
     for variant, boot in analysis.fits.items():
-        low, high = boot.interval("alpha", o.level)
+        found = boot.estimate("alpha", o.level)
+        if not found.identified:
+            return [f"For {variant}, the size exponent α is {NOT_IDENTIFIED} ({found.reason})."]
+        low, high = found.low, found.high
         if math.isnan(low):
             continue
         return [
@@ -414,6 +492,10 @@ def _multiplier_verdicts(analysis: Analysis, seeds: int, runs_per_fit: int) -> l
         if measured[["low", "high"]].isna().any().any():
             parts.append(f"The {variant} multiplier has no bootstrap interval.")
             continue
+        if not measured["identified"].any():
+            parts.append(f"The {variant} multiplier is {NOT_IDENTIFIED} at any measured size.")
+            continue
+        measured = measured[measured["identified"]]
         outside = measured[(measured["low"] > 1) | (measured["high"] < 1)]
         if outside.empty:
             parts.append(
@@ -522,7 +604,7 @@ def _runs_section(analysis: Analysis) -> list[str]:
         f"{len(runs)} runs ({partial} partial), {len(ingested.skipped)} skipped. "
         f"Fits use {FIT_POINTS[o.points]}; "
         f"N counts {n_name} parameters, D tokens, losses are in nats per token. "
-        f"Intervals: {o.level:.0%} bootstrap percentiles over {o.n_boot} resamples of runs.",
+        f"Intervals: {INTERVAL_WORDS.format(level=o.level, n_boot=o.n_boot)}",
         "",
         "## Runs",
         "",
@@ -535,11 +617,22 @@ def _runs_section(analysis: Analysis) -> list[str]:
     ]
 
 
+INTERVAL_WORDS = (
+    "{level:.0%}, from {n_boot} bootstrap resamples of runs, centred on the point "
+    "estimate (the point plus or minus the {level:.0%} quantile of the replicates' distance "
+    "from it, in factors for positive constants and multipliers), so each contains its "
+    "point. A value whose interval spans more than a decade, or that the fit's model sizes "
+    f'cannot fix, is printed as "{NOT_IDENTIFIED}" instead of a number.'
+)
+
+
 def _fit_sections(analysis: Analysis, figures: dict[str, Path], folder: Path) -> list[str]:
     """L(N, D), L(C) and the compute-optimal allocation, with their figures."""
     out = ["## Scaling-law fits: L(N, D) = E + A/N^α + B/D^β", ""]
     if analysis.fits:
         out += [markdown_table(_fits_table(analysis)), ""]
+        out += [f"- {line}" for line in unidentified_notes(analysis)]
+        out += [""] if unidentified_notes(analysis) else []
     else:
         out += ["_No fit: the runs need at least 2 sizes and 2 token counts (see notes)._", ""]
     if "fits" in figures:
@@ -552,13 +645,16 @@ def _fit_sections(analysis: Analysis, figures: dict[str, Path], folder: Path) ->
     if "frontier" in figures:
         out += [f"![frontier]({_relative(figures['frontier'], folder)})", ""]
     if analysis.fits:
-        out += [
-            "## Compute-optimal allocation (C = 6·N·D)",
-            "",
-            markdown_table(_optimal_table(analysis)),
-            "",
-        ]
+        optimal = _optimal_table(analysis)
+        table = markdown_table(optimal) if not optimal.empty else f"_{ALLOCATION_UNIDENTIFIED}._"
+        out += ["## Compute-optimal allocation (C = 6·N·D)", "", table, ""]
     return out
+
+
+ALLOCATION_UNIDENTIFIED = (
+    f"{NOT_IDENTIFIED}: the allocation rests on A and α, which the fits' model sizes do "
+    "not fix (see the notes under the fits)"
+)
 
 
 def _multiplier_section(analysis: Analysis, figures: dict[str, Path], folder: Path) -> list[str]:
@@ -568,10 +664,7 @@ def _multiplier_section(analysis: Analysis, figures: dict[str, Path], folder: Pa
     out = [
         f"## Data-efficiency multiplier over {o.baseline} attention",
         "",
-        f"Tokens {o.baseline} attention needs to reach the variant's loss, over the "
-        f"variant's tokens, at {_budget_words(o)}, from the two L(N, D) fits "
-        f"(∞: {o.baseline} never reaches it at that size; above 1: the variant needs "
-        "fewer tokens). The interval pairs bootstrap replicates of both fits.",
+        multiplier_definition(o),
         "",
         markdown_table(_multiplier_table(analysis)),
         "",
@@ -586,21 +679,8 @@ def _crossover_section(analysis: Analysis) -> list[str]:
         return []
     o, out = analysis.options, ["## Crossover", ""]
     for (challenger, incumbent), cross in analysis.crossovers.items():
-        where = (
-            f"at N ≈ {humanize_count(cross.size)} parameters"
-            if cross.size
-            else f"nowhere between {humanize_count(compare.SEARCH_RANGE[0])} and "
-            f"{humanize_count(compare.SEARCH_RANGE[1])} parameters"
-        )
-        interval = (
-            f"{humanize_count(cross.low)} – {humanize_count(cross.high)}"
-            if not math.isnan(cross.low)
-            else "n/a"
-        )
         out.append(
-            f"- **{challenger}** overtakes **{incumbent}** {where} (D = "
-            f"{o.tokens_per_param:g}·N); {o.level:.0%} interval {interval}; "
-            f"{cross.fraction_crossing:.0%} of {cross.replicates} bootstrap replicates cross."
+            f"- where **{challenger}** overtakes **{incumbent}**: {crossover_words(cross, o)}."
         )
     return [*out, ""]
 
@@ -656,7 +736,8 @@ def fits_json(analysis: Analysis) -> dict:
         "chinchilla": {
             v: {
                 **b.point.params(),
-                "intervals": {p: b.interval(p, level) for p in PARAMS},
+                "sizes": b.point.n_sizes,
+                "intervals": {p: b.estimate(p, level).as_dict() for p in PARAMS},
                 "replicates": len(b.samples),
             }
             for v, b in analysis.fits.items()
@@ -695,7 +776,7 @@ def write_report(analysis: Analysis, folder: str | Path) -> Path:
         figures["multiplier"] = plots.multiplier_vs_size(
             analysis.multipliers,
             figures_dir / "multiplier_vs_size.png",
-            _budget_words(analysis.options),
+            analysis.options.baseline,
         )
     with atomic_path(folder / "runs.csv") as temporary:
         table.to_csv(temporary, index=False)

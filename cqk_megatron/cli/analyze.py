@@ -56,10 +56,11 @@ def add_fit_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--multiplier-at",
-        choices=("per-param", "measured"),
-        default="per-param",
-        help="read the data-efficiency multiplier at D = tokens-per-param x N (and ladder "
-        "sizes beyond the runs), or at each measured size's own training budget",
+        choices=("measured", "per-param"),
+        default="measured",
+        help="read the data-efficiency multiplier at each measured size's N and training "
+        "tokens (always), or also at D = tokens-per-param x N, at the measured sizes and "
+        "ladder sizes beyond (rows labelled as read from the fits)",
     )
     _add_comparison_arguments(parser)
 
@@ -135,28 +136,30 @@ def cmd_table(args: argparse.Namespace) -> None:
 
 
 def cmd_fit(args: argparse.Namespace) -> None:
-    from cqk_megatron.analysis.ingest import humanize_count
     from cqk_megatron.analysis.report import (
+        INTERVAL_WORDS,
         _compute_table,
         _fits_table,
         _multiplier_table,
         analyze,
+        crossover_words,
         markdown_table,
+        multiplier_definition,
+        unidentified_notes,
     )
 
     analysis = analyze(ingest_runs(args), options(args))
-    print("L(N, D) fits:\n" + markdown_table(_fits_table(analysis)))
+    o = analysis.options
+    print("Intervals: " + INTERVAL_WORDS.format(level=o.level, n_boot=o.n_boot))
+    print("\nL(N, D) fits:\n" + markdown_table(_fits_table(analysis)))
+    for line in unidentified_notes(analysis):
+        print(f"  {line}")
     print("\nL(C) fits:\n" + markdown_table(_compute_table(analysis)))
     if analysis.multipliers:
-        print("\nData-efficiency multipliers:\n" + markdown_table(_multiplier_table(analysis)))
+        print(f"\nData-efficiency multipliers: {multiplier_definition(o)}")
+        print(markdown_table(_multiplier_table(analysis)))
     for (challenger, incumbent), cross in analysis.crossovers.items():
-        size = humanize_count(cross.size) if cross.size else "none in range"
-        print(
-            f"\n{challenger} overtakes {incumbent} at N = {size} "
-            f"(interval {humanize_count(cross.low) if cross.low == cross.low else 'n/a'}"
-            f" - {humanize_count(cross.high) if cross.high == cross.high else 'n/a'}, "
-            f"{cross.fraction_crossing:.0%} of replicates cross)"
-        )
+        print(f"\nwhere {challenger} overtakes {incumbent}: {crossover_words(cross, o)}")
     for note in analysis.notes:
         print(f"note: {note}")
 
