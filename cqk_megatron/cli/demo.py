@@ -34,6 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--install", action="store_true", help="run scripts/install.sh first (a fresh clone)"
     )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=None,
+        metavar="N",
+        help="instead of the mini-ladder: the largest size, standard, coupled, differential "
+        "and coupled_differential, seeds 0..N-1, and a table of each variant's perplexity "
+        "against standard's on the same seed (configs/sweeps/demo_seeds.yaml)",
+    )
     return parser
 
 
@@ -51,6 +60,12 @@ def demo_environment(args: argparse.Namespace) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.seeds is not None:
+        if args.seeds < 1:
+            parser.error(f"--seeds {args.seeds}: give 1 or more (3 tells a gap from noise)")
+        from cqk_megatron.cli.demo_seeds import run_study
+
+        return run_study(Path(args.out).resolve(), args.seeds, args.steps)
     if not SCRIPT.is_file():
         parser.error(
             f"{SCRIPT} is not there: the demo runs from the repository's checkout; clone it "

@@ -1,0 +1,139 @@
+"""``cqk demo --seeds N``: the demo's largest model, four attention variants, N seeds each,
+as one sweep through the local launcher, then a table of validation perplexity with each
+seed's difference to standard attention on the same seed.
+
+One seed cannot tell a gap from noise (the demo's report says so); this is the command
+that can. The sweep is ``configs/sweeps/demo_seeds.yaml`` with its seeds replaced by
+``0 .. N-1``, written to ``OUT/seeds/sweep.yaml``; the runs go to ``OUT/seeds/runs``. Run it
+again after Ctrl-C: finished runs are skipped, the others resume.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from cqk_megatron.variants import VARIANTS
+
+REPO = Path(__file__).resolve().parents[2]
+SEEDS_SWEEP = REPO / "configs" / "sweeps" / "demo_seeds.yaml"
+BASELINE = "standard"
+
+
+def write_sweep(out: Path, seeds: int) -> Path:
+    """``demo_seeds.yaml`` with seeds ``0 .. seeds-1``, under ``out``; its model files are
+    found under the checkout's ``configs/`` (the planner looks there too)."""
+    sweep = yaml.safe_load(SEEDS_SWEEP.read_text())
+    sweep["seeds"] = list(range(seeds))
+    path = out / "sweep.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(sweep, sort_keys=False))
+    return path
+
+
+def step_overrides(steps: int | None) -> list[str]:
+    """The demo's ``--steps``: every run that many steps, evaluated and saved each quarter."""
+    if steps is None:
+        return []
+    quarter = max(1, steps // 4)
+    return [
+        f"train.train_steps={steps}",
+        f"train.eval_interval={quarter}",
+        f"train.save_interval={quarter}",
+        "train.warmup_steps=1",
+    ]
+
+
+def run_study(out: Path, seeds: int, steps: int | None) -> int:
+    """Corpus, sweep, table; the launcher's exit code if a run failed."""
+    data, study = out / "data", out / "seeds"
+    python = sys.executable
+    corpus = [python, "-m", "data_tools.demo_corpus", "--out", str(data), "--quiet"]
+    subprocess.run(corpus, check=True, cwd=REPO)
+    sweep = write_sweep(study, seeds)
+    print(f"== {seeds} seeds x 4 variants of the demo's w128 model ({SEEDS_SWEEP.name})")
+    submit = [
+        python,
+        "launch/submit.py",
+        "--sweep",
+        str(sweep),
+        "--cluster",
+        "local",
+        "--profile",
+        "configs/clusters/local.yaml",
+        f"log.root={study / 'runs'}",
+        f"data.prefixes=[{data / 'demo_text_document'}]",
+        f"data.tokenizer={data / 'tokenizer.model'}",
+        *step_overrides(steps),
+    ]
+    code = subprocess.run(submit, cwd=REPO).returncode
+    if code != 0:
+        return code
+    print(format_table(final_perplexities(study / "runs")))
+    return 0
+
+
+def final_perplexities(runs: Path) -> dict[str, dict[int, float]]:
+    """``{variant: {seed: final validation perplexity}}`` of the finished runs in ``runs``."""
+    table: dict[str, dict[int, float]] = {}
+    for metrics in sorted(runs.glob("*/metrics.jsonl")):
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        finals = [r for r in records if r.get("final")]
+        if not finals:
+            continue
+        config = yaml.safe_load((metrics.parent / "config.yaml").read_text())
+        variant = variant_of(config["attention"])
+        table.setdefault(variant, {})[int(config["seed"])] = float(finals[-1]["val_ppl"])
+    return table
+
+
+def variant_of(attention: dict) -> str:
+    """The registry's preset for a run's ``attention`` section (coupling, scoring)."""
+    pair = (attention["coupling"], attention["scoring"])
+    return next((name for name, preset in VARIANTS.items() if preset == pair), "+".join(pair))
+
+
+def paired_differences(runs: dict[int, float], baseline: dict[int, float]) -> dict[int, float]:
+    """Per seed, ``100 (ppl / baseline ppl - 1)``: the same seed draws the same data order."""
+    return {
+        seed: 100 * (ppl / baseline[seed] - 1) for seed, ppl in runs.items() if seed in baseline
+    }
+
+
+def spread(values: list[float]) -> str:
+    """Mean, sample standard deviation and the standard error of the mean, in percent."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return f"mean {mean:+.1f}%"
+    sd = statistics.stdev(values)
+    return f"mean {mean:+.1f}%, sd {sd:.1f}, s.e. {sd / math.sqrt(len(values)):.1f}"
+
+
+def format_table(table: dict[str, dict[int, float]]) -> str:
+    """Markdown: per variant the perplexity of each seed, their mean, and the paired
+    differences to standard attention with their spread."""
+    seeds = sorted({seed for runs in table.values() for seed in runs})
+    head = " / ".join(str(s) for s in seeds)
+    lines = [
+        f"| variant | val. ppl seed {head} | mean | paired vs {BASELINE} (per seed; spread) |",
+        "|---|---|---|---|",
+    ]
+    order = sorted(table, key=lambda v: (v != BASELINE, v))
+    for variant in order:
+        runs = table[variant]
+        ppl = " / ".join(f"{runs[s]:.2f}" if s in runs else "-" for s in seeds)
+        mean = statistics.fmean(runs.values())
+        paired = "-"
+        if variant != BASELINE and BASELINE in table:
+            diffs = paired_differences(runs, table[BASELINE])
+            if diffs:
+                each = " / ".join(f"{diffs[s]:+.1f}%" for s in sorted(diffs))
+                paired = f"{each} ({spread(list(diffs.values()))})"
+        lines.append(f"| {variant} | {ppl} | {mean:.2f} | {paired} |")
+    return "\n".join(lines)

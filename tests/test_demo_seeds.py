@@ -1,0 +1,103 @@
+"""``cqk demo --seeds N``: the four variants of the demo's largest model over seeds, as one
+sweep through the local launcher, and the table that pairs each seed with standard's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from cqk_megatron.cli.demo_seeds import final_perplexities, format_table, write_sweep
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS = ("standard", "coupled", "differential", "coupled_differential")
+
+
+def fake_run(runs: Path, name: str, coupling: str, scoring: str, seed: int, ppl: float) -> None:
+    folder = runs / name
+    folder.mkdir(parents=True)
+    config = {"name": name, "seed": seed, "attention": {"coupling": coupling, "scoring": scoring}}
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    records = [
+        {"kind": "eval", "step": 1, "val_ppl": 900.0},
+        {"kind": "eval", "step": 2, "val_ppl": ppl, "final": True},
+    ]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_table_pairs_each_seed_with_standard(tmp_path):
+    """The issue's table: differential's paired differences are per seed, not of means."""
+    runs = tmp_path / "runs"
+    standard = (119.65, 112.86, 116.68)
+    differential = (143.33, 134.89, 155.00)
+    for seed in range(3):
+        fake_run(runs, f"s-standard-s{seed}", "none", "standard", seed, standard[seed])
+        fake_run(runs, f"s-diff-s{seed}", "none", "differential", seed, differential[seed])
+    (runs / "unfinished").mkdir()
+    (runs / "unfinished" / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    table = final_perplexities(runs)
+    assert table == {
+        "standard": dict(enumerate(standard)),
+        "differential": dict(enumerate(differential)),
+    }
+    text = format_table(table)
+    lines = text.splitlines()
+    assert lines[2].startswith("| standard | 119.65 / 112.86 / 116.68 | 116.40 | - |")
+    assert "| differential | 143.33 / 134.89 / 155.00 | 144.41 |" in lines[3]
+    assert "+19.8% / +19.5% / +32.8% (mean +24.1%, sd 7.6, s.e. 4.4)" in lines[3]
+
+
+def test_seeds_sweep_is_the_demo_w128_model_with_the_seeds_asked_for(tmp_path):
+    from cqk_megatron.planner.sweep import expand_sweep
+
+    runs = expand_sweep(write_sweep(tmp_path, 2))
+    assert sorted(run["name"] for run in runs) == sorted(
+        f"seeds-w128-{variant}-s{seed}" for variant in VARIANTS for seed in (0, 1)
+    )
+    demo = {run["name"]: run for run in expand_sweep(REPO / "configs/sweeps/demo.yaml")}
+    # the same run as the demo's largest size, but for the name
+    ours = next(run for run in runs if run["name"] == "seeds-w128-standard-s0")
+    theirs = demo["demo-w128-standard-s0"]
+    assert ours["schedule"] == theirs["schedule"]
+    assert [o for o in ours["overrides"] if not o.startswith("name=")] == [
+        o for o in theirs["overrides"] if not o.startswith("name=")
+    ]
+
+
+def cqk_demo(*args: str, timeout: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu", "WANDB_SILENT": "true"}
+    return subprocess.run(
+        [sys.executable, "-m", "cqk_megatron", "demo", *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_demo_seeds_runs_the_four_variants_and_prints_the_table(tmp_path):
+    """One seed, two steps a run: the corpus, the sweep through the launcher, the table."""
+    out = tmp_path / "out"
+    result = cqk_demo("--seeds", "1", "--steps", "2", "--out", str(out), timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert yaml.safe_load((out / "seeds" / "sweep.yaml").read_text())["seeds"] == [0]
+    table = final_perplexities(out / "seeds" / "runs")
+    assert sorted(table) == sorted(VARIANTS) and all(list(t) == [0] for t in table.values())
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0][2:] for row in rows[1:]] == [
+        "standard",
+        "coupled",
+        "coupled_differential",
+        "differential",
+    ]
+
+
+def test_demo_seeds_refuses_fewer_than_one(tmp_path):
+    result = cqk_demo("--seeds", "0", "--out", str(tmp_path), timeout=120)
+    assert result.returncode == 2
+    assert "--seeds 0: give 1 or more" in result.stderr
