@@ -5,23 +5,26 @@ configs: no test runs a model or reads a clock."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
 
 from cqk_megatron.cli import plan as plan_cli
-from cqk_megatron.cli.plan_speed import rank_layouts
+from cqk_megatron.cli.plan_speed import rank_layouts, sweep_config
 from cqk_megatron.config import CONFIGS_DIR, ConfigError, load_config
 from cqk_megatron.perf import fit as plan
 from cqk_megatron.perf.flops import flops_per_token
 from cqk_megatron.perf.traffic import dp_collectives
 from cqk_megatron.planner.hardware import load_hardware
 from cqk_megatron.planner.step_time import predict_step
+from cqk_megatron.planner.sweep import expand_sweep
 from launch.resources import load_profile
 
 H100 = CONFIGS_DIR / "clusters/example_h100.yaml"
 H200 = CONFIGS_DIR / "clusters/example_h200.yaml"
 RUN_1B = CONFIGS_DIR / "runs/1b_4x8.yaml"
+LADDER = CONFIGS_DIR / "sweeps/ladder.yaml"
 # the 1B run's former layout: TP=2 + SP x DP=16, DeepSpeed ZeRO-2 with overlap_comm
 TP2_ZERO2 = [
     "parallel.tensor_parallel=2",
@@ -151,8 +154,7 @@ def test_plan_explains_every_collective_of_one_layout(capsys):
 
 
 def test_plan_prints_a_sweeps_gpu_hours(capsys):
-    sweep = CONFIGS_DIR / "sweeps/ladder.yaml"
-    assert plan_cli.main(["--sweep", str(sweep), "--profile", str(H100)]) == 0
+    assert plan_cli.main(["--sweep", str(LADDER), "--profile", str(H100)]) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = {line.split()[0]: line.split() for line in lines[1:-1]}
     assert len(rows) == 96  # 60M and 150M: 3 budgets x 3 and 1 seeds; the rest 1 x 1
@@ -185,3 +187,24 @@ def test_the_shipped_1b_layout_is_the_models_first_and_its_comment_says_so():
     comment = RUN_1B.read_text()
     assert f"predicts {shipped.tokens_per_s_per_gpu:,.0f} tokens/s/GPU" in comment
     assert f"{shipped.mfu:.1%} MFU" in comment
+
+
+@pytest.mark.parametrize("size", ["350m", "1b", "3b", "7b"])
+def test_the_ladders_layouts_are_within_5_percent_of_the_first_as_their_comments_say(size):
+    # configs/sweeps/ladder.yaml: each size's layout (standard variant) within 5% of the
+    # layout the model ranks first on its GPUs, its predicted MFU in the comment above it
+    runs = {r["name"]: r for r in expand_sweep(LADDER)}
+    config, hardware = sweep_config(runs[f"ladder-{size}-standard-s0"]), load_hardware(H100)
+    t = config.train
+    results = plan.plan_all(
+        config,
+        config.parallel.world_size,
+        hardware.hbm_bytes,
+        t.micro_batch_size,
+        global_batch=t.global_batch_size,
+    )
+    ranked = rank_layouts(config, results, hardware, t.micro_batch_size, t.global_batch_size)
+    shipped = predict_step(config, hardware)
+    assert shipped.tokens_per_s_per_gpu >= 0.95 * ranked[0][1].tokens_per_s_per_gpu
+    block = re.search(rf"\n  {size}:\n(.*?)(\n  \w+:\n|\Z)", LADDER.read_text(), re.S)[1]
+    assert f"{shipped.mfu:.1%} MFU predicted" in block
