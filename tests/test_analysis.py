@@ -480,7 +480,7 @@ def test_ladder_expands_to_validated_runs():
     assert len(names) == len(set(names)) == 6 * 3 * 3 + 6 * 3 + 4 * 6
     by_name = {r["name"]: r for r in runs}
     one_b = by_name["ladder-1b-coupled-s0"]
-    expected = {"nodes": 4, "gpus_per_node": 8, "tensor_parallel": 2, "data_parallel": 16}
+    expected = {"nodes": 4, "gpus_per_node": 8, "tensor_parallel": 1, "data_parallel": 32}
     assert expected.items() <= one_b["resources"].items()
     config = load_config(one_b["config"], one_b["overrides"])
     assert config.name == "ladder-1b-coupled-s0" and config.attention.coupling == "hamiltonian"

@@ -44,8 +44,9 @@ LAYOUTS = {
     "tp2sp": ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"],
     "pp2": ["parallel.pipeline_parallel=2"],
 }
-# the 1B run's DeepSpeed settings (configs/runs/1b_4x8.yaml): ZeRO-2, its gradient
-# reduce-scatter overlapped with the backward (overlap_comm), then the TP sums on the partition
+# DeepSpeed ZeRO-2 at TP=2 (the 1B run's layout before it moved to the distributed
+# optimizer): its gradient reduction overlapped with the backward (overlap_comm), then the TP
+# sums on the partition
 ZERO2_OVERLAP = ["train.zero_stage=2", "train.overlap_grad_reduce=true"]
 CLIP = 0.3  # below every step's gradient norm here (checked): clipping binds throughout
 # Tolerances: tests/_curves.py.
@@ -271,8 +272,9 @@ def test_deepspeed_sums_the_tp_partial_gradients_in_one_all_reduce_a_step(
             assert largest <= WEIGHTS_FP32, largest
 
 
-# configs/runs/1b_4x8.yaml at tiny size: the Llama family (RMSNorm, SwiGLU, no biases) with
-# untied embeddings, the coupled variant, TP=2 + SP x DP=2, ZeRO-2 with overlap_comm, bf16
+# configs/runs/1b_4x8.yaml's model at tiny size, in its former DeepSpeed layout: the Llama
+# family (RMSNorm, SwiGLU, no biases) with untied embeddings, the coupled variant, TP=2 + SP
+# x DP=2, ZeRO-2 with overlap_comm, bf16
 SHAPED_LIKE_1B = [
     *family_overrides("llama"),
     "model.tie_embeddings=false",

@@ -230,12 +230,17 @@ def test_on_gpu_the_optimizer_is_torchs_fused_adamw(monkeypatch):
 
 
 def test_the_1b_run_overlaps_the_gradient_reduction_with_the_backward():
-    # train.overlap_grad_reduce: DeepSpeed ZeRO's overlap_comm (on CPU too: a DP=2 ZeRO-1 or
-    # ZeRO-2 run gave the very same losses and gradient norms with it as without)
+    # train.overlap_grad_reduce: Megatron DDP's overlap_grad_reduce (the 1B run's engine),
+    # DeepSpeed ZeRO's overlap_comm (on CPU too: a DP=2 ZeRO-1 or ZeRO-2 run gave the very
+    # same losses and gradient norms with it as without)
     from cqk_megatron.training.deepspeed_engine import deepspeed_config
 
-    config = load_config(CONFIGS_DIR / "runs" / "1b_4x8.yaml", [])
-    assert config.train.engine == "deepspeed" and config.train.overlap_grad_reduce
+    shipped = load_config(CONFIGS_DIR / "runs" / "1b_4x8.yaml", [])
+    assert shipped.train.engine == "megatron" and shipped.train.overlap_grad_reduce
+    # the 1B run's former DeepSpeed settings
+    config = load_config(
+        CONFIGS_DIR / "runs" / "1b_4x8.yaml", ["train.engine=deepspeed", "train.zero_stage=2"]
+    )
     assert deepspeed_config(config, 8)["zero_optimization"]["overlap_comm"] is True
     plain = load_config(None, [])
     assert "overlap_comm" not in deepspeed_config(plain, 8)["zero_optimization"]

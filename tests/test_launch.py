@@ -578,7 +578,7 @@ def test_dry_run_of_the_1b_run_on_4x8_gpus_prints_the_expected_sbatch_script(tmp
     )
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    assert "==> layout: TP 2 x PP 1 x DP 16 = world size 32 (4 nodes x 8 GPUs" in text
+    assert "==> layout: TP 1 x PP 1 x DP 32 = world size 32 (4 nodes x 8 GPUs" in text
     resolved = yaml.safe_load(text.split("==> resolved config\n")[1].split("==> ")[0])
     assert (
         resolved["model"]["hidden_size"] == 2048

@@ -5,21 +5,33 @@ configs: no test runs a model or reads a clock."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
 
 from cqk_megatron.cli import plan as plan_cli
+from cqk_megatron.cli.plan_speed import rank_layouts, sweep_config
 from cqk_megatron.config import CONFIGS_DIR, ConfigError, load_config
+from cqk_megatron.perf import fit as plan
 from cqk_megatron.perf.flops import flops_per_token
 from cqk_megatron.perf.traffic import dp_collectives
 from cqk_megatron.planner.hardware import load_hardware
 from cqk_megatron.planner.step_time import predict_step
+from cqk_megatron.planner.sweep import expand_sweep
 from launch.resources import load_profile
 
 H100 = CONFIGS_DIR / "clusters/example_h100.yaml"
 H200 = CONFIGS_DIR / "clusters/example_h200.yaml"
 RUN_1B = CONFIGS_DIR / "runs/1b_4x8.yaml"
+LADDER = CONFIGS_DIR / "sweeps/ladder.yaml"
+# the 1B run's former layout: TP=2 + SP x DP=16, DeepSpeed ZeRO-2 with overlap_comm
+TP2_ZERO2 = [
+    "parallel.tensor_parallel=2",
+    "parallel.sequence_parallel=true",
+    "train.engine=deepspeed",
+    "train.zero_stage=2",
+]
 
 
 def run_1b(*overrides: str):
@@ -57,27 +69,29 @@ def test_the_parts_add_up_to_the_step_and_give_tokens_and_mfu():
 def test_the_dp_traffic_priced_is_the_engines():
     # the communication audit compares what an engine issues with dp_collectives; the
     # model must price exactly those collectives
-    config = run_1b()
+    for config in (run_1b(), run_1b(*TP2_ZERO2)):
+        _check_dp_traffic(config)
+
+
+def _check_dp_traffic(config):
     p = predict_step(config, load_hardware(H100))
     priced = [t for t in p.transfers if t.part.startswith("dp_")]
     expected = dp_collectives(config)
     assert [(t.kind, t.elements, t.dtype, t.calls) for t in priced] == [
         (c.kind, c.elements, c.dtype, c.calls) for c in expected
     ]
-    assert all(t.group_size == 16 and t.link == "network" for t in priced)
+    dp = 32 // config.parallel.tensor_parallel
+    assert priced and all(t.group_size == dp and t.link == "network" for t in priced)
 
 
 def test_tensor_parallel_traffic_and_its_link():
-    tp2 = predict_step(run_1b(), load_hardware(H100))
+    tp2 = predict_step(run_1b(*TP2_ZERO2), load_hardware(H100))
     sp = [t for t in tp2.transfers if t.part == "tp_sp"]
     # 16 layers x (2 forward + 2 backward) x 8 micro-batches, each kind
     assert {t.kind for t in sp} == {"all_gather", "reduce_scatter"}
     assert all(t.calls == 16 * 4 * 8 and t.link == "NVLink" for t in sp)
     assert all(t.elements == t.calls * 4 * 2048 * 2048 for t in sp)  # micro-batch x seq x h
-    tp1 = predict_step(
-        run_1b("parallel.tensor_parallel=1", "parallel.sequence_parallel=false"),
-        load_hardware(H100),
-    )
+    tp1 = predict_step(run_1b(), load_hardware(H100))
     assert not [t for t in tp1.transfers if t.part.startswith("tp_")]
     assert tp1.parts["tp_pp_in_line"] == 0
 
@@ -140,8 +154,7 @@ def test_plan_explains_every_collective_of_one_layout(capsys):
 
 
 def test_plan_prints_a_sweeps_gpu_hours(capsys):
-    sweep = CONFIGS_DIR / "sweeps/ladder.yaml"
-    assert plan_cli.main(["--sweep", str(sweep), "--profile", str(H100)]) == 0
+    assert plan_cli.main(["--sweep", str(LADDER), "--profile", str(H100)]) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = {line.split()[0]: line.split() for line in lines[1:-1]}
     assert len(rows) == 96  # 60M and 150M: 3 budgets x 3 and 1 seeds; the rest 1 x 1
@@ -157,3 +170,41 @@ def test_plan_without_a_profile_refuses_explain(capsys):
         plan_cli.main(["--config", str(RUN_1B), "--explain"])
     assert exit_info.value.code == 2
     assert "--explain and --sweep need --profile" in capsys.readouterr().err
+
+
+def test_the_shipped_1b_layout_is_the_models_first_and_its_comment_says_so():
+    # configs/runs/1b_4x8.yaml: the layout ranked first (or within 5% of it), with the
+    # predicted speed and MFU in its comment
+    config, hardware = run_1b(), load_hardware(H100)
+    t = config.train
+    results = plan.plan_all(
+        config, 32, hardware.hbm_bytes, t.micro_batch_size, global_batch=t.global_batch_size
+    )
+    ranked = rank_layouts(config, results, hardware, t.micro_batch_size, t.global_batch_size)
+    best = ranked[0][1].tokens_per_s_per_gpu
+    shipped = predict_step(config, hardware)
+    assert shipped.tokens_per_s_per_gpu >= 0.95 * best
+    comment = RUN_1B.read_text()
+    assert f"predicts {shipped.tokens_per_s_per_gpu:,.0f} tokens/s/GPU" in comment
+    assert f"{shipped.mfu:.1%} MFU" in comment
+
+
+@pytest.mark.parametrize("size", ["350m", "1b", "3b", "7b"])
+def test_the_ladders_layouts_are_within_5_percent_of_the_first_as_their_comments_say(size):
+    # configs/sweeps/ladder.yaml: each size's layout (standard variant) within 5% of the
+    # layout the model ranks first on its GPUs, its predicted MFU in the comment above it
+    runs = {r["name"]: r for r in expand_sweep(LADDER)}
+    config, hardware = sweep_config(runs[f"ladder-{size}-standard-s0"]), load_hardware(H100)
+    t = config.train
+    results = plan.plan_all(
+        config,
+        config.parallel.world_size,
+        hardware.hbm_bytes,
+        t.micro_batch_size,
+        global_batch=t.global_batch_size,
+    )
+    ranked = rank_layouts(config, results, hardware, t.micro_batch_size, t.global_batch_size)
+    shipped = predict_step(config, hardware)
+    assert shipped.tokens_per_s_per_gpu >= 0.95 * ranked[0][1].tokens_per_s_per_gpu
+    block = re.search(rf"\n  {size}:\n(.*?)(\n  \w+:\n|\Z)", LADDER.read_text(), re.S)[1]
+    assert f"{shipped.mfu:.1%} MFU predicted" in block
