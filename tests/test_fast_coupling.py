@@ -110,6 +110,46 @@ def test_compiled_equals_reference(kind, steps, kv_heads):
     )
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_compiled_equals_eager_fp32(kind):
+    """What ``coupling_impl=auto`` runs on GPU against what it runs on CPU: the fused form
+    through inductor against the same form eagerly, outputs and every gradient within 1e-6
+    of the tensor's largest magnitude (a parameter's gradient sums over every token, and
+    inductor orders that sum its own way: element by element they differ by a few ulps
+    of the sum)."""
+    coupling = coupling_under_test(kind, 2)
+    q, k = inputs(2)
+    eager = outputs_and_grads(coupling, q, k, fused_coupling)
+    compiled = outputs_and_grads(
+        coupling, q, k, lambda c, q, k: fused_coupling(c, q, k, compiled=True)
+    )
+    assert fast_coupling._COMPILED  # the compiled path ran
+    for value, want in zip(compiled, eager, strict=True):
+        assert (value - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+@pytest.mark.parametrize(
+    ("impl", "device_type", "expected"),
+    [
+        ("auto", "cuda", "compiled"),
+        ("auto", "cpu", "eager"),
+        ("eager", "cuda", "eager"),
+        ("compiled", "cpu", "compiled"),
+        ("reference", "cuda", "reference"),
+    ],
+)
+def test_auto_compiles_on_gpu_only(impl, device_type, expected):
+    coupling = coupling_under_test("hamiltonian", 1)
+    assert fast_coupling.resolve_impl(impl, coupling, device_type) == expected
+
+
+def test_auto_runs_a_coupling_without_fused_form_eagerly():
+    class Custom(type(build_coupling("euler", HEAD_DIM, hidden=HIDDEN))):
+        pass
+
+    assert fast_coupling.resolve_impl("auto", Custom(HEAD_DIM, HIDDEN), "cuda") == "eager"
+
+
 def test_recompute_keeps_only_the_inputs():
     """Under recompute the coupling keeps q and k (one storage each here), nothing else."""
     coupling = coupling_under_test("hamiltonian", 2)
@@ -236,7 +276,7 @@ def test_bench_variant_tags_set_the_coupling_impl():
         True,
     )
     assert bench.variant_of(config, "coupled@reference").attention.coupling_impl == "reference"
-    assert bench.variant_of(config, "coupled").attention.coupling_impl == "eager"
+    assert bench.variant_of(config, "coupled").attention.coupling_impl == "auto"  # eager on CPU
     for bad in ("coupled@fast", "coupled@eager@compiled", "nonsense@compiled"):
         with pytest.raises(ValueError, match="coupled@compiled@recompute|unknown variant"):
             bench.split_variant(bad)

@@ -147,9 +147,10 @@ class AttentionConfig:
     invertible_layers: int = 2
     invertible_scale_bound: float = 2.0
     # how the coupling runs: eager (the fused form of model/attention/fast_coupling.py, run
-    # eagerly; the parameters are plain_math.py's) | compiled (the same under torch.compile,
-    # the natural choice on GPU); both compute plain_math.py's function
-    coupling_impl: str = "eager"
+    # eagerly; the parameters are plain_math.py's) | compiled (the same under torch.compile)
+    # | auto (compiled on GPU, where it saves kernels; eager on CPU, where compiling costs
+    # more than it saves); all compute plain_math.py's function
+    coupling_impl: str = "auto"
     recompute_coupling: bool = False  # recompute the coupling in backward, store only q, k
     # differential scoring: paired (2 attention calls, values 2 head_dim wide) | split (4
     # calls, for kernels needing values as wide as queries) | auto (from backend and device)

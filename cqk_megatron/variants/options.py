@@ -10,7 +10,8 @@ from __future__ import annotations
 from cqk_megatron.variants.registry import math_constant
 
 COUPLING_POSITIONS = ("pre_rope", "post_rope")  # attention.position (attention/coupled.py)
-COUPLING_IMPLS = ("eager", "compiled")  # attention.coupling_impl (attention/fast_coupling.py)
+# attention.coupling_impl (attention/fast_coupling.py); auto: compiled on GPU, eager on CPU
+COUPLING_IMPLS = ("auto", "eager", "compiled")
 INTEGRATOR_STEPS: tuple[int, int] = math_constant("INTEGRATOR_STEPS")  # attention.steps
 # attention.differential_kernel: auto (attention/differential.py picks) or a form of the math
 DIFFERENTIAL_KERNELS: tuple[str, ...] = math_constant("DIFFERENTIAL_KERNELS")

@@ -20,8 +20,14 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from cqk_megatron.model.attention.fast_coupling import RUN_IMPLS, has_fused_form, run_coupling
+from cqk_megatron.model.attention.fast_coupling import (
+    RUN_IMPLS,
+    has_fused_form,
+    resolve_impl,
+    run_coupling,
+)
 from cqk_megatron.model.attention.tp_grads import sum_partial_grads_across_tp
+from cqk_megatron.parallel.device import device
 from cqk_megatron.variants import COUPLING_POSITIONS
 
 
@@ -38,26 +44,29 @@ class QKSelfAttention(SelfAttention):
         layer_number: int,
         attn_mask_type: AttnMaskType = AttnMaskType.causal,
         coupling_position: str = "pre_rope",
-        coupling_impl: str = "eager",
+        coupling_impl: str = "auto",
         recompute_coupling: bool = False,
         **kwargs,
     ) -> None:
         super().__init__(config, submodules, layer_number, attn_mask_type, **kwargs)
         if coupling_position not in COUPLING_POSITIONS:
             raise ValueError(f"coupling_position must be one of {COUPLING_POSITIONS}")
-        if coupling_impl not in RUN_IMPLS:
+        if coupling_impl not in ("auto", *RUN_IMPLS):
             raise ValueError(
                 f"attention.coupling_impl={coupling_impl!r} is unknown; "
-                f"choose one of {list(RUN_IMPLS)}"
+                f"choose one of {['auto', *RUN_IMPLS]}"
             )
         self.coupling_position = coupling_position
-        self.coupling_impl = coupling_impl
         self.recompute_coupling = recompute_coupling
         self.coupling = None
         if submodules.coupling is not None:
             self.coupling = build_module(
                 submodules.coupling, head_dim=self.hidden_size_per_attention_head
             ).to(dtype=config.params_dtype)
+        self.coupling_impl = coupling_impl = resolve_impl(
+            coupling_impl, self.coupling, device().type
+        )
+        if self.coupling is not None:
             # f and dt are whole on every TP rank, each rank applies them to its heads
             sum_partial_grads_across_tp(self.coupling, self.tp_group)
             if coupling_impl == "compiled" and not has_fused_form(self.coupling):

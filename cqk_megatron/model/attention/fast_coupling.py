@@ -50,7 +50,9 @@ from cqk_megatron.variants.plain_math import (
     _group_size,
 )
 
-RUN_IMPLS = (*COUPLING_IMPLS, "reference")  # attention.coupling_impl's, and the module itself
+# How a layer runs its coupling: attention.coupling_impl's choices once ``auto`` is
+# resolved (``resolve_impl``), and the module itself (``reference``: benchmarks and tests).
+RUN_IMPLS = (*(impl for impl in COUPLING_IMPLS if impl != "auto"), "reference")
 
 
 # --- building blocks (shapes ``[..., heads, d]``) ------------------------------------------
@@ -194,6 +196,18 @@ def fused_form(coupling: QKCoupling) -> Callable | None:
 
 def has_fused_form(coupling: QKCoupling) -> bool:
     return fused_form(coupling) is not None
+
+
+def resolve_impl(impl: str, coupling: QKCoupling | None, device_type: str) -> str:
+    """``attention.coupling_impl=auto`` on ``device_type``: compiled on GPU, where inductor
+    fuses the coupling's elementwise chain into a few kernels (the counts are in
+    docs/performance.md), for a coupling with a fused form; eager elsewhere (on CPU
+    compiling costs seconds a shape and saves nothing measurable). Other choices as they
+    are."""
+    if impl != "auto":
+        return impl
+    compilable = coupling is not None and has_fused_form(coupling)
+    return "compiled" if device_type == "cuda" and compilable else "eager"
 
 
 # --- running a coupling ---------------------------------------------------------------------

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cqk_megatron.training.resilience import faults
+from cqk_megatron.training.resilience.progress import stopped_ranks
 from cqk_megatron.training.resilience.verdict import verdict
 
 # Phases that are long and rare: a beat at once tells the peers (steps beat on the clock).
@@ -132,8 +133,11 @@ class PhaseClock:
 
 def judge_phases(states: dict[int, dict], heartbeat_timeout_s: float) -> dict | None:
     """The verdict on the ranks (published states, ages as of now) whose phase overran its
-    bound, or None. Those whose main thread is not waiting in a collective are the cause
-    (the others wait for them); if every one waits, the furthest behind are named."""
+    bound, or None. First from how far each rank got (``progress.stopped_ranks``): a rank
+    that has issued fewer collectives than its peers stopped, and they wait for it,
+    wherever their main threads block. Where every rank issued the same, those whose main
+    thread is not waiting in ``torch.distributed`` are the cause; if every one waits, the
+    furthest behind are named."""
     over = {
         r: s
         for r, s in states.items()
@@ -141,6 +145,9 @@ def judge_phases(states: dict[int, dict], heartbeat_timeout_s: float) -> dict | 
     }
     if not over:
         return None
+    stopped, why_stopped = stopped_ranks(states)
+    if stopped:
+        return _stopped_verdict(stopped, why_stopped, over)
     culprits = [r for r, s in over.items() if not s.get("waiting")]
     if culprits:
         why = "overran"
@@ -160,6 +167,23 @@ def judge_phases(states: dict[int, dict], heartbeat_timeout_s: float) -> dict | 
         first,
         f"{why} phase '{first['phase']}': {first['age_s']:.1f} s, bound {first['bound_s']:g} s "
         f"(main thread at {first.get('where', '?')})",
+        first["age_s"] - first["bound_s"],
+        kind="stuck",
+    )
+
+
+def _stopped_verdict(stopped: list[int], why: str, over: dict[int, dict]) -> dict | None:
+    """The verdict on the ranks that stopped, once their own phase has overrun its bound
+    (before that they are busy within it, a save say, and the others wait as they should)."""
+    culprits = [r for r in stopped if r in over]
+    if not culprits:
+        return None
+    first = over[culprits[0]]
+    return verdict(
+        culprits,
+        first,
+        f"stopped in phase '{first['phase']}' ({first['age_s']:.1f} s, bound "
+        f"{first['bound_s']:g} s): {why} (main thread at {first.get('where', '?')})",
         first["age_s"] - first["bound_s"],
         kind="stuck",
     )

@@ -10,10 +10,13 @@ soft and 90 s hard timeouts, and torchft's 5 s heartbeats), in three parts:
   PID and where its main thread is. A silent peer, or a store that stops answering or
   closes, is lost.
 - **Progress, from the main loop** (``phases.py``). The loop marks phases (``enter``/
-  ``phase``), each with a bound. A rank whose main thread overruns it is stuck. Among the
-  overrunning ranks, those whose main thread is *not* inside ``torch.distributed``/
-  DeepSpeed's comm are named (they are the cause; the others wait for them); if every
-  one is waiting, all are named.
+  ``phase``), each with a bound. A rank whose main thread overruns it is stuck. Which
+  rank stopped is read from how far each got (``progress.py``): the collectives it has
+  issued on each process group, published with every beat. A rank behind its peers on a
+  group is named; they wait for it, wherever their main threads happen to block (under
+  NCCL in ``.item()`` or a synchronize, not in ``torch.distributed``). Where every rank
+  issued the same, those whose main thread is *not* inside ``torch.distributed``/
+  DeepSpeed's comm are named; if every one is waiting, all are named.
 - **The verdict** (this module). The first rank to decide publishes it; every surviving
   rank prints one line (``watchdog: ...``) naming the lost rank, its host, PID, step and
   phase, appends it to ``RUN/faults.jsonl``, and exits with ``EXIT_WATCHDOG`` (76) from
@@ -43,6 +46,7 @@ from cqk_megatron.errors import EXIT_WATCHDOG, is_refusal
 from cqk_megatron.training.resilience import faults
 from cqk_megatron.training.resilience.heartbeat import Heartbeats
 from cqk_megatron.training.resilience.phases import OVER, Bounds, PhaseClock, judge_phases
+from cqk_megatron.training.resilience.progress import issued_collectives
 from cqk_megatron.training.resilience.verdict import append_fault, first_line, verdict_line
 
 __all__ = ["Bounds", "Watchdog", "current", "enter", "phase", "record_rendezvous_failure"]
@@ -191,6 +195,7 @@ class Watchdog:
             "bound_s": phase.bound_s if phase.bound_s != float("inf") else None,
             "where": where,
             "waiting": waiting,
+            "issued": issued_collectives(),
         }
         if self._crash:
             state["crashed"] = self._crash
