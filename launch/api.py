@@ -1,5 +1,5 @@
 """The launcher as a library: train one resolved run on this machine through the same path
-as ``launch/submit.py --cluster local`` (``launch.jobs.submit_group`` with the ``local``
+as ``cqk submit --cluster local`` (``launch.jobs.submit_group`` with the ``local``
 backend: submitit's local executor with the one job controller of ``launch/local_job.py``,
 and ``job.TrainingJob`` in every task), then wait for it with a deadline.
 

@@ -1,4 +1,4 @@
-"""``python launch/submit.py cancel RUN_DIR...``: end a run's job, every process of it.
+"""``cqk cancel RUN_DIR...``: end a run's job, every process of it.
 
 - a job of the launcher's: its launch backend's cancel (``launch/backends/``): on Slurm
   ``scancel`` (Slurm sends SIGTERM to every task, which saves a checkpoint and stops, then
@@ -9,7 +9,7 @@
   submitted job that holds the run's lease (the last submission may be a twin that was
   refused because that job held the run);
 - no job of the launcher's but a live holder of the run's lease on this host (a plain
-  ``cqk-train`` or ``torchrun``): SIGTERM to that process, which stops the run the same way.
+  ``cqk train`` or ``torchrun``): SIGTERM to that process, which stops the run the same way.
 
 It waits (``--wait-s``, default 180) until the run's lease is free, so that a resubmission
 right after it cannot meet the old job still writing.
@@ -21,10 +21,12 @@ import argparse
 import os
 import signal
 import socket
+import sys
 import time
 from pathlib import Path
 
 from cqk_megatron.cli.args import plain, subcommand_program
+from cqk_megatron.errors import EXIT_REFUSED
 from cqk_megatron.run import lease as run_lease
 from cqk_megatron.run.folder import LEASE
 from launch import run_dir as runs
@@ -104,9 +106,14 @@ def main(argv: list[str]) -> int:
         help="seconds to wait for the jobs to end (default: %(default)s)",
     )
     args = parser.parse_args(argv)
+    try:
+        run_dirs = [runs.find_run(run) for run in args.runs]
+    except runs.AmbiguousRun as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_REFUSED
     failed = 0
-    for run in args.runs:
-        ended, text = cancel(runs.find_run(run), args.wait_s)
+    for run_dir in run_dirs:
+        ended, text = cancel(run_dir, args.wait_s)
         failed += not ended
         print(text, flush=True)
     return 1 if failed else 0

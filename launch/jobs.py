@@ -69,7 +69,7 @@ def recorded_state(submission: dict) -> str:
 
 def held_by(plan: RunPlan) -> str | None:
     """Why not now, if a live process holds the run's lease (a job the launcher does not
-    know of, a plain cqk-train, or a cancelled job's ranks still saving)."""
+    know of, a plain cqk train, or a cancelled job's ranks still saving)."""
     holder = run_lease.live_holder(plan.run_dir)
     return None if holder is None else f"in use by {holder.describe()}"
 
@@ -257,6 +257,8 @@ class Progress:
         count = f" [{self.ended}/{self.total} ended]" if self.total > 1 else ""
         done = runs.is_finished(plan.run_dir, plan.config.train.train_steps)
         outcome = "the run finished" if done else "the run did not finish"
+        if runs.job_cancelled(plan.run_dir, job.job_id):  # its ranks saved and exited
+            state, outcome = "CANCELLED", "run the same command again to resume"
         print(f"{name}: job {job.job_id} ended ({state}): {outcome}{count}", flush=True)
         del self.pending[name]
 

@@ -1,13 +1,13 @@
 """A run folder as the launcher sees it: the run contract's files
 (``cqk_megatron.run.folder``: ``config.yaml``, ``jobs.jsonl``, ``lease.json``,
 ``metrics.jsonl``, ``checkpoints/``, ``submitit/``) read for the launcher and
-``submit.py status``.
+``cqk status``.
 
 ``jobs.jsonl`` holds one JSON line per event: ``submitted`` (by the launcher: job id,
 cluster, resources, submitit folder), ``started`` (by the job's rank 0: attempt, hosts,
 the rendezvous, log paths, the ``SLURM_*`` environment), ``stopped``/``finished`` (exit
 code and what happened about the requeue), ``refused``/``failed`` (why the job would not
-start or could not go on), ``cancelled`` (by ``submit.py cancel``).
+start or could not go on), ``cancelled`` (by ``cqk cancel``).
 
 Whether a run is finished, partial or failed is the contract's ``run_status``; metrics
 are read through its ``read_metrics``, the one reader that analysis and repro use too.
@@ -37,9 +37,11 @@ from cqk_megatron.run.folder import (
 
 __all__ = [
     "append_event",
+    "AmbiguousRun",
     "events",
     "find_run",
     "is_finished",
+    "job_cancelled",
     "job_refusal",
     "last_submission",
     "latest_checkpoint",
@@ -68,6 +70,15 @@ def job_refusal(run_dir: Path, job_id: str) -> str | None:
     since = history[starts[-1] :] if starts else history
     refusals = [e for e in since if e["event"] == "refused"]
     return str(refusals[-1].get("reason") or "refused") if refusals else None
+
+
+def job_cancelled(run_dir: Path, job_id: str) -> bool:
+    """Whether ``cancel`` ended job ``job_id`` (its ``cancelled`` event): a job that ended
+    that way is reported as cancelled, whatever state its backend gives it afterwards
+    (a local job whose ranks saved and exited reads FINISHED)."""
+    return any(
+        e["event"] == "cancelled" and str(e.get("job_id")) == str(job_id) for e in events(run_dir)
+    )
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -123,14 +134,26 @@ def remember_run(name: str, run_dir: Path) -> None:
         print(f"note: could not note {name} in {index} ({error})", file=sys.stderr)
 
 
+class AmbiguousRun(ValueError):
+    """A run name that names several run folders submitted from this account."""
+
+
 def find_run(name_or_folder: str) -> Path:
     """A run folder given as a path, or as a run name the launcher submitted from this
-    account (its newest folder of that name); the path as given where neither is known."""
+    account; the path as given where neither is known. ``AmbiguousRun`` where the name has
+    several folders that still exist: the caller asks for the path rather than guessing."""
     path = Path(name_or_folder)
     if path.is_dir() or len(path.parts) != 1:
         return path
     found = [r["run_dir"] for r in read_jsonl(runs_index()) if r.get("name") == name_or_folder]
-    return Path(found[-1]) if found else path
+    existing = list(dict.fromkeys(f for f in found if Path(f).is_dir()))
+    if len(existing) > 1:
+        listed = "".join(f"\n  {folder}" for folder in existing)
+        raise AmbiguousRun(
+            f"{name_or_folder}: {len(existing)} run folders of that name were submitted from "
+            f"this account:{listed}\ngive the one you mean as a path"
+        )
+    return Path(existing[0] if existing else found[-1]) if found else path
 
 
 def not_found(name_or_folder: str) -> str:

@@ -1,4 +1,4 @@
-"""``python launch/submit.py status RUN_DIR...``: where a run stands.
+"""``cqk status RUN_DIR...``: where a run stands.
 
 For each run folder: the latest job and its state (from its launch backend), the
 attempt it is on, each failed attempt with its cause, where it restarted and the steps
@@ -13,13 +13,16 @@ another rank failed).
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from cqk_megatron.cli.args import plain, subcommand_program
+from cqk_megatron.errors import EXIT_REFUSED
 from cqk_megatron.run import lease as run_lease
 from cqk_megatron.run.folder import free_bytes, human_bytes, run_status
 from launch import attempts
 from launch import run_dir as runs
+from launch.backends import is_active
 from launch.jobs import recorded_state
 
 LOW_DISK_BYTES = 1 << 30  # below this, status says the disk is (nearly) full
@@ -44,10 +47,12 @@ def describe(run_dir: Path, log_lines: int = 10) -> str:
     history = runs.events(run_dir)
     submitted = runs.last_submission(run_dir)
     if submitted is None:
-        out.append("job        none submitted by launch/submit.py (no jobs.jsonl)")
+        out.append("job        none submitted by cqk submit (no jobs.jsonl)")
     else:
         job_id, cluster = str(submitted["job_id"]), submitted["cluster"]
         state = recorded_state(submitted)
+        if not is_active(state) and runs.job_cancelled(run_dir, job_id):
+            state = "CANCELLED"  # by cqk cancel: its ranks saved and exited
         starts = [e for e in history if e["event"] == "started" and e.get("job_id") == job_id]
         where = f" on {starts[-1].get('host')}" if starts else ""
         attempt = f", attempt {starts[-1].get('attempt')}" if starts else ", not started yet"
@@ -151,11 +156,15 @@ def main(argv: list[str]) -> int:
         "--lines", type=int, default=10, help="log lines to show per stream (default: %(default)s)"
     )
     args = parser.parse_args(argv)
+    try:
+        run_dirs = [runs.find_run(run) for run in args.runs]
+    except runs.AmbiguousRun as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_REFUSED
     missing = 0
-    for i, run in enumerate(args.runs):
+    for i, (run, run_dir) in enumerate(zip(args.runs, run_dirs, strict=True)):
         if i:
             print()
-        run_dir = runs.find_run(run)
         text = describe(run_dir, args.lines) if run_dir.is_dir() else runs.not_found(run)
         missing += not run_dir.is_dir()
         print(text)

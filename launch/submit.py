@@ -1,11 +1,11 @@
 """Submit training runs and sweeps with submitit, to Slurm or on this machine.
 
-    python launch/submit.py --config configs/runs/tiny_cpu.yaml --cluster local --tasks 2
-    python launch/submit.py --config configs/runs/1b_4x8.yaml \\
+    cqk submit --config configs/runs/tiny_cpu.yaml --cluster local --tasks 2
+    cqk submit --config configs/runs/1b_4x8.yaml \\
         --profile configs/clusters/example_h100.yaml --cluster slurm [--dry-run]
-    python launch/submit.py --sweep configs/sweeps/ladder.yaml --profile ... --cluster slurm
-    python launch/submit.py status RUN_DIR [RUN_DIR ...]
-    python launch/submit.py cancel RUN_DIR [RUN_DIR ...]
+    cqk submit --sweep configs/sweeps/ladder.yaml --profile ... --cluster slurm
+    cqk status RUN_DIR [RUN_DIR ...]
+    cqk cancel RUN_DIR [RUN_DIR ...]
 
 Trailing ``section.key=value`` arguments override the run config (every run of a sweep).
 ``--dry-run`` prints the resolved config, the parallel layout and the sbatch script, and
@@ -326,15 +326,14 @@ def stop_jobs(backend: Backend, pending: list, how: str, code: int) -> int:
     STOPS.ignore()
     if not backend.launcher_owns_jobs:
         say(
-            f"\n{how}: the jobs stay queued (follow them: submit.py status RUN; "
-            "end them: submit.py cancel RUN)"
+            f"\n{how}: the jobs stay queued (follow them: cqk status RUN; end them: cqk cancel RUN)"
         )
         return code
     say(f"\n{how}: cancelling the {backend.name} jobs (each saves a checkpoint)...")
     left = cancel_jobs(backend, pending)
     if left:
         ids = ", ".join(str(job.job_id) for job in left)
-        say(f"job(s) {ids} still ending; follow: submit.py status RUN", file=sys.stderr)
+        say(f"job(s) {ids} still ending; follow: cqk status RUN", file=sys.stderr)
     else:
         say("cancelled; run the same command again to resume")
     return code

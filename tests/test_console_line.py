@@ -11,7 +11,13 @@ from _multiproc import run_ranks
 from _training import attempts, records, train_attempts
 
 from cqk_megatron.config import config_errors, load_config
-from cqk_megatron.training.metrics import GPU_PEAK_ALLOCATED, MAX_RSS, train_line
+from cqk_megatron.training.metrics import (
+    GPU_PEAK_ALLOCATED,
+    MAX_RSS,
+    StepClock,
+    duration,
+    train_line,
+)
 
 RECORD = {
     "kind": "train",
@@ -23,8 +29,8 @@ RECORD = {
     "tflops": 400.0,
 }
 LINE = re.compile(
-    r"step +(\d+) \| loss ([\d.]+) \| lr \S+ \| grad [\d.]+ \| ([\d,]+) tok/s"
-    r" \| MFU (n/a|[\d.]+%) \| (mem|max RSS) ([\d.]+) GiB$"
+    r"step +(\d+)/(?:\d+) \| loss ([\d.]+) \| lr \S+ \| grad [\d.]+ \| ([\d,]+) tok/s"
+    r" \| MFU (n/a|[\d.]+%) \| (mem|max RSS) ([\d.]+) GiB \| ETA (n/a|[\dhms]+)$"
 )
 
 
@@ -33,6 +39,29 @@ def test_the_line_shows_tokens_per_second_mfu_and_what_memory_it_measured():
     assert gpu.endswith("| 123,457 tok/s | MFU 41.2% | mem 30.12 GiB"), gpu
     cpu = train_line({**RECORD, "mfu": None, "mem_gb": 1.5, "mem_kind": MAX_RSS})
     assert cpu.endswith("| 123,457 tok/s | MFU n/a | max RSS 1.50 GiB"), cpu
+
+
+def test_the_line_shows_the_step_of_the_total_and_the_time_left():
+    line = train_line({**RECORD, "mem_kind": MAX_RSS}, total=200, eta_s=125.4)
+    assert line.startswith("step  12/200 | loss 3.2500"), line
+    assert line.endswith("| ETA 2m05s"), line
+    assert train_line(RECORD, total=200).endswith("| ETA n/a")  # the first line: no pace yet
+
+
+def test_the_time_left_is_the_pace_since_the_first_step_logged():
+    clock = StepClock()
+    assert clock.seconds_left(step=11, total=100, now=1000.0) is None
+    assert clock.seconds_left(step=21, total=100, now=1020.0) == 2.0 * 79
+    assert clock.seconds_left(step=100, total=100, now=1200.0) == 0.0
+    assert [duration(s) for s in (0.4, 59, 60, 187, 3599, 3600, 18240)] == [
+        "0s",
+        "59s",
+        "1m00s",
+        "3m07s",
+        "59m59s",
+        "1h00m",
+        "5h04m",
+    ]
 
 
 def test_a_peak_that_is_not_positive_is_refused():
@@ -51,6 +80,8 @@ def test_training_prints_the_fields_of_its_records(tmp_path):
         lines = [m for m in map(LINE.match, attempt["stdout"].splitlines()) if m]
         train = records(tmp_path, name, "train")
         assert [int(m[1]) for m in lines] == [r["step"] for r in train] == [1, 2, 3]
+        assert all("/3 |" in m[0] for m in lines)  # of train.train_steps
+        assert [m[7] == "n/a" for m in lines] == [True, False, False]  # a pace from step 2
         for match, record in zip(lines, train, strict=True):
             assert match[3] == f"{record['tokens_per_s']:,.0f}"
             assert record["mem_kind"] == MAX_RSS and match[5] == "max RSS"

@@ -33,6 +33,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from _slurm_bed import skip_or_fail, slurm_problem
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # launch/ is a package of the repository, not installed
@@ -187,19 +188,12 @@ def assert_same_run(run_dir: Path, reference: Path) -> None:
 @pytest.fixture(scope="session")
 def slurm():
     """SLURM_CONF of a running one-node cluster (started here if it is not running)."""
-    missing = [tool for tool in SLURM_TOOLS if shutil.which(tool) is None]
-    problem = None
-    if missing:
-        problem = (
-            f"Slurm is not installed (no {', '.join(missing)}); install it with "
-            "'bash scripts/slurm/install.sh' (as root)"
-        )
-    elif os.geteuid() != 0:
-        problem = "scripts/slurm/start.sh must run as root (slurmd starts jobs as their users)"
+    problem = slurm_problem(
+        SLURM_TOOLS,
+        root_reason="scripts/slurm/start.sh must run as root (slurmd starts jobs as their users)",
+    )
     if problem:
-        if os.environ.get("CI"):
-            pytest.fail(problem)
-        pytest.skip(problem)
+        skip_or_fail(problem)
     out = subprocess.run(
         ["bash", str(REPO / "scripts" / "slurm" / "start.sh")],
         capture_output=True,

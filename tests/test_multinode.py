@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 from _faults import FAST, REPO, events, fault_times, faults_records, kill_group, measured
+from _slurm_bed import skip_or_fail, slurm_problem
 
 from cqk_megatron.errors import EXIT_REQUEUE, EXIT_WATCHDOG
 
@@ -68,16 +68,9 @@ def _run(command: list[str], timeout: float = 120, **kwargs) -> subprocess.Compl
 @pytest.fixture(scope="module")
 def two_nodes():
     """SLURM_CONF of the running two-node cluster (started here if it is not)."""
-    missing = [tool for tool in TOOLS if shutil.which(tool) is None]
-    problem = None
-    if missing:
-        problem = f"needs {', '.join(missing)} (bash scripts/slurm/install.sh, iproute2)"
-    elif os.geteuid() != 0:
-        problem = "network namespaces and slurmd need root"
+    problem = slurm_problem(TOOLS, root_reason="network namespaces and slurmd need root")
     if problem:
-        if os.environ.get("CI"):
-            pytest.fail(problem)
-        pytest.skip(problem)
+        skip_or_fail(problem)
     env = {**os.environ, **BED}
     out = _run(["bash", str(REPO / "scripts" / "slurm" / "start.sh")], env=env)
     assert out.returncode == 0, f"start.sh (2 nodes) failed:\n{out.stdout}\n{out.stderr}"

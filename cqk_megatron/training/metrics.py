@@ -81,17 +81,51 @@ def wandb_mode(requested: str, run_dir: Path) -> str:
 GPU_PEAK_ALLOCATED, MAX_RSS = "gpu_peak_allocated", "max_rss"
 
 
-def train_line(record: dict) -> str:
-    """The console line of a train record: loss, learning rate and gradient norm, then
-    throughput, MFU and memory as torchtitan shows them (n/a where the record has none)."""
+def train_line(record: dict, total: int | None = None, eta_s: float | None = None) -> str:
+    """The console line of a train record: the step (of ``total``), loss, learning rate and
+    gradient norm, then throughput, MFU and memory as torchtitan shows them (n/a where the
+    record has none), and with ``total`` the time left (``eta_s``; n/a before it is known)."""
     mfu, memory = record.get("mfu"), record.get("mem_gb")
     label = "max RSS" if record.get("mem_kind") == MAX_RSS else "mem"
-    return (
-        f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e}"
+    step = (
+        f"{record['step']:>6}" if total is None else f"{record['step']:>{len(str(total))}}/{total}"
+    )
+    line = (
+        f"step {step} | loss {record['loss']:.4f} | lr {record['lr']:.2e}"
         f" | grad {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s"
         f" | MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"
         f" | {label} {'n/a' if memory is None else f'{memory:.2f} GiB'}"
     )
+    if total is None:
+        return line
+    return f"{line} | ETA {'n/a' if eta_s is None else duration(eta_s)}"
+
+
+def duration(seconds: float) -> str:
+    """``42s``, ``3m07s``, ``5h04m``: seconds to the unit a reader wants."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class StepClock:
+    """The time left to ``total`` steps, at the pace since the first step this process
+    logged (so neither start-up nor the steps of an earlier attempt count)."""
+
+    def __init__(self) -> None:
+        self._first: tuple[int, float] | None = None
+
+    def seconds_left(self, step: int, total: int, now: float) -> float | None:
+        if self._first is None:
+            self._first = (step, now)
+            return None
+        first_step, first_time = self._first
+        if step <= first_step:
+            return None
+        return (now - first_time) / (step - first_step) * max(0, total - step)
 
 
 class MetricsLogger:
@@ -102,6 +136,7 @@ class MetricsLogger:
         self._wandb = None
         self._tensorboard = None
         self._bar = None
+        self._clock = StepClock()
         if not enabled:
             return
         self._file = self.path.open("a")
@@ -192,7 +227,9 @@ class MetricsLogger:
 
     def _print(self, record: dict) -> None:
         if record["kind"] == TRAIN:
-            text = train_line(record)
+            total = self.config.train.train_steps
+            eta = self._clock.seconds_left(record["step"], total, record["time"])
+            text = train_line(record, total, eta)
             if self._bar is not None:
                 self._bar.n = record["step"]
                 self._bar.set_postfix(
