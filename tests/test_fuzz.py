@@ -1160,3 +1160,22 @@ def test_a_second_ctrl_c_during_the_save_stops_at_once_keeping_the_previous_chec
     )
     assert not (run_dir / "lease.json").exists()
     watch.assert_no_process_left()
+
+
+def test_a_second_ctrl_c_while_the_launcher_cancels_its_jobs_says_one_line(capsys, monkeypatch):
+    """The launcher's first Ctrl-C cancels its local jobs (each saves); a second one while
+    it waits for them ends the wait with one line and the same exit code, no traceback.
+    (The jobs are stand-ins: what is tested is the launcher's handling of the signal.)"""
+    import types
+
+    from launch import submit
+
+    def interrupted_wait(backend, jobs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(submit, "cancel_jobs", interrupted_wait)
+    monkeypatch.setattr(submit.STOPS, "ignore", lambda: None)  # leave this process's handlers
+    backend = types.SimpleNamespace(name="local", launcher_owns_jobs=True)
+    assert submit.stop_jobs(backend, [], "interrupted", 130) == 130
+    said = capsys.readouterr()
+    assert "interrupted again: not waiting for the jobs to end" in said.out + said.err
