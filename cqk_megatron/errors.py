@@ -15,6 +15,9 @@ Exit codes:
   checkpoints; one line says why), or stopped at a save because the disk is full (the
   previous checkpoint intact; the line names the path and the free space): running it
   again as it is cannot help, so it is not relaunched. ``1``: any other error.
+- ``EXIT_INTERRUPTED`` (130, 128 + SIGINT): a second Ctrl-C stopped the process at once,
+  without saving (the first one stops like SIGTERM: a save, then 75); the newest complete
+  checkpoint is the one before.
 - ``EXIT_INJECTED`` (3): a fault drill's ``action=exit``
   (``cqk_megatron.training.resilience.faults``): a bad exit that is none of the above,
   as an unknown failure would be.
@@ -37,6 +40,7 @@ EXIT_REQUEUE = 75
 EXIT_WATCHDOG = 76
 EXIT_REFUSED = 2
 EXIT_INJECTED = 3
+EXIT_INTERRUPTED = 130
 
 
 class Refusal(Exception):

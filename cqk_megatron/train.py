@@ -7,7 +7,8 @@ checks (``cqk_megatron.planner.preflight``: data, tokenizer, run folder and its 
 disk). A run that finished all of its ``train.train_steps`` trains nothing and changes
 nothing, and says so. Exit codes (``cqk_megatron/errors.py``): 0 finished, 75 stopped by a signal or
 the wall-clock budget after saving a checkpoint (requeue and run again with ``--resume
-auto``), 76 the watchdog ended it (a rank was lost: relaunch), 2 refused before training (a
+auto``; the first Ctrl-C does the same), 130 a second Ctrl-C stopped it at once without
+saving, 76 the watchdog ended it (a rank was lost: relaunch), 2 refused before training (a
 bad config, data, run folder or checkpoints; one line says why) or at a save onto a full
 disk, 1 another error. Under
 torchrun, ``cqk-torchrun`` keeps these codes.
@@ -29,7 +30,7 @@ from cqk_megatron.config import (
     validate,
 )
 from cqk_megatron.data.errors import DataError
-from cqk_megatron.errors import EXIT_REFUSED, is_refusal
+from cqk_megatron.errors import EXIT_INTERRUPTED, EXIT_REFUSED, is_refusal
 from cqk_megatron.run.checkpoint_files import RESUME_HELP, CheckpointSaveError
 from cqk_megatron.run.folder import NoSpaceError
 from cqk_megatron.run.lease import LeaseLost
@@ -93,6 +94,35 @@ def _run_folder_line(traced: TracedConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started: dict = {}  # the run's config, once it is known
+    try:
+        return _main(argv, started)
+    except KeyboardInterrupt:  # before the stop handlers, after them, or a second Ctrl-C
+        return _interrupted(started.get("config"))
+
+
+def _interrupted(config) -> int:
+    """One line for a Ctrl-C that stopped the process at once, and its exit code."""
+    from cqk_megatron.parallel.torchrun import record_exit
+    from cqk_megatron.run.checkpoint_files import latest_name
+    from cqk_megatron.run.folder import CHECKPOINTS, run_dir_of
+
+    record_exit(EXIT_INTERRUPTED)
+    newest = None
+    if config is not None:
+        checkpoints = run_dir_of(config) / CHECKPOINTS
+        newest = latest_name(checkpoints) if checkpoints.is_dir() else None
+    kept = (
+        f"the newest complete checkpoint is still {checkpoints / newest}"
+        if newest
+        else "no checkpoint of this run was written"
+    )
+    if _rank0():
+        print(f"interrupted: stopped at once, without saving; {kept}", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str] | None, started: dict) -> int:
     args = parse_args(argv)
     try:
         traced = load_config_traced(args.config, [(COMMAND_LINE, args.overrides)])
@@ -117,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_REFUSED
     from cqk_megatron.parallel.torchrun import record_exit
 
+    started["config"] = config
     try:
         code = _train(config, args.resume)
     except BaseException:

@@ -330,7 +330,11 @@ def stop_jobs(backend: Backend, pending: list, how: str, code: int) -> int:
         )
         return code
     say(f"\n{how}: cancelling the {backend.name} jobs (each saves a checkpoint)...")
-    left = cancel_jobs(backend, pending)
+    try:
+        left = cancel_jobs(backend, pending)
+    except KeyboardInterrupt:  # a second Ctrl-C: stop waiting, without a traceback
+        say("interrupted again: not waiting for the jobs to end (follow: submit.py status RUN)")
+        return code
     if left:
         ids = ", ".join(str(job.job_id) for job in left)
         say(f"job(s) {ids} still ending; follow: cqk status RUN", file=sys.stderr)

@@ -946,7 +946,9 @@ def test_a_damaged_checkpoint_at_export(
     watch.assert_no_process_left()
 
 
-def _train_process(run_dir: Path, *overrides: str, log: Path) -> subprocess.Popen:
+def _train_process(
+    run_dir: Path, *overrides: str, log: Path, env: dict | None = None
+) -> subprocess.Popen:
     """A real ``cqk-train`` of the run in ``run_dir``, its output to ``log``."""
     with log.open("w") as out:
         return subprocess.Popen(
@@ -962,7 +964,7 @@ def _train_process(run_dir: Path, *overrides: str, log: Path) -> subprocess.Pope
                 *overrides,
             ],
             cwd=REPO,
-            env=ENV,
+            env={**ENV, **(env or {})},
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -1077,3 +1079,103 @@ def test_sigterm_stops_training_with_75_and_a_checkpoint_it_resumes_from(prepare
     assert checkpoint_files.latest_name(run_dir / "checkpoints") == choice.folder.name
     assert not (run_dir / "lease.json").exists()
     watch.assert_no_process_left()
+
+
+def _signal_when_resumed(process: subprocess.Popen, run_dir: Path, signum: int) -> None:
+    """Wait until the resumed run has trained past its checkpoint, then signal it."""
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(_steps(run_dir)) < 6 and process.poll() is None:  # resumed: 5, 6, ...
+            assert time.monotonic() < deadline, "gave up waiting for the resumed steps"
+            time.sleep(0.2)
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+    process.send_signal(signum)
+
+
+NO_SAVES = ("train.train_steps=100000", "train.save_interval=100000", "train.exit_after_steps=null")
+
+
+def test_ctrl_c_stops_training_with_75_and_a_checkpoint_it_resumes_from(prepared_run, tmp_path):
+    """SIGINT as SIGTERM: a save, one line, exit 75 (it was a KeyboardInterrupt traceback,
+    exit -2, nothing saved)."""
+    run_dir = copy_run(prepared_run, tmp_path)
+    watch = Watch(tmp_path)
+    log = tmp_path / "train.log"
+    process = _train_process(run_dir, *NO_SAVES, log=log)
+    _signal_when_resumed(process, run_dir, signal.SIGINT)
+    code = _ended(process)
+    text = log.read_text()
+    assert code == EXIT_REQUEUE, text[-3000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    stop = next(line for line in text.splitlines() if line.startswith("stopping at step"))
+    assert "(SIGINT); checkpoint saved, exit 75 to requeue" in stop, stop
+    step = int(stop.split()[3])
+    assert _steps(run_dir) == [1, 2, 3, 4, *range(5, step + 1)]
+    rewritten = {"changed runs/base/metrics.jsonl", "changed runs/base/config.yaml"}
+    rewritten.add("changed runs/base/checkpoints/latest")
+    new = f"added runs/base/checkpoints/iter_{step:07d}"
+    watch.assert_unchanged(
+        lambda change: change in rewritten or change.startswith(new) or change == "added train.log"
+    )
+    assert checkpoint_files.latest_name(run_dir / "checkpoints") == f"iter_{step:07d}"
+    watch.assert_no_process_left()
+
+
+def test_a_second_ctrl_c_during_the_save_stops_at_once_keeping_the_previous_checkpoint(
+    prepared_run, tmp_path
+):
+    """The first Ctrl-C asks for a save, which hangs (a fault drill at the save's start, a
+    slow filesystem's stand-in); the second stops the process at once: exit 130, one line
+    naming the checkpoint that stays newest, no traceback, nothing half-written left."""
+    run_dir = copy_run(prepared_run, tmp_path)
+    watch = Watch(tmp_path)
+    log = tmp_path / "train.log"
+    hang = {"CQK_FAULT": "rank=0,phase=save,action=hang"}
+    process = _train_process(run_dir, *NO_SAVES, log=log, env=hang)
+    _signal_when_resumed(process, run_dir, signal.SIGINT)
+    deadline = time.monotonic() + TIMEOUT_S
+    while "CQK_FAULT: hang at" not in log.read_text() and process.poll() is None:
+        assert time.monotonic() < deadline, "gave up waiting for the save"
+        time.sleep(0.1)
+    process.send_signal(signal.SIGINT)
+    code = _ended(process)
+    text = log.read_text()
+    assert code == 130, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    (said,) = [line for line in text.splitlines() if line.startswith("interrupted")]
+    newest = run_dir / "checkpoints" / "iter_0000004"
+    assert said == (
+        f"interrupted: stopped at once, without saving; the newest complete checkpoint is "
+        f"still {newest}"
+    ), said
+    # only the steps' records were added; the checkpoints are as they were
+    watch.assert_unchanged(
+        lambda change: (
+            change in {"changed runs/base/metrics.jsonl", "changed runs/base/config.yaml"}
+            or change == "added train.log"
+        )
+    )
+    assert not (run_dir / "lease.json").exists()
+    watch.assert_no_process_left()
+
+
+def test_a_second_ctrl_c_while_the_launcher_cancels_its_jobs_says_one_line(capsys, monkeypatch):
+    """The launcher's first Ctrl-C cancels its local jobs (each saves); a second one while
+    it waits for them ends the wait with one line and the same exit code, no traceback.
+    (The jobs are stand-ins: what is tested is the launcher's handling of the signal.)"""
+    import types
+
+    from launch import submit
+
+    def interrupted_wait(backend, jobs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(submit, "cancel_jobs", interrupted_wait)
+    monkeypatch.setattr(submit.STOPS, "ignore", lambda: None)  # leave this process's handlers
+    backend = types.SimpleNamespace(name="local", launcher_owns_jobs=True)
+    assert submit.stop_jobs(backend, [], "interrupted", 130) == 130
+    said = capsys.readouterr()
+    assert "interrupted again: not waiting for the jobs to end" in said.out + said.err

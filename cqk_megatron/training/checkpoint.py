@@ -512,7 +512,11 @@ def save(
         lambda: engine.save_state(staging / "engine"),
         lambda: torch.save(trainer_record(state), trainer_file),
     ]
-    _write_and_commit(staging, final, config, state.step, writes, lease)
+    try:
+        _write_and_commit(staging, final, config, state.step, writes, lease)
+    except KeyboardInterrupt:  # a second Ctrl-C: the save is abandoned, the previous stands
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return final
 
 

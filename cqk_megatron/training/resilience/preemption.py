@@ -1,9 +1,16 @@
-"""Stop cleanly on SIGTERM/SIGUSR1 or a wall-clock budget, with every rank agreeing.
+"""Stop cleanly on SIGTERM/SIGUSR1/SIGINT or a wall-clock budget, with every rank agreeing.
 
 A signal only sets a flag; at the next step boundary all ranks all-reduce it (so a
 signal that reached one rank stops all of them at the same step), save a checkpoint
 and exit with ``cqk_megatron.errors.EXIT_REQUEUE``, which tells the launcher to
 requeue the job.
+
+Ctrl-C (SIGINT) is a stop signal too: a person at a terminal presses it, not ``kill
+-TERM``, and a ``KeyboardInterrupt`` mid-step lost the steps since the last checkpoint. A
+second Ctrl-C means "now": it raises ``KeyboardInterrupt`` at once, the save in progress
+is abandoned (its staging folder removed) and the previous complete checkpoint stays the
+newest. A SIGINT that was ignored when training started (a job started in the background
+by a shell) stays ignored.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from cqk_megatron.training.resilience.orphans import helper_dies_with_parent
 from cqk_megatron.training.resilience.writer_queue import WriterResultsManager
 
 __all__ = ["STOP_SIGNALS", "StopRequest", "protect_checkpoint_writer"]
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class StopRequest:
@@ -28,9 +35,13 @@ class StopRequest:
         self.signalled: int | None = None
         self._previous = {}
         for sig in STOP_SIGNALS:
+            if signal.getsignal(sig) is signal.SIG_IGN:
+                continue  # nohup, or a background job's SIGINT: the caller's choice
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, _frame) -> None:
+        if signum == signal.SIGINT and self.signalled == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the save
         self.signalled = signum
 
     def restore(self) -> None:
