@@ -250,9 +250,12 @@ def multiplier_vs_size(multipliers: dict, path: Path, baseline: str = "standard"
     _multiplier_axis(ax, shown)
     ax.set_xlabel("model size N (non-embedding parameters)")
     ax.set_ylabel(f"multiplier: tokens {baseline} needs\n/ tokens the variant needs (×)")
+    extrapolated = any(frame["extrapolated"].any() for frame in multipliers.values())
     ax.set_title(
-        f"Data-efficiency multiplier over {baseline} attention\n"
-        "at each measured size's N and training tokens; bars: bootstrap intervals"
+        f"Data-efficiency multiplier over {baseline} attention (bars: bootstrap intervals)\n"
+        "filled: at each measured size's N and training tokens"
+        + ("; hollow: from the fits" if extrapolated else ""),
+        fontsize=10,
     )
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
