@@ -101,3 +101,28 @@ def test_demo_seeds_refuses_fewer_than_one(tmp_path):
     result = cqk_demo("--seeds", "0", "--out", str(tmp_path), timeout=120)
     assert result.returncode == 2
     assert "--seeds 0: give 1 or more" in result.stderr
+
+
+def test_diff_gap_sizes_change_one_setting_each_of_the_demo_model():
+    """configs/sweeps/diff_gap.yaml: each size is the seeds study's run with the one
+    setting its comment names changed (and the checkpoint interval, which trains alike)."""
+    from cqk_megatron.planner.sweep import expand_sweep
+
+    def settings(run):
+        return {
+            o.split("=", 1)[0]: o.split("=", 1)[1]
+            for o in run["overrides"]
+            if not o.startswith(("name=", "train.save_interval="))
+        }
+
+    base = settings(expand_sweep(REPO / "configs/sweeps/demo_seeds.yaml")[6])  # differential s0
+    changed = {
+        "init051": {"model.init_method_std": "0.051"},
+        "h8": {"model.num_attention_heads": "8"},
+        "lr1e3": {"train.lr": "0.001", "train.min_lr": "0.0001"},
+        "lr4e3": {"train.lr": "0.004", "train.min_lr": "0.0004"},
+    }
+    runs = expand_sweep(REPO / "configs/sweeps/diff_gap.yaml")
+    for size, change in changed.items():
+        run = next(r for r in runs if r["name"] == f"diffgap-{size}-differential-s0")
+        assert settings(run) == {**base, **change}, size
