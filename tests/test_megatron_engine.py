@@ -141,8 +141,8 @@ def test_fp64_is_refused_for_the_megatron_engine():
 
 def test_bf16_steps_fp32_master_weights_with_the_weight_decay_groups():
     # In this process (a world of one): the bf16 path that GPU runs take, on CPU.
-    init_single_process()
     config = load_config(None, [*TINY, "train.engine=megatron", "train.precision=bf16"])
+    init_single_process(config)  # Megatron's gloo groups, which its optimizer takes
     torch.manual_seed(config.seed)
     model = build_model(config)
     engine = MegatronEngine(model, config)

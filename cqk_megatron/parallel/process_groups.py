@@ -283,6 +283,11 @@ def init_model_parallel(config: RunConfig) -> None:
         # Megatron gives each of its groups this timeout (whole minutes), not the default
         # group's: start-up's bound, until set_collective_timeout lowers every group's.
         distributed_timeout_minutes=max(1, math.ceil(config.train.init_timeout_s / 60)),
+        # Megatron's gloo twins of its groups (data parallel with and without context
+        # parallelism, expert data parallel, ...): only Megatron's distributed optimizer uses
+        # them (its checkpoint formats). Elsewhere they are a TCP rendezvous and a set of
+        # host connections per group at start-up, across nodes, for nothing.
+        create_gloo_process_groups=config.train.engine == "megatron",
     )
     _megatron_groups.extend(g for g in _all_groups() if g not in before)
     seed_cuda_rng_tracker(config.seed)

@@ -48,6 +48,7 @@ from cqk_megatron.model.gpt import model_chunks
 from cqk_megatron.parallel import cpu_bridge
 from cqk_megatron.parallel.device import device
 from cqk_megatron.parallel.layout import Layout
+from cqk_megatron.perf import traffic
 from cqk_megatron.training import collectives
 from cqk_megatron.training.collectives import gather_objects
 from cqk_megatron.training.collector import heavy_imports
@@ -61,7 +62,12 @@ from cqk_megatron.training.step_loss import (
 )
 
 
-def deepspeed_config(config: RunConfig, gradient_accumulation_steps: int) -> dict:
+def deepspeed_config(
+    config: RunConfig, gradient_accumulation_steps: int, bucket_elements: int | None = None
+) -> dict:
+    """DeepSpeed's config for ``config``; ``bucket_elements``: the gradient-reduction and
+    parameter-gather buckets (``perf.traffic.reduce_bucket_elements`` of this rank's
+    parameters; None leaves DeepSpeed's 5e8, one bucket for any model this trains)."""
     t = config.train
     ds: dict = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -76,6 +82,11 @@ def deepspeed_config(config: RunConfig, gradient_accumulation_steps: int) -> dic
         ds.update(bf16_settings())
     if t.overlap_grad_reduce:  # reduce in buckets during the backward (PP=1: validate)
         ds["zero_optimization"]["overlap_comm"] = True
+    if bucket_elements is not None:
+        # Each bucket is reduced as soon as it is full: with several a backward, all but
+        # the last go while autograd still computes (docs/engines.md, "Communication").
+        ds["zero_optimization"]["reduce_bucket_size"] = bucket_elements
+        ds["zero_optimization"]["allgather_bucket_size"] = bucket_elements
     if t.offload_optimizer:
         on_gpu = device().type == "cuda"
         ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
@@ -540,11 +551,13 @@ class DeepSpeedEngine(Engine):
         self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * self.dp_size)
         accumulation = 1 if self.pipelined else self.num_micro_batches
         self.megatron_sums = MegatronGradSums(model, config)
+        parameters = sum(param.numel() for param in model.parameters())
+        buckets = traffic.reduce_bucket_elements(parameters, self.dp_size)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             args=device_args(),
             model=model,
             optimizer=make_optimizer(model, config),
-            config=deepspeed_config(config, accumulation),
+            config=deepspeed_config(config, accumulation, buckets),
             mpu=MegatronMpu(),
             dist_init_required=False,
         )

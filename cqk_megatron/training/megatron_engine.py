@@ -23,7 +23,7 @@ format ``train.optimizer_checkpoint`` names (Megatron's sharding types):
 - ``dp_reshardable`` (the default): each rank writes its own shard of each gradient
   bucket, no gathering. It loads under another data-parallel size (each rank takes its
   slice of every bucket), as long as the buckets are the same: one per buffer without
-  ``overlap_grad_reduce``, a fixed size with it (``BUCKET_SIZE``).
+  ``overlap_grad_reduce``, a size derived from the model with it (``bucket_elements``).
 - ``fully_reshardable``: each parameter's fp32 master weight and Adam moments under the
   parameter's own sharded key, so the state loads under another tensor-, pipeline- or
   data-parallel size. Saving gathers the data-parallel shards on data-parallel rank 0 of
@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -52,16 +53,26 @@ from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.optimizer_param_scheduler import ParamGroupOverride
 
 from cqk_megatron.config import RunConfig
+from cqk_megatron.model.attention.tp_grads import (
+    sum_accumulated_grads_across_tp,
+    take_over_tp_sums,
+)
 from cqk_megatron.model.gpt import load_sharded_state, model_chunks, sharded_state_dict
 from cqk_megatron.parallel.layout import Layout
+from cqk_megatron.perf import traffic
 from cqk_megatron.training.engine import Batch, Engine, StepResult
 from cqk_megatron.training.step_loss import global_mean_loss, schedule_loss_sum
 
 FULLY_RESHARDABLE = "fully_reshardable"
-# Megatron's default bucket size with overlap_grad_reduce is max(40M, 1M x DP) elements: a
-# size that grows with DP beyond 40 ranks would change the buckets, and dp_reshardable
-# checkpoints would no longer load under another data-parallel size there.
-BUCKET_SIZE = 40_000_000
+
+
+def bucket_elements(chunk: torch.nn.Module) -> int:
+    """The gradient bucket of a model chunk with ``overlap_grad_reduce``: the bucket rule
+    of ``perf.traffic`` (Megatron's 40M elements, smaller where the chunk holds fewer than
+    ``BUCKETS_PER_BACKWARD`` such buckets), taken at DP=1. Megatron's own rule grows with
+    DP beyond 40 ranks (1M x DP): that would change the buckets, and dp_reshardable
+    checkpoints would no longer load under another data-parallel size there."""
+    return traffic.reduce_bucket_elements(sum(p.numel() for p in chunk.parameters()), 1)
 
 
 def _sharding(optimizer_format: str) -> dict:
@@ -133,10 +144,14 @@ class MegatronEngine(Engine):
         self.model = model
         t = config.train
         overlap = t.overlap_grad_reduce
+        chunks = model_chunks(model)
+        # Before DDP wraps the chunks: their TP partial gradients are summed once a step
+        # in fp32 (``finalize``), not by a bf16 all-reduce per parameter per micro-batch.
+        self.tp_partial = [p for chunk in chunks for p in take_over_tp_sums(chunk, ())]
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=overlap,
-            bucket_size=BUCKET_SIZE,  # used with overlap only
+            bucket_size=bucket_elements(chunks[0]),  # used with overlap only
             use_distributed_optimizer=True,
             check_for_nan_in_grad=False,  # it raises; the optimizer's check skips instead
         )
@@ -149,7 +164,7 @@ class MegatronEngine(Engine):
                 module=chunk,
                 disable_bucketing=index > 0,
             )
-            for index, chunk in enumerate(model_chunks(model))
+            for index, chunk in enumerate(chunks)
         ]
         for chunk in self.chunks:  # every replica starts from data-parallel rank 0's weights
             chunk.broadcast_params()
@@ -159,7 +174,7 @@ class MegatronEngine(Engine):
         # The chunks share one TransformerConfig, which the schedule reads these from.
         model_config = self.chunks[0].config
         model_config.grad_scale_func = self.optimizer.scale_loss
-        model_config.finalize_model_grads_func = finalize_model_grads
+        model_config.finalize_model_grads_func = self.finalize
         no_sync = [chunk.no_sync for chunk in self.chunks]
         model_config.no_sync_func = (
             (no_sync[0] if len(no_sync) == 1 else no_sync) if overlap else None
@@ -167,6 +182,20 @@ class MegatronEngine(Engine):
         self.set_lr(t.lr)
 
     # -- training ----------------------------------------------------------------------
+
+    def finalize(self, *args, **kwargs) -> None:
+        """Megatron's ``finalize_model_grads`` (the data-parallel reduce-scatter, the
+        tied-embedding and sequence-parallel sums), then the TP partial gradients of the
+        parameters whole on every TP rank (``attention/tp_grads.py``) summed across the
+        TP group in one fp32 all-reduce of their ``main_grad``. After the data-parallel
+        reduction: both are linear and commute, and TP peers hold the same data-parallel
+        shard of the buffer (their parameters have the same shapes), so the shard each
+        optimizer steps on is summed whole."""
+        finalize_model_grads(*args, **kwargs)
+        sum_accumulated_grads_across_tp(
+            [param.main_grad for param in self.tp_partial],
+            ps.get_tensor_model_parallel_group(),
+        )
 
     def set_lr(self, lr: float) -> None:
         """The learning rate, and the weight decay each group's ``wd_mult`` allows

@@ -11,13 +11,16 @@ then gets exactly TP=1's gradient whatever engine drives it.
 The same hook serves the DeepSpeed engine for the parameters that Megatron leaves to its
 ``finalize_model_grads`` under sequence parallelism (``left_to_finalize_model_grads``).
 
-A hook costs one blocking all-reduce per parameter per micro-batch. Where an engine can do
-with one a step (DeepSpeed's ZeRO-1 and ZeRO-2: ``deepspeed_engine.when_to_sum_tp_grads``),
-it takes the hooks over (``take_over_tp_sums``) and sums the gradients of all those
-parameters at once at the step's end (``sum_accumulated_grads_across_tp``), accumulated
-over the micro-batches (ZeRO-1), or this rank's partition of them after the data-parallel
-reduction (ZeRO-2): the sum is linear, so summing the micro-batches' sums equals summing
-each micro-batch's, and it commutes with the data-parallel average.
+A hook costs one blocking all-reduce per parameter per micro-batch, in the parameters'
+dtype. Where an engine can do with one a step, it takes the hooks over
+(``take_over_tp_sums``) and sums the gradients of all those parameters at once at the
+step's end (``sum_accumulated_grads_across_tp``): DeepSpeed's ZeRO-1 and ZeRO-2
+(``deepspeed_engine.when_to_sum_tp_grads``) on the gradients accumulated over the
+micro-batches (ZeRO-1), or on this rank's partition of them after the data-parallel
+reduction (ZeRO-2); the Megatron engine on the fp32 ``main_grad`` after its data-parallel
+reduce-scatter (``megatron_engine.MegatronEngine.finalize``). The sum is linear, so summing
+the micro-batches' sums equals summing each micro-batch's, and it commutes with the
+data-parallel average. DeepSpeed's ZeRO-3 and CPU offload keep the hooks.
 """
 
 from __future__ import annotations
