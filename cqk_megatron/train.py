@@ -127,7 +127,7 @@ def _train(config, resume: str) -> int:
 
     with heavy_imports():  # after the config is checked
         from cqk_megatron.training.loop import train
-
+    _set_cpu_threads()
     try:
         return train(config, resume=resume)
     except Exception as error:
@@ -138,6 +138,19 @@ def _train(config, resume: str) -> int:
             _say(str(error))
             return 1
         raise
+
+
+def _set_cpu_threads() -> None:
+    """On CPU, one share of the usable cores per rank of the node, not torch's one thread
+    per core in every rank (``cqk_megatron.parallel.cpu_threads``)."""
+    from cqk_megatron.parallel.cpu_threads import set_cpu_threads
+    from cqk_megatron.parallel.device import device
+
+    if device().type != "cpu":
+        return
+    choice = set_cpu_threads()
+    if _rank0():
+        print(choice.line(), file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
