@@ -19,6 +19,7 @@ import os
 import sys
 
 from cqk_megatron.cli.args import new_parser
+from cqk_megatron.cli.quiet import quiet_third_party_warnings
 from cqk_megatron.config import (
     COMMAND_LINE,
     ConfigError,
@@ -92,6 +93,7 @@ def _run_folder_line(traced: TracedConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_third_party_warnings()  # a rank started as python -m cqk_megatron.train too
     args = parse_args(argv)
     try:
         traced = load_config_traced(args.config, [(COMMAND_LINE, args.overrides)])
