@@ -9,16 +9,19 @@ names (``cqk-train``, ``cqk-plan``, ...) and ``python launch/submit.py`` still w
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from cqk_megatron.cli.quiet import VERBOSE_ENV, quiet_third_party_warnings
 
 
 @dataclass(frozen=True)
 class Command:
     """``target``: ``module:function``, called with the remaining arguments; ``summary``:
     its line in ``cqk --help``; ``prefix``: arguments put before the user's (``cqk status
-    X`` is ``launch/submit.py status X``); ``subcommands``: a group (``cqk data ...``),
+    X`` is ``cqk status X``); ``subcommands``: a group (``cqk data ...``),
     or, beside a target, the commands its first argument may name (``cqk mqar gap``)."""
 
     summary: str
@@ -90,7 +93,9 @@ COMMANDS: dict[str, Command] = {
 
 ABOUT = (
     "One command for the cqk-megatron stack (also 'python -m cqk_megatron'). The old script\n"
-    "names (cqk-train, cqk-plan, ...) and 'python launch/submit.py' still work."
+    "names (cqk-train, cqk-plan, ...) and 'python launch/submit.py' still work.\n"
+    "'cqk --verbose <command>' also shows the third-party warnings it hides (Megatron-Core's\n"
+    "fallbacks when Apex or Transformer Engine is not installed)."
 )
 
 
@@ -135,6 +140,10 @@ def dispatch(prog: str, commands: dict[str, Command], argv: list[str], what: str
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--verbose"]:  # before the command: the third-party warnings too
+        argv = argv[1:]
+        os.environ[VERBOSE_ENV] = "1"
+    quiet_third_party_warnings()
     return dispatch("cqk", COMMANDS, argv, ABOUT)
 
 

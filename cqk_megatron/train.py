@@ -21,6 +21,7 @@ import os
 import sys
 
 from cqk_megatron.cli.args import new_parser
+from cqk_megatron.cli.quiet import quiet_third_party_warnings
 from cqk_megatron.config import (
     COMMAND_LINE,
     ConfigError,
@@ -94,6 +95,7 @@ def _run_folder_line(traced: TracedConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_third_party_warnings()  # a rank started as python -m cqk_megatron.train too
     started: dict = {}  # the run's config, once it is known
     try:
         return _main(argv, started)
@@ -164,7 +166,7 @@ def _train(config, resume: str) -> int:
 
     with heavy_imports():  # after the config is checked
         from cqk_megatron.training.loop import train
-
+    _set_cpu_threads()
     try:
         return train(config, resume=resume)
     except Exception as error:
@@ -175,6 +177,19 @@ def _train(config, resume: str) -> int:
             _say(str(error))
             return 1
         raise
+
+
+def _set_cpu_threads() -> None:
+    """On CPU, one share of the usable cores per rank of the node, not torch's one thread
+    per core in every rank (``cqk_megatron.parallel.cpu_threads``)."""
+    from cqk_megatron.parallel.cpu_threads import set_cpu_threads
+    from cqk_megatron.parallel.device import device
+
+    if device().type != "cpu":
+        return
+    choice = set_cpu_threads()
+    if _rank0():
+        print(choice.line(), file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
