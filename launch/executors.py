@@ -14,6 +14,7 @@ import submitit
 from submitit.slurm import slurm as submitit_slurm
 
 from launch import attempts
+from launch.container import IMAGE_PYTHON, batch_python, task_python
 from launch.local_job import LocalExecutor
 from launch.resources import (
     ClusterProfile,
@@ -27,7 +28,19 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def job_python(profile: ClusterProfile) -> str:
-    return profile.python or shlex.quote(sys.executable)
+    """The python that runs the job: the profile's, the image's, or the submitting one."""
+    if profile.python:
+        return profile.python
+    return IMAGE_PYTHON if profile.container is not None else shlex.quote(sys.executable)
+
+
+def _gpus(resources: Resources) -> bool:
+    return resources.gpus_per_node > 0
+
+
+def task_command_python(profile: ClusterProfile, resources: Resources) -> str:
+    """What starts each task's python (inside the profile's container, if any)."""
+    return task_python(profile.container, job_python(profile), _gpus(resources))
 
 
 def slurm_parameters(
@@ -40,7 +53,8 @@ def slurm_parameters(
         *params["setup"],
         f'echo "{attempts.MARKER} ${{SLURM_RESTART_COUNT:-0}} on $(hostname)" >&2',
     ]
-    params["teardown"] = attempts.teardown_lines(job_python(profile), folder)
+    python = batch_python(profile.container, job_python(profile), _gpus(resources))
+    params["teardown"] = attempts.teardown_lines(python, folder)
     return params
 
 
@@ -48,7 +62,9 @@ def slurm_executor(
     folder: Path, profile: ClusterProfile, resources: Resources, job_name: str
 ) -> submitit.SlurmExecutor:
     executor = submitit.SlurmExecutor(
-        folder=folder, max_num_timeout=resources.max_requeues, python=job_python(profile)
+        folder=folder,
+        max_num_timeout=resources.max_requeues,
+        python=task_command_python(profile, resources),
     )
     executor.update_parameters(**slurm_parameters(folder, profile, resources, job_name))
     return executor
@@ -93,6 +109,10 @@ def sbatch_script(
     if array_size is not None and array_size > 1:
         params["map_count"] = array_size
     command = " ".join(
-        [job_python(profile), "-u -m submitit.core._submit", shlex.quote(str(folder))]
+        [
+            task_command_python(profile, resources),
+            "-u -m submitit.core._submit",
+            shlex.quote(str(folder)),
+        ]
     )
     return submitit_slurm._make_sbatch_string(command=command, folder=folder, **params)

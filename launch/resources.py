@@ -2,10 +2,11 @@
 
 A cluster profile (``configs/clusters/*.yaml``) gives defaults for one cluster: whether
 its nodes have GPUs, partition, account, time, the shell lines that prepare a job
-(``setup``), environment variables (``env``) and so on. Resources are resolved from, in
-order of precedence: command-line options, the sweep's per-size ``resources``/``layout``,
-the profile, and the defaults below. On GPU nodes there is one task per GPU; on CPU nodes
-``tasks_per_node`` says how many processes each node runs.
+(``setup``), environment variables (``env``), flags for srun (``srun_args``), a container
+to run the tasks in (``container``, ``launch/container.py``) and so on. Resources are
+resolved from, in order of precedence: command-line options, the sweep's per-size
+``resources``/``layout``, the profile, and the defaults below. On GPU nodes there is one
+task per GPU; on CPU nodes ``tasks_per_node`` says how many processes each node runs.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from cqk_megatron.config import ConfigError, from_dict, read_yaml
 
 # The launch backends' names as registered at each use (launch.backends.register_backend).
 from launch.backends.registry import BACKEND_NAMES as CLUSTERS
+from launch.container import Container, check_container, srun_container_args
 
 # Resource keys a sweep's layout carries for information only (checked by the sweep).
 SWEEP_INFO_KEYS = {"tensor_parallel", "pipeline_parallel", "data_parallel", "world_size"}
@@ -74,6 +76,7 @@ class ClusterProfile:
     runs_root: str | None = None  # log.root for runs submitted with this profile
     setup: list[str] = field(default_factory=list)  # shell lines run before srun
     env: dict[str, str] = field(default_factory=dict)  # exported before srun
+    container: Container | None = None  # run the tasks in an image (launch/container.py)
     resources: Resources = field(default_factory=Resources)
 
 
@@ -143,6 +146,8 @@ def load_profile(path: str | Path | None) -> ClusterProfile:
     if isinstance(values.get("env"), dict):  # exported as text: OMP_NUM_THREADS: 8 is "8"
         values["env"] = {str(k): str(v) for k, v in values["env"].items()}
     profile = from_dict(ClusterProfile, values, str(path))
+    if profile.container is not None:
+        check_container(profile.container, str(path))
     if profile.cluster is not None and profile.cluster not in CLUSTERS:
         raise ConfigError(
             f"{path}: cluster={profile.cluster!r} is unknown; use one of {list(CLUSTERS)}"
@@ -240,7 +245,8 @@ def sbatch_parameters(
         params["exclusive"] = True
     # One task's failure ends the job step at once: no task waits for a dead or stuck one
     # (the batch script's teardown then records the attempt and requeues it).
-    params["srun_args"] = ["--kill-on-bad-exit=1", *r.srun_args]
+    container = srun_container_args(profile.container)
+    params["srun_args"] = ["--kill-on-bad-exit=1", *container, *r.srun_args]
     # USR1 (not submitit's default USR2) is the signal the training loop saves on; requeue
     # is explicit so that clusters with JobRequeue=0 still let the job requeue itself.
     extra = {"signal": f"USR1@{r.signal_delay_s}", "requeue": True}

@@ -8,12 +8,16 @@
     cqk cancel RUN_DIR [RUN_DIR ...]
 
 Trailing ``section.key=value`` arguments override the run config (every run of a sweep).
-``--dry-run`` prints the resolved config, the parallel layout and the sbatch script, and
-submits nothing. Runs that finished are skipped; runs with a job still queued or running,
-or whose folder another live process holds (``lease.json``), are skipped; the others are
-checked before anything is written or queued (``cqk_megatron.planner.preflight``: data, tokenizer,
-sequence length, the run folder's recorded config and checkpoints, free disk; a refusal
-is one line and exit 2), then submitted, and resume from their newest complete checkpoint
+``--dry-run`` submits nothing: it prints the pre-flight verdict first (and exits 2 when a
+run would be refused), then the resolved config, the parallel layout and the sbatch script
+(a sweep: one line per run and each refusal once; ``launch/dry_run.py``). ``--emit-sbatch
+DIR`` also writes a plain sbatch script per run for submitting by hand
+(``launch/sbatch_file.py``). Runs that finished are skipped; runs with a job still queued
+or running, or whose folder another live process holds (``lease.json``), are skipped; the
+others are checked before anything is written or queued
+(``cqk_megatron.planner.preflight``: data, tokenizer, sequence length, the run folder's
+recorded config and checkpoints, free disk; a refusal is one line and exit 2), then
+submitted, and resume from their newest complete checkpoint
 (``--resume`` says otherwise, for the first attempt only). Waiting on its jobs, the launcher
 exits 0 when every run finished, 2 when each unfinished run was refused by its job after
 it was queued (``refused: RUN: why``: a twin submission, checkpoints that no longer
@@ -39,15 +43,16 @@ from pathlib import Path
 # ``launch.job`` by that name, so the launcher must too.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import yaml  # noqa: E402
 
 from cqk_megatron.cli.args import program  # noqa: E402
-from cqk_megatron.config import ConfigError, to_dict  # noqa: E402
+from cqk_megatron.config import ConfigError  # noqa: E402
 from cqk_megatron.errors import EXIT_REFUSED  # noqa: E402
 from cqk_megatron.run.checkpoint_files import RESUME_HELP  # noqa: E402
 from launch import run_dir as runs  # noqa: E402
+from launch import sbatch_file  # noqa: E402
 from launch.backends import Backend, backend_names, get_backend  # noqa: E402
 from launch.cancel import main as cancel_main  # noqa: E402
+from launch.dry_run import dry_run  # noqa: E402
 from launch.jobs import (  # noqa: E402, F401 (the launcher's names, as before the split)
     LOCAL_CHECK_S,
     POLL_S,
@@ -133,7 +138,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--profile", help="cluster profile YAML (configs/clusters/...) with defaults"
     )
     add_resource_options(parser)
-    parser.add_argument("--dry-run", action="store_true", help="print, submit nothing")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="submit nothing: the pre-flight verdict first, then what would be submitted; "
+        "exits 2 when a run would be refused",
+    )
+    parser.add_argument(
+        "--emit-sbatch",
+        metavar="DIR",
+        help="a dry run that also writes a plain sbatch script (and its resolved config) "
+        "per run into DIR, to read and submit by hand with sbatch (Slurm only)",
+    )
     parser.add_argument(
         "--print-config",
         action="store_true",
@@ -197,28 +213,10 @@ def cli_resources(args: argparse.Namespace, gpu_profile: bool) -> dict:
     return values
 
 
-# -- dry run ---------------------------------------------------------------------------------
-
-
-def dry_run(
-    plans: list[RunPlan], groups: list[list[RunPlan]], profile, backend: Backend, sweep
-) -> str:
-    out = []
-    for plan in plans:
-        out.append(f"==> run {plan.name}: {plan.folder_line()}")
-        out.append(f"==> layout: {plan.layout()}")
-        if sweep is None:
-            out.append("==> resolved config")
-            out.append(yaml.safe_dump(to_dict(plan.config), sort_keys=False).rstrip())
-    where = [(g, submitit_folder(g, sweep), job_name(g, sweep)) for g in groups]
-    out += backend.dry_run(where, profile, array=sweep is not None)
-    return "\n".join(out) + "\n"
-
-
 # -- submission ------------------------------------------------------------------------------
 
 
-def preflight_refusal(plans: list[RunPlan], resume: str, dry_run: bool = False) -> str | None:
+def preflight_refusal(plans: list[RunPlan], resume: str) -> str | None:
     """The first run that would fail, as one line (``None``: all can start); notes are
     printed. Reads only: nothing is written or queued before this passes."""
     from cqk_megatron.planner.preflight import PreflightError, preflight
@@ -227,9 +225,6 @@ def preflight_refusal(plans: list[RunPlan], resume: str, dry_run: bool = False) 
         try:
             notes = preflight(plan.config, resume, hash_checkpoints=True)
         except PreflightError as error:
-            if dry_run:
-                print(f"note: {plan.name}: pre-flight would refuse: {error}", file=sys.stderr)
-                continue
             return f"{plan.name}: {error}"
         for note in notes:
             print(f"{plan.name}: {note}", file=sys.stderr)
@@ -436,6 +431,17 @@ def _report_unfinished(plans: list[RunPlan], job_ids: dict[str, str]) -> int:
     return unfinished_exit(plans, unfinished, job_ids)
 
 
+def emit_scripts(plans: list[RunPlan], profile, backend: Backend, folder: str) -> None:
+    """``--emit-sbatch``: the plain sbatch scripts, one per run (Slurm only)."""
+    if not backend.sbatch_scripts:
+        raise ConfigError(
+            f"--emit-sbatch writes Slurm scripts, and --cluster is {backend.name}: "
+            "use --cluster slurm (or a profile with cluster: slurm)"
+        )
+    for script in sbatch_file.emit(plans, profile, Path(folder)):
+        print(f"wrote {script} (submit it with: sbatch {script})")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["status"]:
@@ -449,10 +455,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(explained_configs(plans), end="")
             return 0
-        if args.dry_run:
-            sys.stdout.write(dry_run(plans, groups, profile, backend, args.sweep))
-            preflight_refusal(plans, args.resume, dry_run=True)
-            return 0
+        if args.dry_run or args.emit_sbatch:
+            code = dry_run(plans, groups, profile, backend, args.sweep, args.resume)
+            if args.emit_sbatch:
+                emit_scripts(plans, profile, backend, args.emit_sbatch)
+            return code
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -570,8 +570,12 @@ def test_dry_run_of_the_1b_run_on_4x8_gpus_prints_the_expected_sbatch_script(tmp
         "slurm",
         "--dry-run",
     )
-    assert out.returncode == 0, out.stderr
+    # Its data is not on this machine: the verdict comes first, and the exit is the
+    # refusal's, as the submission's would be; what would be submitted follows.
+    assert out.returncode == 2, out.stderr
     text = out.stdout
+    first = text.splitlines()[0]
+    assert first.startswith("pre-flight: would be refused: dataset '/shared/"), first
     assert "==> layout: TP 1 x PP 1 x DP 32 = world size 32 (4 nodes x 8 GPUs" in text
     resolved = yaml.safe_load(text.split("==> resolved config\n")[1].split("==> ")[0])
     assert (
@@ -599,6 +603,116 @@ def test_dry_run_of_the_1b_run_on_4x8_gpus_prints_the_expected_sbatch_script(tmp
     )
     for line in ("#SBATCH --partition=debug", "#SBATCH --time=120", "#SBATCH --mail-type=END"):
         assert line in out.stdout
+
+
+def test_a_dry_run_that_can_start_says_so_first_and_exits_0(tmp_path):
+    out = submit(*RUN, "--cluster", "slurm", f"log.root={tmp_path}", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == "pre-flight: can start"
+    assert "==> sbatch script" in out.stdout and not tmp_path.joinpath("tiny-cpu").exists()
+
+
+def test_a_sweeps_dry_run_is_a_line_per_run_and_each_refusal_once(tmp_path):
+    """The ladder (96 runs) names no data: one headline, the refusal once with its count,
+    one line per run, a line on the jobs; exit 2 as its submission would."""
+    out = submit(
+        "--sweep",
+        "configs/sweeps/ladder.yaml",
+        "--profile",
+        "configs/clusters/example_h100.yaml",
+        f"log.root={tmp_path}",
+        "--dry-run",
+    )
+    assert out.returncode == 2, out.stderr
+    lines = out.stdout.splitlines()
+    runs = [line for line in lines if line.startswith("ladder-")]
+    assert (
+        lines[0]
+        == f"pre-flight: {len(runs)} runs: 0 can start, {len(runs)} would be refused, 0 skipped"
+    )
+    assert len(runs) == 96 and all(line.endswith("refused [1]") for line in runs)
+    assert lines[1].startswith("refusal [1] (96 runs): data.prefixes is empty")
+    assert len(lines) == len(runs) + 3, lines[len(runs) + 2 :]
+    assert out.stdout.count("data.prefixes is empty") == 1 and out.stderr == ""
+
+
+# A site's profile: srun flags and a container (pyxis/enroot or Apptainer).
+CONTAINERS = {
+    "pyxis": "container: {image: 'nvcr.io#nvidia/pytorch:25.01-py3', mounts: ['/shared:/shared']}",
+    "apptainer": "container: {runtime: apptainer, image: /shared/cqk.sif, mounts: [/shared]}",
+}
+
+
+def site_profile(folder: Path, container: str) -> Path:
+    path = folder / f"site-{container}.yaml"
+    local = (REPO / "configs" / "clusters" / "local.yaml").read_text()
+    extra = f"cluster: slurm\nsrun_args: ['--cpu-bind=cores']\n{CONTAINERS[container]}\n"
+    path.write_text(local + extra)
+    return path
+
+
+@pytest.mark.parametrize("container", sorted(CONTAINERS))
+def test_profiles_take_srun_arguments_and_a_container(container, tmp_path):
+    profile = site_profile(tmp_path, container)
+    out = submit(
+        "--config",
+        "configs/runs/tiny_cpu.yaml",
+        "--profile",
+        str(profile),
+        f"log.root={tmp_path}",
+        "--dry-run",
+    )
+    assert out.returncode == 0, out.stderr
+    (srun,) = [line for line in out.stdout.splitlines() if "submitit.core._submit" in line]
+    assert "--cpu-bind=cores" in srun
+    if container == "pyxis":
+        assert "--container-image=nvcr.io#nvidia/pytorch:25.01-py3" in srun
+        assert "--container-mounts=/shared:/shared" in srun
+        (teardown,) = [line for line in out.stdout.splitlines() if "after-srun" in line]
+        assert teardown.startswith("srun --nodes=1 --ntasks=1 '--container-image=nvcr.io#")
+    else:
+        assert " apptainer exec --bind /shared /shared/cqk.sif python -u -m submitit" in srun
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("container: {runtime: docker, image: x}\n")
+    out = submit(
+        "--config",
+        "configs/runs/tiny_cpu.yaml",
+        "--profile",
+        str(bad),
+        "--cluster",
+        "slurm",
+        "--dry-run",
+    )
+    assert out.returncode == 2 and "container.runtime='docker' is unknown" in out.stderr
+
+
+@pytest.mark.parametrize("container", sorted(CONTAINERS))
+def test_emit_sbatch_writes_a_plain_script_that_slurm_accepts(container, slurm, tmp_path):
+    profile = site_profile(tmp_path, container)
+    jobs = tmp_path / "jobs"
+    out = submit(
+        "--config",
+        "configs/runs/tiny_cpu.yaml",
+        "--profile",
+        str(profile),
+        f"log.root={tmp_path}/runs",
+        "--emit-sbatch",
+        str(jobs),
+    )
+    assert out.returncode == 0, out.stderr
+    script = jobs / "tiny-cpu.sbatch"
+    assert f"wrote {script}" in out.stdout and not (tmp_path / "runs").exists()
+    text = script.read_text()
+    assert "#SBATCH --ntasks-per-node=2" in text and "#SBATCH --signal=USR1@30" in text
+    assert f"-m cqk_megatron.train --config {jobs / 'tiny-cpu.yaml'}" in text
+    assert "submitit" not in text.replace("SUBMITIT_PREEMPT_SIGNAL", "")
+    config = yaml.safe_load((jobs / "tiny-cpu.yaml").read_text())
+    assert config["log"]["root"] == f"{tmp_path}/runs" and config["name"] == "tiny-cpu"
+    checked = subprocess.run(
+        ["sbatch", "--test-only", str(script)], capture_output=True, text=True, timeout=60
+    )
+    assert checked.returncode == 0, checked.stderr
+    assert "to start at" in checked.stderr  # a verdict, and nothing queued
 
 
 def test_an_impossible_layout_is_refused_before_anything_is_submitted(tmp_path):

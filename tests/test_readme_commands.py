@@ -234,6 +234,19 @@ def _env() -> dict[str, str]:
     }
 
 
+def _refused_for_cluster_data(command: ReadmeCommand, done: subprocess.CompletedProcess) -> bool:
+    """A cluster submit's dry run, refused (exit 2, the verdict first) for data that lives
+    on the cluster's shared filesystem and not here: what its submission would do here."""
+    first = (done.stdout.splitlines() or [""])[0]
+    return (
+        command.is_submit
+        and done.returncode == 2
+        and first.startswith("pre-flight: ")
+        and "would be refused" in first
+        and any(cause in done.stdout for cause in ("not found", "data.prefixes is empty"))
+    )
+
+
 @pytest.mark.parametrize("command", README_COMMANDS, ids=str)
 def test_every_readme_command_runs(command: ReadmeCommand):
     done = subprocess.run(
@@ -245,7 +258,7 @@ def test_every_readme_command_runs(command: ReadmeCommand):
         timeout=180,
         check=False,
     )
-    assert done.returncode == 0, (
+    assert done.returncode == 0 or _refused_for_cluster_data(command, done), (
         f"{command}\nran: python -m cqk_megatron {shlex.join(command.argv())}\n"
         f"exit {done.returncode}\nstdout (end):\n{done.stdout[-1500:]}\n"
         f"stderr (end):\n{done.stderr[-3000:]}"

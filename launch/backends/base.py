@@ -79,6 +79,9 @@ class Backend(ABC):
     # job a run, at most ``resources.array_parallelism`` running at once (the launcher
     # holds the next back until one ends).
     job_arrays: ClassVar[bool] = False
+    # Its jobs are sbatch scripts: ``cqk submit --emit-sbatch`` can write them for a site's
+    # admin to submit by hand (``launch/sbatch_file.py``).
+    sbatch_scripts: ClassVar[bool] = False
 
     def __init__(self, name: str) -> None:
         self.name = name  # the registry's name: what --cluster said, and jobs.jsonl records

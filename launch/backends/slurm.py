@@ -31,6 +31,7 @@ class SlurmBackend(Backend):
 
     launcher_owns_jobs = False
     job_arrays = True
+    sbatch_scripts = True
 
     def submission_notes(self) -> list[str]:
         if "SLURM_CONF" in os.environ:
