@@ -9,7 +9,7 @@ the wall-clock budget after saving a checkpoint (requeue and run again with ``--
 auto``), 76 the watchdog ended it (a rank was lost: relaunch), 2 refused before training (a
 bad config, data, run folder or checkpoints; one line says why) or at a save onto a full
 disk, 1 another error. Under
-torchrun, ``cqk-torchrun`` keeps these codes.
+torchrun, ``cqk torchrun`` keeps these codes.
 """
 
 from __future__ import annotations

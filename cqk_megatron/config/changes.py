@@ -2,7 +2,7 @@
 
 A checkpoint records the config it was saved with (``iter_*/config.yaml``), and a run
 folder its last started config (``config.yaml``). Resuming, ``train.init_from``,
-``cqk-convert export`` and the launcher's pre-flight compare them with the config in
+``cqk convert export`` and the launcher's pre-flight compare them with the config in
 hand: a change of a *shape* key makes the weights of one unloadable into the other; a
 change of a *schedule* key changes the learning rate from the resume step on.
 """
