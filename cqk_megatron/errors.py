@@ -31,7 +31,7 @@ module of its concern (``ConfigError``, ``PreflightError``, ``DataError``,
 true for a ``Refusal``, except a failed save (``CheckpointSaveError``), which is a failure
 unless its disk is full (its ``refuses`` is its ``disk_full``): the run stops with the
 previous checkpoint intact, and a relaunch onto the same disk would fail the same way.
-``cqk-train``, the launcher's job and the watchdog all ask :func:`is_refusal`.
+``cqk train``, the launcher's job and the watchdog all ask :func:`is_refusal`.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ auto``; the first Ctrl-C does the same), 130 a second Ctrl-C stopped it at once 
 saving, 76 the watchdog ended it (a rank was lost: relaunch), 2 refused before training (a
 bad config, data, run folder or checkpoints; one line says why) or at a save onto a full
 disk, 1 another error. Under
-torchrun, ``cqk-torchrun`` keeps these codes.
+torchrun, ``cqk torchrun`` keeps these codes.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Preprocessing throughput on the demo corpus: MB/s and tokens/s of ``cqk-preprocess`` on
+"""Preprocessing throughput on the demo corpus: MB/s and tokens/s of ``cqk data preprocess`` on
 one and on all cores, and, given a Megatron-LM checkout, the ratio against Megatron-LM's
 own ``tools/preprocess_data.py`` on the same corpus and tokenizer in the same run (and
 whether the two outputs are byte-identical).
@@ -78,7 +78,7 @@ def run_ours(corpus: Path, model: Path, out: Path, workers: int) -> Run:
     command += ["--workers", str(workers), "--overwrite"]
     wall, log = _run(command, cwd=Path(__file__).resolve().parent.parent)
     match = _OURS_RATE.search(log)
-    return Run(f"cqk-preprocess, {workers} worker(s)", wall, match and float(match[1]), prefix)
+    return Run(f"cqk data preprocess, {workers} worker(s)", wall, match and float(match[1]), prefix)
 
 
 def run_megatron_lm(checkout: Path, corpus: Path, model: Path, out: Path, workers: int) -> Run:

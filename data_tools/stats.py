@@ -70,7 +70,7 @@ def dataset_stats(prefix: str, top_k: int = 20, tokenizer: Tokenizer | None = No
 
     check_prefix(prefix)
     index = IndexedDataset(prefix)
-    # one sequence per document as cqk-preprocess writes it; otherwise sum each document's
+    # one sequence per document as cqk data preprocess writes it; otherwise sum each document's
     lengths = np.add.reduceat(
         index.sequence_lengths.astype(np.int64), index.document_indices[:-1].astype(np.int64)
     )

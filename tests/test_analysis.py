@@ -549,7 +549,7 @@ def test_report_step_time_without_cpu_records_is_flagged_unreliable(tmp_path):
     assert gains_cell(analysis, 0, "coupled") == "0.80x (wall clock, unreliable)"
     markdown = render_markdown(analysis, {"curves": tmp_path / "c.png"}, tmp_path)
     assert "0.80x (wall clock, unreliable)" in markdown
-    assert "unreliable on a shared machine" in markdown and "cqk-bench --clock cpu" in markdown
+    assert "unreliable on a shared machine" in markdown and "cqk bench --clock cpu" in markdown
 
 
 def test_report_step_time_that_drifts_within_the_runs_is_flagged_unsteady(tmp_path):

@@ -1,6 +1,7 @@
 """Every command's ``--help`` (issue 29): each console script of setup.py and each ``cqk``
 command, subcommand and sub-subcommand exits 0, names itself as typed in its usage line,
-shows its defaults, prints no warning (an empty stderr), imports none of torch, Megatron,
+shows its defaults, names no old script name (``cqk-plan``, ``launch/submit.py``: its
+``cqk`` command instead), prints no warning (an empty stderr), imports none of torch, Megatron,
 DeepSpeed, transformers, pandas, matplotlib or scipy, and takes under 2 CPU-seconds; every
 option has help text.
 
@@ -16,6 +17,7 @@ import argparse
 import ast
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -28,6 +30,11 @@ from cqk_megatron.__main__ import COMMANDS, Command, resolve
 REPO = Path(__file__).resolve().parent.parent
 PROBE = Path(__file__).with_name("_cli_probe.py")
 CPU_LIMIT_S = 2.0
+# The old script names, which a command's help gives as its cqk command instead.
+OLD_NAMES = re.compile(
+    r"(?<![\w/.])(cqk-(?:params|train|torchrun|plan|bench|convert|preprocess|data-stats"
+    r"|demo-corpus|data-bench|analyze|submit|mqar|repro)(?![\w-])|launch/submit\.py)"
+)
 
 
 def console_scripts() -> dict[str, str]:
@@ -98,6 +105,9 @@ def check_help(program: str, target: str, args: tuple[str, ...], tmp_path: Path)
     if program == "cqk" and not result["stdout"].startswith(usage):
         # as typed: "cqk submit", not the file's own name ("launch/submit.py")
         problems.append(f"{shown}: its usage line is not {usage!r}: {result['stdout'][:80]!r}")
+    old_name = OLD_NAMES.search(result["stdout"])
+    if program == "cqk" and args and old_name:  # `cqk --help` says once that they work
+        problems.append(f"{shown}: names the old {old_name[0]!r}, not its cqk command")
     if result.get("heavy"):
         problems.append(f"{shown}: imported {result['heavy']}")
     if result["cpu"] >= CPU_LIMIT_S:

@@ -436,7 +436,7 @@ def test_tokenizer_vocab_larger_than_model(spm_model, tmp_path, capsys, corpus):
 
 
 def test_bad_tokenizer_paths(tmp_path):
-    with pytest.raises(DataError, match="does not exist; train one with cqk-train-tokenizer"):
+    with pytest.raises(DataError, match="does not exist; train one with cqk data tokenizer"):
         load_tokenizer(tmp_path / "missing.model")
     junk = tmp_path / "junk.model"
     junk.write_text("not a model")

@@ -243,7 +243,7 @@ def test_bad_prefixes_weights_and_splits(data, tmp_path):
             build_datasets(config_for(root, *overrides), *sizes)
 
     fails(ConfigError, "data.prefixes is empty", "data.prefixes=[]")
-    fails(DataError, "not found .*cqk-preprocess", f"data.prefixes=[{tmp_path / 'nope'}]")
+    fails(DataError, "not found .*cqk data preprocess", f"data.prefixes=[{tmp_path / 'nope'}]")
     fails(ConfigError, "give the prefix without", f"data.prefixes=[{letters}.bin]")
     fails(
         ConfigError,

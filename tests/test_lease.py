@@ -52,7 +52,7 @@ def test_a_held_run_is_refused_naming_the_holder_and_free_after_release(tmp_path
             run_lease.acquire(tmp_path / "run")
         message = str(refused.value)
         assert f"pid {os.getpid()}" in message and socket.gethostname() in message
-        assert "submit.py cancel" in message and "name=" in message
+        assert "cqk cancel" in message and "name=" in message
         lease.check()  # still ours
     finally:
         lease.release()

@@ -68,7 +68,7 @@ def test_the_launcher_refuses_a_missing_data_prefix_before_any_run_folder_exists
     )
     assert out.returncode == 2, out.stdout + out.stderr
     assert f"dataset '{tmp_path}/no/such_prefix' not found" in out.stderr
-    assert "cqk-preprocess" in out.stderr and "Traceback" not in out.stderr
+    assert "cqk data preprocess" in out.stderr and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
     assert "submitted" not in out.stdout
     assert not root.exists()
@@ -355,6 +355,6 @@ def test_cqk_train_runs_the_pre_flight_too(tmp_path):
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip() == (
         f"error: dataset '{tmp_path}/missing' not found (no {tmp_path}/missing.bin or "
-        f"{tmp_path}/missing.idx); make it with cqk-preprocess (or cqk-demo-corpus)"
+        f"{tmp_path}/missing.idx); make it with cqk data preprocess (or cqk data demo-corpus)"
     )
     assert not (tmp_path / "runs").exists()

@@ -403,7 +403,7 @@ def _gains_section(analysis: Analysis) -> list[str]:
             f"Step time / {o.baseline}: the ratio of the runs' CPU seconds per step (process "
             "CPU time counts this process's work only, so other work on a shared machine "
             "moves it far less than wall clock, though shared caches and cores still do), "
-            "checked on each half of the steps; for speed claims use `cqk-bench --clock "
+            "checked on each half of the steps; for speed claims use `cqk bench --clock "
             "cpu`, which interleaves the variants."
         )
     # One line per flagged cell, naming its variant and size: the same variant can be

@@ -31,7 +31,7 @@ CPU_CLOCK = "process CPU time"
 WALL_CLOCK = "wall clock"
 WALL_REASON = (
     "wall clock: unreliable on a shared machine (these runs' records have no process CPU "
-    "time); measure with cqk-bench --clock cpu"
+    "time); measure with cqk bench --clock cpu"
 )
 
 

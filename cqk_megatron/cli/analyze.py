@@ -1,4 +1,4 @@
-"""``cqk analyze`` (``cqk-analyze``): scaling-law analysis over run folders.
+"""``cqk analyze``: scaling-law analysis over run folders.
 
     cqk analyze table  RUNS... [--csv runs.csv]          # one row per run (+ tidy CSV)
     cqk analyze fit    RUNS... [--points all|final]      # fits, multipliers, crossover

@@ -50,7 +50,7 @@ def program(fallback: str) -> str:
 def subcommand_program(parent_fallback: str, command: str) -> str:
     """The usage name of ``command`` reached through a parent command: ``cqk status`` as
     typed under the dispatcher, else the parent's name and ``command``
-    (``launch/submit.py status``)."""
+    (``cqk status``)."""
     prog = program(parent_fallback)
     return prog if prog.endswith(f" {command}") else f"{prog} {command}"
 

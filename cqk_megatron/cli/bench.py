@@ -1,4 +1,4 @@
-"""``cqk bench`` (``cqk-bench``): time the attention variants against standard attention, in
+"""``cqk bench``: time the attention variants against standard attention, in
 one run.
 
 Builds the same model config with each variant (all resident at once), then times

@@ -1,4 +1,4 @@
-"""``cqk convert`` (``cqk-convert``): run checkpoints to Hugging Face folders and back.
+"""``cqk convert``: run checkpoints to Hugging Face folders and back.
 
 cqk convert export CHECKPOINT_DIR OUT_DIR [--tokenizer PATH | --no-tokenizer]
     [--tokens-trained N] [--val-ppl X] [--license ID] [--datasets ID ...]

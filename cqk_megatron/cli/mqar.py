@@ -1,4 +1,4 @@
-"""``cqk mqar`` (``cqk-mqar``): multi-query associative recall (MQAR), how fast each
+"""``cqk mqar``: multi-query associative recall (MQAR), how fast each
 attention variant learns to recall.
 
     cqk mqar --variants standard,coupled --settings 64x4,128x8 --seeds 0,1,2

@@ -1,4 +1,4 @@
-"""``cqk params`` (``cqk-params``): parameter counts and the overhead of each attention
+"""``cqk params``: parameter counts and the overhead of each attention
 variant over standard attention.
 
 The table is the experiment planner's count (no Megatron model is built, no process group

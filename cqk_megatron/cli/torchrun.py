@@ -1,4 +1,4 @@
-"""``cqk torchrun`` (``cqk-torchrun``): torch's launcher, exiting with the training's own
+"""``cqk torchrun``: torch's launcher, exiting with the training's own
 code (75: requeue, 76: the watchdog ended it) instead of torchrun's 1.
 
     cqk torchrun --nproc-per-node 4 -m cqk_megatron.train --config RUN.yaml

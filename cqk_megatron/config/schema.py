@@ -302,7 +302,7 @@ class DataConfig:
 
 @dataclass
 class CardConfig:
-    """The Hugging Face model card's metadata that ``cqk-convert export`` writes (its
+    """The Hugging Face model card's metadata that ``cqk convert export`` writes (its
     ``--license``, ``--datasets``, ``--base-model`` win); Hub identifiers, e.g. ``apache-2.0``,
     ``HuggingFaceFW/fineweb``. Unset: left out of the card."""
 

@@ -60,7 +60,7 @@ def read_full_state_dict(
     source = config_source or "the config given"
     fix = (
         f"{source} is not the config this checkpoint was saved with; export it with that one "
-        "(checkpoints written by cqk-train carry it as config.yaml in their folder)"
+        "(checkpoints written by cqk train carry it as config.yaml in their folder)"
     )
     try:
         checkpoint.load_model_weights(Path(checkpoint_dir), model, config, fix)

@@ -11,7 +11,7 @@ from cqk_megatron.convert.hf_config import GPT2, native_model_type
 
 INTRO = """A causal language model pretrained with cqk-megatron (Megatron-Core), a stack for
 Coupled Query-Key Dynamics (arXiv:2604.01683) and Differential Attention, and converted
-to Hugging Face format with `cqk-convert export`; its logits equal the Megatron model's."""
+to Hugging Face format with `cqk convert export`; its logits equal the Megatron model's."""
 
 REMOTE_CODE_NOTE = """
 The modeling code (`modeling_cqk.py`, `configuration_cqk.py`) and the coupling math

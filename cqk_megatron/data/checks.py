@@ -8,7 +8,7 @@ the launcher runs these before it queues a job, ``build_datasets`` before it bui
   it ends, and the last ends where the ``.bin`` does;
 - the index belongs to this ``.bin``: the counts (and, for datasets written since it was
   recorded, the ``.idx`` file's sha256) match ``P.meta.json``, and sampled documents end
-  with the EOD id where the index says they end (cqk-preprocess appends one to each).
+  with the EOD id where the index says they end (cqk data preprocess appends one to each).
   Without a ``P.meta.json`` the tokenizer's EOD is used, for a dataset whose last token is
   EOD (one written with an EOD after each document);
 - the tokenizer fits ``model.vocab_size`` and is the one the data was made with;
@@ -48,8 +48,8 @@ _DTYPES = {  # megatron.core.datasets.indexed_dataset.DType codes
     7: np.float32,
     8: np.uint16,
 }
-_MAKE_IT = "make it with cqk-preprocess (or cqk-demo-corpus)"
-_REMAKE = "re-run cqk-preprocess --overwrite for it"
+_MAKE_IT = "make it with cqk data preprocess (or cqk data demo-corpus)"
+_REMAKE = "re-run cqk data preprocess --overwrite for it"
 _SPLIT = re.compile(r"^\s*\d+(\.\d*)?(\s*,\s*\d+(\.\d*)?){0,2}\s*$")
 SPLIT_NAMES = ("train", "valid", "test")
 EOD_SAMPLES = 256  # documents whose last token is compared with EOD
@@ -57,7 +57,7 @@ EOD_SAMPLES = 256  # documents whose last token is compared with EOD
 
 @dataclass(frozen=True)
 class PrefixSize:
-    sequences: int  # one per document as cqk-preprocess writes them
+    sequences: int  # one per document as cqk data preprocess writes them
     tokens: int
     lengths: np.ndarray | None = None  # tokens per sequence (for split sizes)
 
@@ -96,7 +96,7 @@ def read_index(prefix: str) -> Index:
 
 
 def index_fingerprint(prefix: str | Path) -> str:
-    """sha256 of ``P.idx``: cqk-preprocess records it in ``P.meta.json``."""
+    """sha256 of ``P.idx``: cqk data preprocess records it in ``P.meta.json``."""
     return file_sha256(idx_path(prefix))
 
 
@@ -128,7 +128,9 @@ def _check_belongs(prefix: str, index: Index, meta: dict | None) -> None:
         )
     eod = meta.get("tokenizer", {}).get("eod")
     if meta.get("eod_appended") and eod is not None:
-        _check_document_ends(prefix, index, int(eod), "as every document cqk-preprocess writes")
+        _check_document_ends(
+            prefix, index, int(eod), "as every document cqk data preprocess writes"
+        )
 
 
 def _check_document_ends(prefix: str, index: Index, eod: int, why: str) -> None:
@@ -280,7 +282,7 @@ def check_meta_agrees(prefix: str, tokenizer: Tokenizer, config: RunConfig) -> N
             f"dataset '{prefix}' was tokenized with '{recorded.get('path')}' (vocab "
             f"{theirs[0]}, EOD {theirs[1]}) but the tokenizer in use, '{tokenizer.path}', has "
             f"vocab {ours[0]}, EOD {ours[1]}; set data.tokenizer to the dataset's tokenizer or "
-            "re-run cqk-preprocess with this one"
+            "re-run cqk data preprocess with this one"
         )
     max_id = meta.get("max_token_id")
     if max_id is not None and int(max_id) >= config.model.vocab_size:
@@ -329,8 +331,8 @@ def _unit_hint(prefix: str, documents: int) -> str:
         return ""
     return (
         f"; it was tokenized with --text-unit {unit}, which made {documents} document(s) of "
-        "its text: if the text holds one document per line, re-run cqk-preprocess (or "
-        "cqk-repro) with --text-unit line"
+        "its text: if the text holds one document per line, re-run cqk data preprocess (or "
+        "cqk repro) with --text-unit line"
     )
 
 
@@ -387,7 +389,7 @@ def check_data_config(config: RunConfig) -> dict[str, PrefixSize]:
     if not data.prefixes:
         raise ConfigError(
             "data.prefixes is empty: list dataset prefixes (e.g. data/demo/demo_text_document "
-            "from cqk-demo-corpus), or set data.mock=true for synthetic tokens"
+            "from cqk data demo-corpus), or set data.mock=true for synthetic tokens"
         )
     if data.weights is not None:
         if len(data.weights) != len(data.prefixes):

@@ -41,12 +41,12 @@ def read_meta(prefix: str | Path) -> dict[str, Any] | None:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
         raise DataError(
-            f"dataset metadata '{path}' is unreadable ({error}); re-run cqk-preprocess "
+            f"dataset metadata '{path}' is unreadable ({error}); re-run cqk data preprocess "
             "--overwrite for this prefix, or delete the file to skip the checks it enables"
         ) from error
     if not isinstance(meta, dict) or not isinstance(meta.get("tokenizer"), dict):
         raise DataError(
-            f"dataset metadata '{path}' lacks a 'tokenizer' section; re-run cqk-preprocess"
+            f"dataset metadata '{path}' lacks a 'tokenizer' section; re-run cqk data preprocess"
         )
     return meta
 

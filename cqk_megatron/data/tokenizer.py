@@ -18,7 +18,7 @@ from cqk_megatron.config import ConfigError, RunConfig
 from cqk_megatron.data.errors import DataError
 
 _FIX_MISSING = (
-    "train one with cqk-train-tokenizer (or cqk-demo-corpus), or point data.tokenizer at a "
+    "train one with cqk data tokenizer (or cqk data demo-corpus), or point data.tokenizer at a "
     "SentencePiece .model file or a local Hugging Face tokenizer folder"
 )
 
@@ -94,7 +94,7 @@ class SentencePieceTokenizer(Tokenizer):
         if self._sp.eos_id() < 0:
             raise DataError(
                 f"tokenizer '{path}' has no end-of-document piece (eos_id=-1), which every "
-                "document needs; retrain it with an EOS id (cqk-train-tokenizer's default "
+                "document needs; retrain it with an EOS id (cqk data tokenizer's default "
                 "--eos-id 2)"
             )
         self.vocab_size = self._sp.get_piece_size()

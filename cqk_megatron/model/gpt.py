@@ -227,5 +227,5 @@ def load_sharded_state(model: torch.nn.Module, state: dict) -> None:
 
 def count_parameters(model: torch.nn.Module) -> int:
     """``sum(p.numel())`` of a built model (this rank's part): what the tests and
-    ``cqk-params`` check the one count (``cqk_megatron.model.params``) against."""
+    ``cqk params`` check the one count (``cqk_megatron.model.params``) against."""
     return sum(p.numel() for p in model.parameters())

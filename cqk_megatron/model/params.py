@@ -1,9 +1,9 @@
 """The one parameter count: a model's parameters as pure functions of its ``RunConfig``.
 
 Every caller counts here: the planner's token budgets (``planner.parameters``), the memory
-estimates and ``cqk-plan`` (per rank of a TP x PP layout), pre-flight's checkpoint size,
+estimates and ``cqk plan`` (per rank of a TP x PP layout), pre-flight's checkpoint size,
 the training record's ``params_total`` / ``params_non_embedding``, analysis tables and
-``cqk-params`` (``perf/overhead.py``). Nothing here builds a Megatron model or starts a
+``cqk params`` (``perf/overhead.py``). Nothing here builds a Megatron model or starts a
 process group, and the module imports no torch, so a login node or an analysis machine
 counts a 7B model at once.
 

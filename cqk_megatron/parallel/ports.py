@@ -8,7 +8,7 @@ port that one of them held made rank 0 fail with EADDRINUSE while rank 1 waited.
 - A Slurm job's tasks each derive the same port from the job id alone
   (``rendezvous_port``): no communication needed, and distinct jobs (array tasks have
   their own numeric ``SLURM_JOB_ID``) get distinct ports.
-- A process that rendezvouses on one machine (a plain ``cqk-train``, a repro run through
+- A process that rendezvouses on one machine (a plain ``cqk train``, a repro run through
   ``torch.distributed.run``) takes a port that is free now (``free_port``), so two of them
   on one machine do not collide.
 """

@@ -6,7 +6,7 @@ and the first node of ``SLURM_JOB_NODELIST``) and submitit (which sets the Slurm
 variables too). The default process group is NCCL on GPU and gloo on CPU (why not both
 backends at once: ``cqk_megatron.training.collectives``), and the rank's GPU is bound
 (``cqk_megatron.parallel.device.bind``) before it is created. A single process started without any
-of these (a plain ``cqk-train``) rendezvouses on a port that is free now (the port rule:
+of these (a plain ``cqk train``) rendezvouses on a port that is free now (the port rule:
 ``cqk_megatron.parallel.ports``), so two of them on
 one machine do not collide; a port already taken is reported with how to choose another.
 """

@@ -10,5 +10,5 @@ engine, and starts no process).
   starting a process group.
 - ``sweep``: a sweep file (sizes x variants x token budgets x seeds) expanded into
   validated runs with their resources; ``launch`` submits them (``--sweep``) and
-  ``cqk-analyze ladder`` lists them.
+  ``cqk analyze ladder`` lists them.
 """

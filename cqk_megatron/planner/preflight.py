@@ -1,5 +1,5 @@
 """Pre-flight: what can be checked from files before a job is queued or a process group is
-built. ``launch/submit.py`` runs it for every run it is about to submit, ``cqk-train``
+built. ``launch/submit.py`` runs it for every run it is about to submit, ``cqk train``
 before it starts training; each refusal is one ``PreflightError`` line (exit 2).
 
 1. the data: prefixes, indexes, ``.bin`` sizes, tokenizer against ``model.vocab_size``,
@@ -167,7 +167,7 @@ def preflight(config: RunConfig, resume: str = "auto", hash_checkpoints: bool = 
     (``train.checkpoint_hashes``), as the job does, so that a damaged one is named here
     (the run resumes from the newest that verifies, or is refused when none does) rather
     than after the job waited in the queue. The launcher asks for it: it reads the
-    checkpoint once, newest first, until one verifies (about a second per GB). ``cqk-train``
+    checkpoint once, newest first, until one verifies (about a second per GB). ``cqk train``
     does not: its rank 0 verifies the same way a moment later, and every rank runs this.
     """
     try:

@@ -7,7 +7,7 @@ one command.
     cqk repro --preset cpu-tiny --family gpt2   # the GPT-2 model family
 
 Trains every variant x seed one after the other, each as a local job of the launcher
-(the path of ``launch/submit.py --cluster local``), with the same data order, schedule and
+(the path of ``cqk submit --cluster local``), with the same data order, schedule and
 token budget, then writes ``OUT/comparison.md`` (+ ``.csv``, ``.json``) and
 ``OUT/loss_vs_tokens.png``. Run it again after an interruption: finished runs are
 skipped, a half-finished one resumes from its last checkpoint.
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--tokenizer", help="tokenizer of --data (default: recorded with it)")
     corpus = parser.add_argument_group(
-        "a corpus given as --data (passed to the data tools; see cqk-preprocess --help)"
+        "a corpus given as --data (passed to the data tools; see cqk data preprocess --help)"
     )
     corpus.add_argument(
         "--text-unit",

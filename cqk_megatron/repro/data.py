@@ -193,7 +193,7 @@ def resolve_data(
     if half:
         raise ReproError(
             f"--data {data}: only {half[0].name} exists; an indexed dataset needs both .bin "
-            "and .idx (re-run cqk-preprocess)"
+            "and .idx (re-run cqk data preprocess)"
         )
     raise ReproError(
         f"--data {data}: no such file, folder or dataset prefix ({data}.bin/.idx); give an "

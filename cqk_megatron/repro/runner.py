@@ -1,5 +1,5 @@
 """Train the planned runs one after the other, each as a local job of the launcher
-(``launch.api.submit_local``: the path of ``launch/submit.py --cluster local``).
+(``launch.api.submit_local``: the path of ``cqk submit --cluster local``).
 
 A run that is finished (the run contract's ``run_status``: its ``metrics.jsonl`` holds a
 summary line) is done and skipped; one with checkpoints resumes from the newest complete
@@ -76,7 +76,7 @@ def check_same_settings(run: PlannedRun) -> None:
 
 def train_run(run: PlannedRun, plan: Plan, echo: bool, time_limit: str = TIME_LIMIT) -> None:
     """Train (or resume) one run as a local job of the launcher (``launch.api``, the path
-    of ``launch/submit.py --cluster local``); rank 0's output goes to ``RUN/train.log``
+    of ``cqk submit --cluster local``); rank 0's output goes to ``RUN/train.log``
     and, if ``echo``, here. A stop with a checkpoint (exit 75, ``EXIT_REQUEUE``) raises
     ``RunStopped``; a failure ``ReproError`` naming the log."""
     from launch.api import default_cpus_per_task, submit_local, wait_local

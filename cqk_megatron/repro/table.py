@@ -255,7 +255,7 @@ def variants_markdown(table: pd.DataFrame) -> str:
         if (table["step_time_clock"] == CPU_CLOCK).all()
         else "Step time vs standard is marked 'wall clock, unreliable' where the runs' records "
         "hold no process CPU time: on a shared machine wall clock measures the machine's "
-        "load as much as the model (measure with cqk-bench --clock cpu)."
+        "load as much as the model (measure with cqk bench --clock cpu)."
     )
     lines = confidence_lines(table)
     return "\n".join([markdown_table(shown), "", *lines, *([""] if lines else []), clock])

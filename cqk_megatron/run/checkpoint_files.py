@@ -341,7 +341,7 @@ def checkpoint_file(folder: Path) -> str | None:
 
 
 def weights_only_checkpoint(folder: Path) -> bool:
-    """``folder`` is a weights-only checkpoint (what ``cqk-convert import`` and
+    """``folder`` is a weights-only checkpoint (what ``cqk convert import`` and
     ``train.init_from`` write): its manifest lists weights, config and layout only, no
     trainer or optimizer state of a run."""
     try:

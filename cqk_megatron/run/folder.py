@@ -45,7 +45,7 @@ repro and analysis use:
   its restart budget spent, the same failure again, or a refusal before training, exit
   2, which a relaunch cannot change; or rank 0 recorded a failure, a checkpoint it could
   not save, and no relaunch decision came after). Without launcher events (a plain
-  ``cqk-train``, a repro run): ``faults.jsonl`` holds a crash record or a watchdog
+  ``cqk train``, a repro run): ``faults.jsonl`` holds a crash record or a watchdog
   verdict. Either way the failure must be newer than the last metrics record: a run that
   logs after it goes on (a resume of a crashed plain run), and so does a run whose lease a
   live job holds other than the one that failed (a twin submission refused because that
@@ -416,7 +416,7 @@ _RUN_FILES = (CHECKPOINTS, METRICS, HISTORY, JOBS, FAULTS, LEASE, SUPERSEDED)
 
 def run_folder_file(folder: Path) -> str | None:
     """The first of the files only a run writes that ``folder`` holds (what makes it a run
-    folder), or None. Tools that replace a folder (``cqk-convert ... --overwrite``) refuse
+    folder), or None. Tools that replace a folder (``cqk convert ... --overwrite``) refuse
     one where this is not None."""
     folder = Path(folder)
     return next((name for name in _RUN_FILES if (folder / name).exists()), None)

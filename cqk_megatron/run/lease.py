@@ -146,7 +146,7 @@ def live_holder(run_dir: Path) -> Holder | None:
 def held_message(run_dir: Path, holder: Holder) -> str:
     return (
         f"run folder {run_dir} is in use by another job ({holder.describe()}); one job per "
-        "run: wait for it to end, cancel it (python launch/submit.py cancel "
+        "run: wait for it to end, cancel it (cqk cancel "
         f"{run_dir}), or train under another name=..."
     )
 

@@ -296,7 +296,7 @@ ALIASES: Mapping[str, str] = MappingProxyType(_ALIASES)
 
 
 def _check_name(name: str, what: str) -> None:
-    # '+' joins a pair into a variant name, '@' starts cqk-bench's tags
+    # '+' joins a pair into a variant name, '@' starts cqk bench's tags
     if not (isinstance(name, str) and name and name.replace("_", "a").isalnum()):
         raise ValueError(f"{what} name {name!r}: use letters, digits and '_' only")
 

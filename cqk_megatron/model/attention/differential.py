@@ -293,7 +293,7 @@ class DifferentialCoreAttention(SDPACoreAttention):
         return {
             "differential_kernel": attention.differential_kernel,
             "transformer_impl": transformer_impl,
-            # cqk-bench's @reference (set past validation): plain_math.py's modules as they are
+            # cqk bench's @reference (set past validation): plain_math.py's modules as they are
             "reference": attention.coupling_impl == "reference",
         }
 

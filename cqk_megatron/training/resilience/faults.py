@@ -3,7 +3,7 @@
 The watchdog and the launcher's relaunch are tested (and can be rehearsed on a cluster)
 by injecting a real fault into a real job::
 
-    CQK_FAULT="rank=1,phase=step,step=30,action=kill" python launch/submit.py ...
+    CQK_FAULT="rank=1,phase=step,step=30,action=kill" cqk submit ...
 
 Fields (comma-separated ``key=value``):
 
