@@ -160,3 +160,53 @@ def test_a_layout_change_on_resume_is_recorded_with_its_step(tmp_path):
     assert train.loc[STEPS + 1, "settings"].split()[2] == "tp2"
     settings = run_summary(table).set_index("run").loc[name, "settings"]
     assert f"(steps 1-{STEPS})" in settings and f"(steps {STEPS + 1}-{STEPS + 3})" in settings
+
+
+# -- the history and the checks, without training (torch-free) ----------------------------
+
+
+def _config(*overrides: str):
+    from cqk_megatron.config import load_config
+
+    return load_config(REPO / "configs" / "runs" / "tiny_cpu.yaml", list(overrides))
+
+
+def test_a_restart_at_or_before_an_attempt_supersedes_it_and_steps_find_their_attempt(tmp_path):
+    from cqk_megatron.run.history import attempt_of_step, read_history, record_attempt
+
+    record_attempt(tmp_path, _config(), 0)
+    record_attempt(tmp_path, _config("train.zero_stage=2"), 100)
+    record_attempt(tmp_path, _config("parallel.tensor_parallel=2"), 150)
+    # a resume from the checkpoint of step 100 again: the attempt from 150 trained steps
+    # that the run's records no longer hold
+    record_attempt(tmp_path, _config("train.micro_batch_size=1"), 100)
+    attempts = read_history(tmp_path)
+    assert [a.start_step for a in attempts] == [0, 100]
+    assert attempts[1].changes == [{"key": "train.micro_batch_size", "old": 2, "new": 1}]
+    assert attempt_of_step(attempts, 100) is attempts[0]
+    assert attempt_of_step(attempts, 101) is attempts[1]
+    assert recorded(tmp_path)["train"]["micro_batch_size"] == 1
+
+
+def test_a_resume_from_a_checkpoint_of_another_model_function_is_refused(tmp_path):
+    """The training side's own check, against the checkpoint's config (a run folder whose
+    config.yaml is gone, or ``--skip-preflight``): the coupling's steps keep the shapes."""
+    from cqk_megatron.config import save_config
+    from cqk_megatron.run.checkpoint_files import CheckpointError, check_same_model
+
+    save_config(_config(), tmp_path / "config.yaml")
+    check_same_model(tmp_path, _config("parallel.tensor_parallel=2", "train.lr=1e-4"), "fix")
+    with pytest.raises(
+        CheckpointError, match=r"another model: attention.steps=1 \(this config: 3\)"
+    ):
+        check_same_model(tmp_path, _config("attention.steps=3"), "fix")
+
+
+def test_starting_over_moves_the_history_and_config_aside(tmp_path):
+    from cqk_megatron.run.checkpoint_files import apply_choice, choose_resume
+    from cqk_megatron.run.history import read_history, record_attempt
+
+    record_attempt(tmp_path, _config(), 0)
+    moved = apply_choice(tmp_path, choose_resume(tmp_path / "checkpoints", "none"))
+    assert "history.jsonl" in moved and "config.yaml" in moved
+    assert read_history(tmp_path) == [] and not (tmp_path / "config.yaml").exists()

@@ -45,7 +45,13 @@ from cqk_megatron.run.folder import (
     run_status,
 )
 from cqk_megatron.run.folder import read_metrics as read_metrics_file
-from cqk_megatron.run.history import Attempt, attempt_of_step, read_history, settings_label
+from cqk_megatron.run.history import (
+    Attempt,
+    attempt_of_step,
+    read_history,
+    readable_config,
+    settings_label,
+)
 
 REQUIRED = {TRAIN: ("step", "tokens", "loss"), VALID: ("step", "tokens", "val_loss")}
 COLUMNS = [
@@ -229,7 +235,8 @@ def _attempt_of(record: RunRecord, step: int) -> tuple[int, str]:
     found = attempt_of_step(record.history, step)
     if found is None:
         return 0, settings_label(record.config)
-    return record.history.index(found), settings_label(found.run_config())
+    config = readable_config(found) or record.config
+    return record.history.index(found), settings_label(config)
 
 
 def record_rows(record: RunRecord) -> tuple[list[dict], list[str]]:

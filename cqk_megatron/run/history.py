@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cqk_megatron.config import RunConfig, from_dict, to_dict
+from cqk_megatron.config import ConfigError, RunConfig, from_dict, to_dict
 from cqk_megatron.config.changes import LOCATION_KEYS, Change, changes
 from cqk_megatron.run.atomic import write_text_atomically
 from cqk_megatron.run.folder import HISTORY, no_space_error, read_jsonl, write_config
@@ -97,6 +97,15 @@ def settings_label(config: RunConfig) -> str:
     )
 
 
+def readable_config(attempt: Attempt) -> RunConfig | None:
+    """The attempt's config, or None where this version cannot read it (a key renamed
+    since): its record stays as written, and the next one lists no changes."""
+    try:
+        return attempt.run_config()
+    except ConfigError:
+        return None
+
+
 def _job_id() -> str | None:
     return os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or None
 
@@ -111,8 +120,8 @@ def record_attempt(run_dir: Path, config: RunConfig, start_step: int) -> Attempt
     run_dir = Path(run_dir)
     kept = [a for a in read_history(run_dir) if a.start_step < start_step]
     found = []
-    if kept:
-        previous = kept[-1].run_config()
+    previous = readable_config(kept[-1]) if kept else None
+    if previous is not None:
         found = [c for c in changes(previous, config) if c.key not in LOCATION_KEYS]
     attempt = Attempt(start_step, to_dict(config), _listed(found), time.time(), _job_id())
     text = "".join(json.dumps(a.record(), default=str) + "\n" for a in [*kept, attempt])
