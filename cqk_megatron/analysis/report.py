@@ -631,8 +631,8 @@ def _fit_sections(analysis: Analysis, figures: dict[str, Path], folder: Path) ->
     out = ["## Scaling-law fits: L(N, D) = E + A/N^α + B/D^β", ""]
     if analysis.fits:
         out += [markdown_table(_fits_table(analysis)), ""]
-        out += [f"- {line}" for line in unidentified_notes(analysis)]
-        out += [""] if unidentified_notes(analysis) else []
+        notes = unidentified_notes(analysis)
+        out += [*(f"- {line}" for line in notes), *([""] if notes else [])]
     else:
         out += ["_No fit: the runs need at least 2 sizes and 2 token counts (see notes)._", ""]
     if "fits" in figures:
