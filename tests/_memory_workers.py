@@ -1,10 +1,13 @@
-"""Ranks for tests/test_engine_memory.py: the real training loop on DeepSpeed ZeRO-2, its
-buffers measured where they are largest (tests only).
+"""Ranks for tests/test_engine_memory.py: the real training loop on DeepSpeed ZeRO-2 or
+Megatron's distributed optimizer, their buffers measured where they are largest (tests
+only).
 
 PyTorch has no allocator statistics on CPU, so each component is measured as the bytes of
-the distinct storages that DeepSpeed's optimizer holds for it at its peak: the gradient
+the distinct storages that the engine holds for it at its peak. DeepSpeed: the gradient
 buckets and the fp32 copy at each all-reduce (the copy is the tensor reduced), the fp32
 gradient partition when the step starts, the master weights and Adam moments after it.
+Megatron: its DDP's parameter and gradient buffers and the optimizer's fp32 shards and
+moments after a step.
 """
 
 from __future__ import annotations
@@ -109,3 +112,56 @@ def measure_zero2_buffers(rank, world_size, port, root, overrides) -> None:
         train_runs(rank, world_size, port, root, [("zero2", overrides)])
     measured.pop("_optimizer", None)
     Path(root, f"measured_{rank}.json").write_text(json.dumps(measured))
+
+
+def _megatron_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+@contextlib.contextmanager
+def _measuring_megatron(measured: dict):
+    """The loop's Megatron engine, measured after its first step."""
+    from cqk_megatron.training import loop
+
+    original = loop.make_engine
+
+    def make_engine(model, config):
+        engine = original(model, config)
+        measured["count"] = sum(p.numel() for p in model.parameters())
+        step = engine.train_step
+
+        def measured_step(micro_batches):
+            result = step(micro_batches)
+            buffers = [b for chunk in engine.chunks for b in chunk.buffers]
+            _peak(measured, "parameters", _storage_bytes([b.param_data for b in buffers]))
+            _peak(measured, "gradients", _storage_bytes([b.grad_data for b in buffers]))
+            states = []
+            for opt in _megatron_optimizers(engine.optimizer):
+                for groups in (opt.shard_fp32_from_float16_groups, opt.shard_fp32_groups):
+                    states += [t for group in groups for t in group]
+                states += [
+                    v
+                    for state in opt.optimizer.state.values()
+                    for v in state.values()
+                    if hasattr(v, "untyped_storage") and v.numel() > 1
+                ]
+            _peak(measured, "optimizer", _storage_bytes(states))
+            return result
+
+        engine.train_step = measured_step
+        return engine
+
+    loop.make_engine = make_engine
+    try:
+        yield
+    finally:
+        loop.make_engine = original
+
+
+def measure_distopt_buffers(rank, world_size, port, root, overrides) -> None:
+    """One short run on the distributed optimizer; ``root/distopt_<rank>.json``."""
+    set_rank_env(rank, world_size, port)
+    measured: dict = {}
+    with _measuring_megatron(measured):
+        train_runs(rank, world_size, port, root, [("distopt", overrides)])
+    Path(root, f"distopt_{rank}.json").write_text(json.dumps(measured))

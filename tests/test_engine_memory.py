@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from _memory_workers import measure_zero2_buffers
+from _memory_workers import measure_distopt_buffers, measure_zero2_buffers
 from _multiproc import run_ranks
 
 from cqk_megatron.perf.memory import engine_buffer_bytes, model_state_bytes
@@ -24,6 +24,8 @@ ZERO2 = [
     "train.check_replicas_interval=0",
     "train.global_batch_size=16",
 ]
+# Megatron's distributed optimizer with overlap_grad_reduce, as the 1B run trains
+DISTOPT = [*ZERO2[:1], "train.engine=megatron", *ZERO2[3:]]
 
 
 @pytest.fixture(scope="module")
@@ -43,4 +45,26 @@ def test_zero2_buffers_match_the_planner_per_component(measured):
     for part in ("parameters", "gradients", "optimizer", "reduce_buckets", "reduction_copy"):
         assert measured[part] == pytest.approx(estimate[part], rel=0.10), (
             f"{part}: measured {measured[part]:,} B, planner {estimate[part]:,.0f} B"
+        )
+
+
+@pytest.fixture(scope="module")
+def measured_distopt(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("engine-memory-distopt")
+    run_ranks(measure_distopt_buffers, 2, str(root), DISTOPT)
+    return json.loads((root / "distopt_0.json").read_text())
+
+
+def test_distributed_optimizer_buffers_match_the_planner_per_component(measured_distopt):
+    # the bf16 parameter buffer, the fp32 gradient buffer (whole on every rank: it is
+    # reduce-scattered in place) and the fp32 master and moments of this rank's shard
+    n = measured_distopt["count"]
+    estimate = model_state_bytes(n, "bf16", "distopt", 2)
+    assert engine_buffer_bytes(n, "bf16", "distopt", n // 8, True) == {
+        "reduce_buckets": 0.0,
+        "reduction_copy": 0.0,
+    }
+    for part in ("parameters", "gradients", "optimizer"):
+        assert measured_distopt[part] == pytest.approx(estimate[part], rel=0.10), (
+            f"{part}: measured {measured_distopt[part]:,} B, planner {estimate[part]:,.0f} B"
         )
