@@ -19,17 +19,19 @@ import re
 from dataclasses import dataclass, field
 
 from cqk_megatron.config import ConfigError, RunConfig, validate
-from cqk_megatron.model.params import layer_parameters, stage_parameters
+from cqk_megatron.model.params import embedding_parameters, layer_parameters, stage_parameters
 from cqk_megatron.parallel.layout import SHARDING_SETTINGS, Layout, sharding_name
 from cqk_megatron.perf.memory import (
     BYTES,
     RECOMPUTE,
     SHARDINGS,
     activation_estimate,
+    engine_buffer_bytes,
     microbatches_in_flight,
     model_state_bytes,
     stage_activation_bytes,
 )
+from cqk_megatron.perf.traffic import reduce_bucket_elements
 
 GIB = 2**30
 # CUDA context, NCCL buffers and allocator fragmentation: memory no estimate here covers.
@@ -171,6 +173,15 @@ def plan_layout(
         parts = model_state_bytes(
             params, config.train.precision, layout.optimizer_sharding, layout.dp, offload
         )
+        buffers = engine_buffer_bytes(
+            params,
+            config.train.precision,
+            layout.optimizer_sharding,
+            reduce_bucket_elements(params, layout.dp),
+            config.train.overlap_grad_reduce,
+            largest_parameter(config, tp, first or last),
+        )
+        parts["buffers"] = buffers["reduce_buckets"]
         in_flight = microbatches_in_flight(pp, stage, num_microbatches, layout.vp)
         one_microbatch = (
             layer_bytes
@@ -178,7 +189,10 @@ def plan_layout(
             + (act.output_bytes if last else 0.0)
         )
         parts["activations"] = one_microbatch * in_flight
-        transient = max(act.logits_transient_bytes if last else 0.0, rebuild_bytes)
+        # the fp32 copy of a gradient bucket is made after the backward's rebuilds
+        transient = max(
+            act.logits_transient_bytes if last else 0.0, rebuild_bytes, buffers["reduction_copy"]
+        )
         if layout.optimizer_sharding == "zero3":  # the gathered layer and the prefetched next one
             transient += 2 * layer_parameters(config, tp) * BYTES[config.train.precision]
         parts["transient"] = transient
@@ -195,6 +209,16 @@ def plan_layout(
     )
     result.message = _summary(result)
     return result
+
+
+def largest_parameter(config: RunConfig, tp: int, holds_vocabulary: bool) -> int:
+    """Elements of the largest parameter on a TP rank: the vocabulary table (first and last
+    stage), the fused QKV or the fused gate/up matrix."""
+    m = config.model
+    qkv = m.hidden_size * (m.num_attention_heads + 2 * m.kv_heads) * m.head_dim
+    fc1 = m.hidden_size * m.ffn_size * (2 if m.swiglu else 1)
+    table = embedding_parameters(config, 1) if holds_vocabulary else 0
+    return max(qkv, fc1, table) // tp
 
 
 def default_global_batch(config: RunConfig, micro_batch: int, dp: int) -> int:
@@ -517,7 +541,7 @@ def format_layouts(results: list[PlanResult]) -> str:
     ]
     for r in results:
         w, lay = r.worst, r.layout
-        states = w.parts["parameters"] + w.parts["gradients"] + w.parts["optimizer"]
+        states = sum(w.parts[k] for k in ("parameters", "gradients", "optimizer", "buffers"))
         lines.append(
             f"{lay.tp:>3} {lay.pp:>3} {lay.dp:>3} {'on' if lay.sequence_parallel else '-':>3} "
             f"{lay.optimizer_sharding:>8} {lay.recompute_label():>16} {states / GIB:>8.1f} "

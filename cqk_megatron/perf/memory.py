@@ -69,6 +69,47 @@ def model_state_bytes(
     }
 
 
+# DeepSpeed BF16_Optimizer's ZeRO-1 reduction flattens its fp32 gradients in buckets of this
+# many elements (``buffered_allreduce_fallback``), whatever the config says.
+DEEPSPEED_FALLBACK_BUCKET = 500_000_000
+
+
+def engine_buffer_bytes(
+    parameters: int,
+    precision: str,
+    sharding: str,
+    bucket_elements: int,
+    overlap: bool,
+    largest_parameter: int = 0,
+) -> dict[str, float]:
+    """The buffers an engine allocates beyond parameters, gradients and optimizer states,
+    for ``parameters`` on one rank and a gradient bucket of ``bucket_elements``.
+
+    ``reduce_buckets`` live through the backward: DeepSpeed ZeRO-2 copies each gradient
+    into a bucket in the parameters' dtype, two of them with ``overlap_comm`` (one filling
+    while the other is reduced: ``setup_buckets`` in ``stage_1_and_2.py``). The
+    ``reduction_copy`` is transient: the fp32 copy of a bf16 bucket that ZeRO-2 all-reduces
+    (``gradient_reduction_w_predivide``: ``tensor.to(communication_data_type)``), of the
+    bucket, or of ``largest_parameter`` where one parameter is larger (it is reduced on its
+    own), or of the whole gradient where that is smaller; bf16 ZeRO-1 (BF16_Optimizer)
+    flattens its fp32 gradients into one buffer of up to ``DEEPSPEED_FALLBACK_BUCKET``
+    elements to all-reduce. Megatron's distributed optimizer allocates nothing more: its
+    fp32 gradient buffer (the ``gradients``) is reduce-scattered in place, and the bf16
+    parameters are views of its parameter buffer.
+    """
+    low = BYTES[precision]
+    if sharding == "zero2":
+        buckets = (2 if overlap else 1) * bucket_elements * low
+        copy = min(max(bucket_elements, largest_parameter), parameters) * 4 if low < 4 else 0
+        return {"reduce_buckets": float(buckets), "reduction_copy": float(copy)}
+    if sharding == "zero1" and low < 4:
+        return {
+            "reduce_buckets": 0.0,
+            "reduction_copy": min(DEEPSPEED_FALLBACK_BUCKET, parameters) * 4.0,
+        }
+    return {"reduce_buckets": 0.0, "reduction_copy": 0.0}
+
+
 # ---------------------------------------------------------------------------------------
 # activations
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,167 @@
+"""Ranks for tests/test_engine_memory.py: the real training loop on DeepSpeed ZeRO-2 or
+Megatron's distributed optimizer, their buffers measured where they are largest (tests
+only).
+
+PyTorch has no allocator statistics on CPU, so each component is measured as the bytes of
+the distinct storages that the engine holds for it at its peak. DeepSpeed: the gradient
+buckets and the fp32 copy at each all-reduce (the copy is the tensor reduced), the fp32
+gradient partition when the step starts, the master weights and Adam moments after it.
+Megatron: its DDP's parameter and gradient buffers and the optimizer's fp32 shards and
+moments after a step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+from _training import set_rank_env, train_runs
+
+
+def _storage_bytes(tensors) -> int:
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        if tensor is not None and tensor.numel():
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+@contextlib.contextmanager
+def _measuring(measured: dict):
+    """The loop's engine with the gradient bucket of ``perf.traffic`` (the rule the engine
+    shares with the step-time model) and every buffer of its ZeRO optimizer measured."""
+    import torch.distributed as dist
+
+    from cqk_megatron.perf.traffic import reduce_bucket_elements
+    from cqk_megatron.training import deepspeed_engine, loop
+
+    original_engine, original_config = loop.make_engine, deepspeed_engine.deepspeed_config
+    original_all_reduce = dist.all_reduce
+
+    def make_engine(model, config):
+        parameters = sum(p.numel() for p in model.parameters())
+        dp = dist.get_world_size()
+        bucket = reduce_bucket_elements(parameters, dp)
+        largest = max(p.numel() for p in model.parameters())
+        measured.update(count=parameters, dp=dp, bucket=bucket, largest=largest)
+
+        def with_bucket(*args, **kwargs):
+            ds = original_config(*args, **kwargs)
+            ds["zero_optimization"]["reduce_bucket_size"] = bucket
+            return ds
+
+        deepspeed_engine.deepspeed_config = with_bucket
+        try:
+            engine = original_engine(model, config)
+        finally:
+            deepspeed_engine.deepspeed_config = original_config
+        _watch(engine.optimizer, model, measured)
+        return engine
+
+    def all_reduce(tensor, *args, **kwargs):
+        optimizer = measured.get("_optimizer")
+        if optimizer is not None and tensor.numel() > 64:
+            buckets = [b for bucket in optimizer.ipg_buckets.values() for b in bucket.buffer]
+            _peak(measured, "reduce_buckets", _storage_bytes(buckets))
+            if tensor.dtype.is_floating_point and tensor.element_size() == 4:
+                _peak(measured, "reduction_copy", tensor.numel() * 4)
+        return original_all_reduce(tensor, *args, **kwargs)
+
+    loop.make_engine, dist.all_reduce = make_engine, all_reduce
+    try:
+        yield
+    finally:
+        loop.make_engine, dist.all_reduce = original_engine, original_all_reduce
+
+
+def _peak(measured: dict, key: str, value: int) -> None:
+    measured[key] = max(measured.get(key, 0), value)
+
+
+def _watch(optimizer, model, measured: dict) -> None:
+    """Measure the fp32 gradient partition as the step starts, the optimizer's states and
+    the parameters after it."""
+    measured["_optimizer"] = optimizer
+    step = optimizer.step
+
+    def measured_step(*args, **kwargs):
+        grads = [g for group in optimizer.averaged_gradients.values() for g in group]
+        _peak(measured, "gradients", _storage_bytes(grads))
+        result = step(*args, **kwargs)
+        masters = list(optimizer.single_partition_of_fp32_groups)
+        moments = [
+            value
+            for state in optimizer.optimizer.state.values()
+            for value in state.values()
+            if hasattr(value, "untyped_storage") and value.numel() > 1
+        ]
+        _peak(measured, "optimizer", _storage_bytes(masters + moments))
+        _peak(measured, "parameters", _storage_bytes(list(model.parameters())))
+        return result
+
+    optimizer.step = measured_step
+
+
+def measure_zero2_buffers(rank, world_size, port, root, overrides) -> None:
+    """One short run; each rank writes what it measured to ``root/measured_<rank>.json``."""
+    set_rank_env(rank, world_size, port)
+    measured: dict = {}
+    with _measuring(measured):
+        train_runs(rank, world_size, port, root, [("zero2", overrides)])
+    measured.pop("_optimizer", None)
+    Path(root, f"measured_{rank}.json").write_text(json.dumps(measured))
+
+
+def _megatron_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+@contextlib.contextmanager
+def _measuring_megatron(measured: dict):
+    """The loop's Megatron engine, measured after its first step."""
+    from cqk_megatron.training import loop
+
+    original = loop.make_engine
+
+    def make_engine(model, config):
+        engine = original(model, config)
+        measured["count"] = sum(p.numel() for p in model.parameters())
+        step = engine.train_step
+
+        def measured_step(micro_batches):
+            result = step(micro_batches)
+            buffers = [b for chunk in engine.chunks for b in chunk.buffers]
+            _peak(measured, "parameters", _storage_bytes([b.param_data for b in buffers]))
+            _peak(measured, "gradients", _storage_bytes([b.grad_data for b in buffers]))
+            states = []
+            for opt in _megatron_optimizers(engine.optimizer):
+                for groups in (opt.shard_fp32_from_float16_groups, opt.shard_fp32_groups):
+                    states += [t for group in groups for t in group]
+                states += [
+                    v
+                    for state in opt.optimizer.state.values()
+                    for v in state.values()
+                    if hasattr(v, "untyped_storage") and v.numel() > 1
+                ]
+            _peak(measured, "optimizer", _storage_bytes(states))
+            return result
+
+        engine.train_step = measured_step
+        return engine
+
+    loop.make_engine = make_engine
+    try:
+        yield
+    finally:
+        loop.make_engine = original
+
+
+def measure_distopt_buffers(rank, world_size, port, root, overrides) -> None:
+    """One short run on the distributed optimizer; ``root/distopt_<rank>.json``."""
+    set_rank_env(rank, world_size, port)
+    measured: dict = {}
+    with _measuring_megatron(measured):
+        train_runs(rank, world_size, port, root, [("distopt", overrides)])
+    Path(root, f"distopt_{rank}.json").write_text(json.dumps(measured))

@@ -1,0 +1,70 @@
+"""The planner's memory of the buffers an engine allocates (perf/memory.py
+``model_state_bytes`` and ``engine_buffer_bytes``), against what a tiny run of the real
+engine holds on 2 gloo ranks, component by component (tests/_memory_workers.py measures:
+PyTorch has no allocator statistics on CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _memory_workers import measure_distopt_buffers, measure_zero2_buffers
+from _multiproc import run_ranks
+
+from cqk_megatron.perf.memory import engine_buffer_bytes, model_state_bytes
+
+# bf16 ZeRO-2 with overlap_comm, as the 1B run trained before; 4 micro-batches a rank
+ZERO2 = [
+    "train.precision=bf16",
+    "train.engine=deepspeed",
+    "train.zero_stage=2",
+    "train.overlap_grad_reduce=true",
+    "train.train_steps=2",
+    "train.save_interval=1000",
+    "train.check_replicas_interval=0",
+    "train.global_batch_size=16",
+]
+# Megatron's distributed optimizer with overlap_grad_reduce, as the 1B run trains
+DISTOPT = [*ZERO2[:1], "train.engine=megatron", *ZERO2[3:]]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("engine-memory")
+    run_ranks(measure_zero2_buffers, 2, str(root), ZERO2)
+    return json.loads((root / "measured_0.json").read_text())
+
+
+def test_zero2_buffers_match_the_planner_per_component(measured):
+    n, dp, bucket = measured["count"], measured["dp"], measured["bucket"]
+    assert n > 4 * bucket  # several buckets a backward, as at the shipped sizes
+    estimate = model_state_bytes(n, "bf16", "zero2", dp)
+    largest = measured["largest"]  # the fused gate/up matrix, reduced on its own
+    assert largest > bucket
+    estimate |= engine_buffer_bytes(n, "bf16", "zero2", bucket, True, largest_parameter=largest)
+    for part in ("parameters", "gradients", "optimizer", "reduce_buckets", "reduction_copy"):
+        assert measured[part] == pytest.approx(estimate[part], rel=0.10), (
+            f"{part}: measured {measured[part]:,} B, planner {estimate[part]:,.0f} B"
+        )
+
+
+@pytest.fixture(scope="module")
+def measured_distopt(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("engine-memory-distopt")
+    run_ranks(measure_distopt_buffers, 2, str(root), DISTOPT)
+    return json.loads((root / "distopt_0.json").read_text())
+
+
+def test_distributed_optimizer_buffers_match_the_planner_per_component(measured_distopt):
+    # the bf16 parameter buffer, the fp32 gradient buffer (whole on every rank: it is
+    # reduce-scattered in place) and the fp32 master and moments of this rank's shard
+    n = measured_distopt["count"]
+    estimate = model_state_bytes(n, "bf16", "distopt", 2)
+    assert engine_buffer_bytes(n, "bf16", "distopt", n // 8, True) == {
+        "reduce_buckets": 0.0,
+        "reduction_copy": 0.0,
+    }
+    for part in ("parameters", "gradients", "optimizer"):
+        assert measured_distopt[part] == pytest.approx(estimate[part], rel=0.10), (
+            f"{part}: measured {measured_distopt[part]:,} B, planner {estimate[part]:,.0f} B"
+        )
