@@ -182,8 +182,8 @@ def _stopped_verdict(stopped: list[int], why: str, over: dict[int, dict]) -> dic
     return verdict(
         culprits,
         first,
-        f"stopped in phase '{first['phase']}' ({first['age_s']:.1f} s, bound "
-        f"{first['bound_s']:g} s): {why} (main thread at {first.get('where', '?')})",
+        f"overran phase '{first['phase']}': {first['age_s']:.1f} s, bound "
+        f"{first['bound_s']:g} s; {why} (main thread at {first.get('where', '?')})",
         first["age_s"] - first["bound_s"],
         kind="stuck",
     )

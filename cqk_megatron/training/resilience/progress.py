@@ -53,8 +53,8 @@ def stopped_ranks(states: dict[int, dict]) -> tuple[list[int], str]:
         for rank, count in late.items():
             behind.setdefault(
                 rank,
-                f"issued {count} collectives on process group {group!r} where its peers "
-                f"issued {most}: it stopped before the one they wait in",
+                f"it issued {count} collectives on process group {group!r} where its peers "
+                f"issued {most}, so it stopped before the one they wait in",
             )
     stopped = sorted(rank for rank in behind if rank not in ahead)
     return stopped, behind[stopped[0]] if stopped else ""
