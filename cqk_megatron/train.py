@@ -33,7 +33,6 @@ from cqk_megatron.config import (
 from cqk_megatron.data.errors import DataError
 from cqk_megatron.errors import EXIT_INTERRUPTED, EXIT_REFUSED, is_refusal
 from cqk_megatron.run.checkpoint_files import RESUME_HELP, CheckpointSaveError
-from cqk_megatron.run.folder import NoSpaceError
 from cqk_megatron.run.lease import LeaseLost
 
 
@@ -170,10 +169,12 @@ def _train(config, resume: str) -> int:
     try:
         return train(config, resume=resume)
     except Exception as error:
-        if is_refusal(error):  # a full disk at a save too: a rerun would fail the same way
+        # a full disk, a read-only folder, a name too long (``run.folder.NoSpaceError``), at
+        # a save or any other write: a rerun would fail the same way
+        if is_refusal(error):
             _say(str(error))
             return EXIT_REFUSED
-        if isinstance(error, (CheckpointSaveError, NoSpaceError, LeaseLost)):
+        if isinstance(error, (CheckpointSaveError, LeaseLost)):
             _say(str(error))
             return 1
         raise

@@ -45,3 +45,28 @@ def current_umask() -> int:
 def write_text_atomically(path: Path | str, text: str) -> None:
     with atomic_path(path) as temporary:
         temporary.write_text(text, encoding="utf-8")
+
+
+def append_line(path: Path | str, line: str) -> None:
+    """Append ``line`` and a newline to ``path``: the whole line or nothing.
+
+    A record file's reader skips a line cut short, but the next record would then be
+    glued to it; a write that fails part-way (a disk that fills, a quota) is taken back,
+    so the file still ends with a whole line. One ``write`` of a short line, so that two
+    appending processes do not interleave; the file is cut back only when nobody else
+    appended meanwhile. The error is the caller's to name.
+    """
+    data = (line.rstrip("\n") + "\n").encode("utf-8")
+    descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        start = os.fstat(descriptor).st_size
+        written = 0
+        try:
+            while written < len(data):
+                written += os.write(descriptor, data[written:])
+        except OSError:
+            if written and os.fstat(descriptor).st_size == start + written:
+                os.ftruncate(descriptor, start)
+            raise
+    finally:
+        os.close(descriptor)

@@ -78,7 +78,8 @@ from typing import Any, Literal
 import yaml
 
 from cqk_megatron.config import RunConfig, to_dict
-from cqk_megatron.run.atomic import write_text_atomically
+from cqk_megatron.errors import Refusal
+from cqk_megatron.run.atomic import append_line, write_text_atomically
 
 CONFIG = "config.yaml"
 HISTORY = "history.jsonl"
@@ -154,6 +155,15 @@ def _existing_ancestor(path: Path) -> Path:
     return path
 
 
+def _mount_point(path: Path) -> Path:
+    """The folder where the filesystem that holds ``path`` is mounted (what to free)."""
+    folder = _existing_ancestor(path)
+    device = folder.stat().st_dev
+    while folder.parent != folder and folder.parent.stat().st_dev == device:
+        folder = folder.parent
+    return folder
+
+
 def free_bytes(path: Path) -> int:
     """Free bytes (for this user) on the filesystem that holds or would hold ``path``."""
     return shutil.disk_usage(_existing_ancestor(path)).free
@@ -170,39 +180,84 @@ def human_bytes(count: float) -> str:
 def is_no_space(error: BaseException | None) -> bool:
     """``error`` (or what caused it) is a full disk or quota. PyTorch's zip writer reports
     a short write as ``enforce fail at inline_container.cc ... unexpected pos``."""
+    return _unwritable_errno(error) in (errno.ENOSPC, errno.EDQUOT)
+
+
+# What a filesystem says when no write there can succeed as things are: running the same
+# job again cannot help, so the run is refused (exit 2), not relaunched into it.
+_UNWRITABLE = {
+    errno.ENOSPC: (
+        "no space left on device",
+        "free space there or point log.root at a larger filesystem",
+    ),
+    errno.EDQUOT: (
+        "disk quota exceeded",
+        "free space in your quota there or point log.root at another filesystem",
+    ),
+    errno.EROFS: ("read-only filesystem", "point log.root at a writable folder"),
+    errno.EACCES: ("permission denied", "point log.root at a folder you can write"),
+    errno.ENAMETOOLONG: (
+        "file name too long",
+        "shorten the name (each path component "
+        "holds at most 255 bytes): name=, log.root or the data paths",
+    ),
+}
+
+
+def _unwritable_errno(error: BaseException | None) -> int | None:
+    """The errno of ``error`` or its causes that says the filesystem refuses writes."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
+        if isinstance(error, OSError) and error.errno in _UNWRITABLE:
+            return error.errno
         text = str(error)
-        if "No space left on device" in text or "Disk quota exceeded" in text:
-            return True
+        if "No space left on device" in text:
+            return errno.ENOSPC
+        if "Disk quota exceeded" in text:
+            return errno.EDQUOT
         if "inline_container" in text and "unexpected pos" in text:
-            return True
+            return errno.ENOSPC
+        if "Read-only file system" in text:
+            return errno.EROFS
         error = error.__cause__ or error.__context__
-    return False
+    return None
 
 
-class NoSpaceError(OSError):
-    """A write that failed because its filesystem is full; the message says where."""
+def names_unwritable(message: str) -> bool:
+    """``message`` is a ``NoSpaceError``'s (as gathered from another rank, as text)."""
+    return message.startswith(tuple(cause for cause, _ in _UNWRITABLE.values()))
 
-    def __init__(self, message: str) -> None:
+
+def is_unwritable(error: BaseException) -> bool:
+    """``error`` says the filesystem refuses the write: full, over quota, read-only, not
+    ours to write, or a name too long."""
+    return _unwritable_errno(error) is not None
+
+
+class NoSpaceError(Refusal, OSError):
+    """A write the filesystem refused (full, over quota, read-only, not writable, a name
+    too long); the message says where, the free space and the fix. A refusal: the run
+    stops with exit 2 and is not relaunched into the same filesystem."""
+
+    def __init__(self, message: str, code: int = errno.ENOSPC) -> None:
         super().__init__(message)
-        self.errno = errno.ENOSPC
+        self.errno = code
 
 
 def no_space_error(path: Path, error: BaseException, what: str = "") -> BaseException:
-    """``error`` as a ``NoSpaceError`` naming the path and the free space, if it was a full
-    disk; else ``error`` itself."""
-    if isinstance(error, NoSpaceError) or not is_no_space(error):
+    """``error`` as a ``NoSpaceError`` naming the path, the cause, the free space and the
+    fix, if the filesystem refused the write; else ``error`` itself."""
+    code = _unwritable_errno(error)
+    if isinstance(error, NoSpaceError) or code is None:
         return error
-    free = free_bytes(path)
-    mount = _existing_ancestor(path)
-    return NoSpaceError(
-        f"no space left on device writing {what or path} ({human_bytes(free)} free on the "
-        f"filesystem of {mount}); free space there or point log.root at a larger filesystem",
-    )
+    cause, fix = _UNWRITABLE[code]
+    try:
+        mount = _mount_point(path)
+        room = f"{human_bytes(free_bytes(path))} free on the filesystem of {mount}"
+    except OSError:  # the name itself is what the filesystem refuses
+        room = "free space unknown"
+    return NoSpaceError(f"{cause} writing {what or path} ({room}); {fix}", code)
 
 
 # -- JSON-lines files ----------------------------------------------------------------------
@@ -225,13 +280,15 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def append_event(run_dir: Path, event: str, **fields: Any) -> None:
-    """One line in ``jobs.jsonl``; a single ``write`` of a short line, so concurrent
-    writers (the launcher, a job) do not interleave."""
+    """One line in ``jobs.jsonl``, whole or not at all (``atomic.append_line``); a
+    filesystem that refuses it raises ``NoSpaceError`` naming it."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     record = {"event": event, "time": time.time(), **fields}
-    with (run_dir / JOBS).open("a") as file:
-        file.write(json.dumps(record, default=str) + "\n")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        append_line(run_dir / JOBS, json.dumps(record, default=str))
+    except OSError as error:
+        raise no_space_error(run_dir / JOBS, error) from error
 
 
 def events(run_dir: Path) -> list[dict[str, Any]]:

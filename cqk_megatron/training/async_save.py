@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import shutil
 import sys
 import threading
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from megatron.core import dist_checkpointing
 
 from cqk_megatron.config import RunConfig
 from cqk_megatron.parallel.device import device
+from cqk_megatron.run.folder import is_unwritable
 from cqk_megatron.training import checkpoint, collectives
 from cqk_megatron.training.checkpoint import FAILURES, TrainerState, WriteLog
 from cqk_megatron.training.engine import Engine
@@ -197,6 +199,11 @@ class Writer(threading.Thread):
                 self.digests = checkpoint.own_digests(self.staging, log)
         except FAILURES as caught:
             self.error = caught
+            if is_unwritable(caught):
+                # free the disk now: the training thread's next write (a metrics line) must
+                # not be the one that meets the full disk; the save's failure is reported,
+                # as the cause, at the next step boundary (``Saver.poll``)
+                shutil.rmtree(self.staging, ignore_errors=True)
 
 
 def _write_request(request) -> None:

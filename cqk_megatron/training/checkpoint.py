@@ -77,7 +77,7 @@ from cqk_megatron.run.checkpoint_files import (
     verify,
     write_manifest,
 )
-from cqk_megatron.run.folder import CONFIG, is_no_space, no_space_error
+from cqk_megatron.run.folder import CONFIG, is_unwritable, names_unwritable, no_space_error
 from cqk_megatron.training.collectives import (
     from_rank0,
     gather_objects,
@@ -173,7 +173,7 @@ def _agree(error: BaseException | None, staging: Path, what: str) -> None:
     if error is not None:
         local = (
             str(no_space_error(staging, error, what))
-            if is_no_space(error)
+            if is_unwritable(error)
             else (f"{type(error).__name__}: {error}")
         )
     gathered = gather_objects(local)
@@ -182,11 +182,11 @@ def _agree(error: BaseException | None, staging: Path, what: str) -> None:
         return
     if dist.get_rank() == 0:
         shutil.rmtree(staging, ignore_errors=True)
-    # a full disk explains the other ranks' errors; name it first
-    failures.sort(key=lambda item: "no space left" not in item[1])
+    # a full disk (or a read-only one) explains the other ranks' errors; name it first
+    failures.sort(key=lambda item: not names_unwritable(item[1]))
     rank, text = failures[0]
-    disk_full = "no space left" in text
-    if disk_full:
+    disk_full = names_unwritable(text)
+    if text.startswith("no space left"):
         # the staging folder is gone now: say how much room that left
         text = str(no_space_error(staging, OSError(28, "No space left on device"), what))
     previous = (

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from cqk_megatron.config import RunConfig, to_dict
-from cqk_megatron.run.atomic import write_text_atomically
+from cqk_megatron.run.atomic import append_line, write_text_atomically
 from cqk_megatron.run.folder import (
     METRICS,
     TRAIN,
@@ -139,7 +139,10 @@ class MetricsLogger:
         self._clock = StepClock()
         if not enabled:
             return
-        self._file = self.path.open("a")
+        try:  # the file exists (and can be written) from the start
+            self.path.touch()
+        except OSError as error:
+            raise no_space_error(self.path, error) from error
         if config.log.wandb_mode != "disabled":
             self._wandb = self._start_wandb(run_dir, config)
         if config.log.tensorboard:
@@ -192,23 +195,17 @@ class MetricsLogger:
         kept = [r for r in kept if not (final and r.get("final") and r.get("step") == step)]
         if kept == found.records and not found.superseded and not found.problems:
             return
-        self._file.close()
         text = "".join(json.dumps(r) + "\n" for r in kept)
         try:
             write_text_atomically(self.path, text)
         except OSError as error:
             raise no_space_error(self.path, error) from error
-        self._file = self.path.open("a")
 
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
         record = {**record, "time": time.time()}
-        try:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
-        except OSError as error:
-            raise no_space_error(self.path, error) from error
+        self._append(json.dumps(record))
         numbers = {
             f"{record['kind']}/{k}": v
             for k, v in record.items()
@@ -260,4 +257,11 @@ class MetricsLogger:
             self._wandb.finish()
         if self._tensorboard is not None:
             self._tensorboard.close()
-        self._file.close()
+
+    def _append(self, line: str) -> None:
+        """One record: a whole line or none (a full disk leaves the file's last line
+        whole), and a filesystem that refuses it as ``NoSpaceError`` naming it."""
+        try:
+            append_line(self.path, line)
+        except OSError as error:
+            raise no_space_error(self.path, error) from error
