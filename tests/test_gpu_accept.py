@@ -106,3 +106,11 @@ def test_a_stage_over_its_budget_is_stopped():
     with pytest.raises(accept.StageTimeout), accept.alarm(1):
         time.sleep(10)
     assert time.monotonic() - started < 5
+
+
+def test_the_step_time_ratios_at_350m_are_checked_on_a_gpu():
+    assert accept.ratio_check("350m", "coupled", 1.09, on_gpu=True) == ("<= 1.1", True)
+    assert accept.ratio_check("350m", "coupled", 1.4, on_gpu=True) == ("<= 1.1", False)
+    assert accept.ratio_check("350m", "differential", 1.3, on_gpu=True) == ("<= 1.25", False)
+    assert accept.ratio_check("350m", "differential", 1.3, on_gpu=False) == ("<= 1.25", None)
+    assert accept.ratio_check("1b", "coupled", 1.4, on_gpu=True) == ("reported", None)
