@@ -78,7 +78,7 @@ def _micro_batches(config) -> int:
 def _cases() -> dict[str, dict]:
     """One case per distinct setting: {name: {source, overrides, buckets, ranks}}."""
     cases: dict[str, dict] = {}
-    seen = set()
+    seen: dict[tuple, str] = {}
     for path in SHIPPED:
         config = load_config(path, [])
         settings = _settings(config)
@@ -86,10 +86,16 @@ def _cases() -> dict[str, dict]:
         if path.stem == "1b_4x8":  # the engine the step-time model may move it to
             variants.append((f"{path.stem}-megatron", {**settings, "train.engine": "megatron"}))
         for name, chosen in variants:
-            key = tuple(sorted(chosen.items()))
-            if key in seen:
+            # the variant matters only where TP partial gradients are summed
+            key = tuple(
+                item
+                for item in sorted(chosen.items())
+                if chosen["parallel.tensor_parallel"] > 1 or not item[0].startswith("attention")
+            )
+            if key in seen:  # the same settings as an earlier config's
+                cases[seen[key]]["source"] += f", {path.name}"
                 continue
-            seen.add(key)
+            seen[key] = name
             micro = _micro_batches(config)
             overrides = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in key]
             overrides += [
@@ -152,7 +158,7 @@ def _describe(name: str, case: dict, config) -> str:
     engine = f"ZeRO-{t.zero_stage}" if t.engine == "deepspeed" else "Megatron distopt"
     sp = " SP" if p.sequence_parallel else ""
     return (
-        f"{name} ({case['source']}'s settings: {engine} {t.precision}"
+        f"{name} (the settings of {case['source']}: {engine} {t.precision}"
         f"{' overlap' if t.overlap_grad_reduce else ''}, TP={p.tensor_parallel}{sp} "
         f"PP={p.pipeline_parallel} DP={DP}, {traffic.micro_batches(config, DP)} micro-batches)"
     )
