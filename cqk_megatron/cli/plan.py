@@ -1,4 +1,4 @@
-"""``cqk plan`` (``cqk-plan``): will a layout fit in GPU memory, and which layouts fit?
+"""``cqk plan``: will a layout fit in GPU memory, and which layouts fit?
 
     cqk plan --config configs/models/1b.yaml --gpus 8 --gpu-mem 80GiB
         [--micro-batch 1] [--seq 2048] [--zero 1|2|3|distopt|all]
@@ -228,7 +228,7 @@ def load_variant_config(args: argparse.Namespace, variant: str | None) -> RunCon
 def check_against_built_model(config: RunConfig) -> None:
     """Build the model on the meta device (seconds, no memory) and compare the totals
     (``cqk params``' check)."""
-    from cqk_megatron.model.params import built_differences
+    from cqk_megatron.bench.overhead import built_differences
 
     variant = config.attention.variant
     if variant not in VARIANTS:
