@@ -228,5 +228,5 @@ def test_a_toy_backend_runs_a_job_through_submit_status_and_cancel(
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"iter_{last:07d}"
     assert submit.main(["status", str(run_dir)]) == 0
     report = capsys.readouterr().out
-    assert f"job        {job_id} (toy): FINISHED" in report
+    assert f"job        {job_id} (toy): CANCELLED" in report  # ended by cancel
     assert re.search(rf"cancelled\s+job {job_id}: toy cancel", report), report
