@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from cqk_megatron.cli.args import new_parser
 from cqk_megatron.cli.quiet import quiet_third_party_warnings
@@ -33,6 +34,7 @@ from cqk_megatron.config import (
 from cqk_megatron.data.errors import DataError
 from cqk_megatron.errors import EXIT_INTERRUPTED, EXIT_REFUSED, is_refusal
 from cqk_megatron.run.checkpoint_files import RESUME_HELP, CheckpointSaveError
+from cqk_megatron.run.folder import no_space_error
 from cqk_megatron.run.lease import LeaseLost
 
 
@@ -145,6 +147,12 @@ def _main(argv: list[str] | None, started: dict) -> int:
                     print(note, file=sys.stderr)
     except (ConfigError, DataError) as error:
         _say(str(error))
+        return EXIT_REFUSED
+    except OSError as error:  # the run folder or a data path that the filesystem refuses
+        refused = no_space_error(Path(error.filename or "."), error)
+        if refused is error:
+            raise
+        _say(str(refused))
         return EXIT_REFUSED
     from cqk_megatron.parallel.torchrun import record_exit
 

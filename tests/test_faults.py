@@ -539,9 +539,12 @@ def test_refusals_are_one_list_that_a_failed_save_is_not_on():
     from cqk_megatron.run.folder import NoSpaceError
     from cqk_megatron.run.lease import LeaseHeld, LeaseLost
 
-    for error in (LeaseHeld("x"), CheckpointError("x"), DataError("x"), ConfigError("x")):
+    # a write the filesystem refuses (full, read-only, a name too long) refuses the run:
+    # a relaunch would meet the same filesystem
+    refused = (LeaseHeld("x"), CheckpointError("x"), DataError("x"), ConfigError("x"))
+    for error in (*refused, NoSpaceError("x")):
         assert is_refusal(error), error
-    for error in (CheckpointSaveError("x"), LeaseLost("x"), NoSpaceError("x"), RuntimeError()):
+    for error in (CheckpointSaveError("x"), LeaseLost("x"), RuntimeError()):
         assert not is_refusal(error), error
 
 

@@ -1179,3 +1179,29 @@ def test_a_second_ctrl_c_while_the_launcher_cancels_its_jobs_says_one_line(capsy
     assert submit.stop_jobs(backend, [], "interrupted", 130) == 130
     said = capsys.readouterr()
     assert "interrupted again: not waiting for the jobs to end" in said.out + said.err
+
+
+LONG = "x" * 300  # a path component over the 255 bytes a filesystem allows
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (f"log.root={{tmp}}/{LONG}",),
+        ("data.mock=false", f"data.prefixes=[{{tmp}}/{LONG}]", "data.tokenizer={tmp}/t.model"),
+        (f"data.tokenizer={{tmp}}/{LONG}.model",),
+    ],
+    ids=["log.root", "data.prefixes", "data.tokenizer"],
+)
+def test_a_name_too_long_is_refused_in_one_line(
+    overrides, prepared_data, tmp_path, capsys, monkeypatch
+):
+    """An uncaught ``OSError [Errno 36]`` traceback, exit 1, before."""
+    data = copy_data(prepared_data, tmp_path)
+    watch = Watch(tmp_path)
+    argv = ["--config", CONFIG, f"log.root={tmp_path / 'runs'}", *data_overrides(data)]
+    argv += [o.replace("{tmp}", str(tmp_path)) for o in overrides]
+    outcome = cqk_train(argv, capsys, monkeypatch)
+    check(outcome, EXIT_REFUSED, f"error: file name too long: {tmp_path}/", "shorten the name")
+    watch.assert_unchanged()
+    watch.assert_no_process_left()

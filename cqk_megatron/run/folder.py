@@ -257,7 +257,8 @@ def no_space_error(path: Path, error: BaseException, what: str = "") -> BaseExce
         room = f"{human_bytes(free_bytes(path))} free on the filesystem of {mount}"
     except OSError:  # the name itself is what the filesystem refuses
         room = "free space unknown"
-    return NoSpaceError(f"{cause} writing {what or path} ({room}); {fix}", code)
+    doing = ":" if code == errno.ENAMETOOLONG else " writing"  # a read meets it too
+    return NoSpaceError(f"{cause}{doing} {what or path} ({room}); {fix}", code)
 
 
 # -- JSON-lines files ----------------------------------------------------------------------
