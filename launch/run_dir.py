@@ -73,12 +73,18 @@ def job_refusal(run_dir: Path, job_id: str) -> str | None:
 
 
 def job_cancelled(run_dir: Path, job_id: str) -> bool:
-    """Whether ``cancel`` ended job ``job_id`` (its ``cancelled`` event): a job that ended
-    that way is reported as cancelled, whatever state its backend gives it afterwards
-    (a local job whose ranks saved and exited reads FINISHED)."""
-    return any(
-        e["event"] == "cancelled" and str(e.get("job_id")) == str(job_id) for e in events(run_dir)
-    )
+    """Whether job ``job_id`` was cancelled: by ``cqk cancel`` (its ``cancelled`` event), or
+    by a signal to its controller or launcher (a ``stopped`` event whose requeue says
+    cancelled). A job that ended that way is reported as cancelled, whatever state its
+    backend gives it afterwards (a local job whose ranks saved and exited reads FINISHED)."""
+    for event in events(run_dir):
+        if str(event.get("job_id")) != str(job_id):
+            continue
+        if event["event"] == "cancelled" or (
+            event["event"] == "stopped" and str(event.get("requeue", "")).startswith("cancelled")
+        ):
+            return True
+    return False
 
 
 def metrics(run_dir: Path) -> list[dict]:

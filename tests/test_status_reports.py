@@ -95,3 +95,22 @@ def test_status_of_a_name_with_two_folders_lists_them_and_asks_for_the_path(tmp_
     second.rmdir()
     alone = cqk(state, "status", "twice")
     assert alone.returncode == 0 and f"run        {first}" in alone.stdout, alone.stdout
+
+
+def test_a_job_stopped_by_a_signal_to_its_controller_reads_cancelled(tmp_path):
+    """The local controller records a job it was told to end (SIGTERM to it, Ctrl-C to the
+    launcher) as stopped with ``requeue: cancelled: not requeued``; the job id here is no
+    live process, so the local backend gives FINISHED, which status replaces."""
+    run_dir = tmp_path / "stopped"
+    run_dir.mkdir()
+    job = {"job_id": "999999999", "cluster": "local"}
+    lines = [
+        {"event": "submitted", **job, "time": 1.0},
+        {"event": "started", **job, "attempt": 1, "host": "h", "time": 2.0},
+        {"event": "stopped", **job, "exit": 75, "requeue": "cancelled: not requeued", "time": 3.0},
+    ]
+    (run_dir / "jobs.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    status = cqk(tmp_path / "state", "status", str(run_dir))
+    assert re.search(r"job\s+999999999 \(local\): CANCELLED, attempt 1", status.stdout), (
+        status.stdout
+    )
