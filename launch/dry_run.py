@@ -74,7 +74,7 @@ def headline(verdicts: list[Verdict]) -> str:
 
 
 def single_run(plan: RunPlan, found: Verdict, details: list[str]) -> list[str]:
-    lines = [headline([found]), *(f"note: {note}" for note in found.notes)]
+    lines = [headline([found])]
     lines += [f"==> run {plan.name}: {plan.folder_line()}", f"==> layout: {plan.layout()}"]
     lines += ["==> resolved config", yaml.safe_dump(to_dict(plan.config), sort_keys=False)]
     return [*(line.rstrip() for line in lines), *details]
@@ -115,6 +115,9 @@ def dry_run(
 ) -> int:
     """Print the dry run; the exit code the submission would end with."""
     verdicts = [verdict(plan, resume) for plan in plans]
+    for plan, found in zip(plans, verdicts, strict=True):
+        for note in found.notes:  # as the submission prints them
+            print(f"{plan.name}: {note}", file=sys.stderr)
     if sweep is None and len(plans) == 1:
         where = [(g, submitit_folder(g, sweep), job_name(g, sweep)) for g in groups]
         details = backend.dry_run(where, profile, array=False)

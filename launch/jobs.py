@@ -20,7 +20,7 @@ import yaml
 
 from cqk_megatron.config import ConfigError, to_dict
 from cqk_megatron.run import lease as run_lease
-from cqk_megatron.run.folder import CONFIG, SUBMITIT, write_config
+from cqk_megatron.run.folder import SUBMITIT
 from launch import run_dir as runs
 from launch.backends import Backend, get_backend, is_active
 from launch.executors import REPO
@@ -137,10 +137,8 @@ def submit_group(
     backend has arrays. Each submitted job is recorded and added to ``progress``; each
     submission happens inside ``guard()`` (the launcher defers its stop signals there, so
     that a job it started is known to its cancel)."""
-    for plan in group:
-        # A run that has started keeps its recorded config until a job really starts it.
-        if not (plan.run_dir / CONFIG).exists():
-            write_config(plan.run_dir, plan.config)
+    # The run's config.yaml is the job's to write, after its first step
+    # (cqk_megatron.run.history): a queued run has no settings that ran yet.
     callables = _training_jobs(group, backend, resume)
     if not backend.job_arrays:
         return _submit_one_by_one(group, callables, profile, backend, argv, progress, guard)

@@ -1003,6 +1003,7 @@ def test_a_real_resume_skips_a_damaged_checkpoint_and_deletes_nothing(prepared_r
             assert after.get(new + name[len(old) :]) == digest, name
     rewritten = {"changed runs/base/metrics.jsonl", "changed runs/base/checkpoints/latest"}
     rewritten.add("changed runs/base/config.yaml")  # this attempt's exit_after_steps
+    rewritten.add("changed runs/base/history.jsonl")  # ... and its record there
     watch.assert_unchanged(
         lambda change: (
             change in rewritten
@@ -1070,6 +1071,7 @@ def test_sigterm_stops_training_with_75_and_a_checkpoint_it_resumes_from(prepare
     assert (run_dir / "metrics.jsonl").read_bytes().startswith(metrics_before)
     rewritten = {"changed runs/base/metrics.jsonl", "changed runs/base/config.yaml"}
     rewritten.add("changed runs/base/checkpoints/latest")
+    rewritten.add("changed runs/base/history.jsonl")  # this attempt's settings and start
     new = f"added runs/base/checkpoints/iter_{step:07d}"
     watch.assert_unchanged(
         lambda change: change in rewritten or change.startswith(new) or change == "added train.log"
