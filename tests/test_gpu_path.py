@@ -201,7 +201,7 @@ def test_transformer_engine_norms_under_sp_need_megatrons_engine(monkeypatch):
         ("NVIDIA H100 80GB HBM3", 989e12),  # SXM
         ("NVIDIA H100 PCIe", 756e12),
         ("NVIDIA H100 NVL", 835e12),
-        ("NVIDIA H200", 989e12),  # SXM, what torch reports on the machines lent here
+        ("NVIDIA H200", 989e12),  # SXM: the name torch reports for an H200 SXM
         ("NVIDIA H200 NVL", 835e12),
         ("NVIDIA GH200 480GB", 989e12),
         ("NVIDIA A100-SXM4-80GB", 312e12),

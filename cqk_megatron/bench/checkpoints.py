@@ -30,6 +30,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -46,9 +47,23 @@ XXH3_GBPS = 3.0  # one core, from a file (3.00 GiB/s there)
 GPUS_PER_NODE = 8
 MFU = 0.4  # of H100 bf16 peak (989 TFLOP/s), for the step time
 PEAK_FLOPS = 989e12
-CLUSTER_RUNS = {  # name: (parameters, nodes, tokens a step, save_interval)
-    "1B (configs/runs/1b_4x8.yaml: 4x8 GPUs, ZeRO-1)": (1.0e9, 4, 512 * 2048, 500),
-    "7B (assumed: 8x8 GPUs, ZeRO-1, same batch and interval)": (7.0e9, 8, 512 * 2048, 500),
+
+
+class ClusterRun(NamedTuple):
+    parameters: float
+    nodes: int
+    tensor_parallel: int
+    tokens_per_step: int
+    save_interval: int
+
+
+CLUSTER_RUNS = {
+    "1B (configs/runs/1b_4x8.yaml: 4x8 GPUs, TP=1 x DP=32, distributed optimizer)": ClusterRun(
+        1.0e9, 4, 1, 512 * 2048, 500
+    ),
+    "7B (assumed: 8x8 GPUs, TP=2 x DP=32, distributed optimizer, same batch and interval)": (
+        ClusterRun(7.0e9, 8, 2, 512 * 2048, 500)
+    ),
 }
 
 
@@ -122,14 +137,15 @@ def measure(hidden: int, layers: int, vocab: int) -> dict:
 
 
 def cluster_estimate() -> dict:
-    """Per rank, a ZeRO-1 bf16 checkpoint: the bf16 weights of its TP shard (TP=2, the
-    data-parallel ranks of a shard write one copy between them: counted once a node)
-    and its share of the fp32 master and moments (``perf.memory.model_state_bytes``)."""
+    """Per rank, a bf16 checkpoint of Megatron's distributed optimizer (ZeRO-1's bytes are
+    the same): the bf16 weights of its TP shard, which the data-parallel ranks of a shard
+    write one copy of between them, and its share of the fp32 master and moments
+    (``perf.memory.model_state_bytes``)."""
     estimates = {}
-    for name, (parameters, nodes, tokens, interval) in CLUSTER_RUNS.items():
+    for name, (parameters, nodes, tp, tokens, interval) in CLUSTER_RUNS.items():
         gpus = nodes * GPUS_PER_NODE
-        dp = gpus // 2
-        state = model_state_bytes(parameters / 2, "bf16", "zero1", dp)
+        dp = gpus // tp
+        state = model_state_bytes(parameters / tp, "bf16", "distopt", dp)
         rank_bytes = state["optimizer"] + state["parameters"] / dp
         total_bytes = rank_bytes * gpus
         step_s = 6 * parameters * tokens / (gpus * PEAK_FLOPS * MFU)
