@@ -48,6 +48,15 @@ def test_dry_run_prints_the_stages_and_their_budgets():
         assert f"  {name}: " in out
     assert ", ".join(accept.KERNEL_VARIANTS) in out
     assert "configs/models/1b.yaml coupled" in out and "planner activations" in out
+    assert "speed: configs/runs/1b_4x8.yaml on one GPU, 8 layers, train.engine=megatron" in out
+    for name in accept.two_gpu_runs(Path("/w"), accept.Sizes()):
+        assert f"  {name}: TP=" in out
+
+
+def test_the_new_stages_are_listed_and_the_budgets_fit_eight_minutes():
+    names = [stage.name for stage in accept.STAGES]
+    assert names[-2:] == ["speed", "multigpu"]
+    assert sum(stage.budget_s for stage in accept.STAGES) < 480
 
 
 def test_without_a_gpu_it_refuses_to_run_and_says_how():
@@ -69,12 +78,12 @@ def test_the_training_runs_are_valid_and_each_resumed_one_is_its_twin(tmp_path):
     configs = {}
     for name, overrides in runs.items():
         config = validate(load_config(REPO / "configs/runs/demo.yaml", overrides))
-        assert config.train.precision == "bf16" and config.train.train_steps == 50
+        assert config.train.precision == "bf16" and config.train.train_steps == 40
         assert config.train.check_replicas_interval > 0, name
         configs[name] = config
     assert configs[accept.ZERO3].train.zero_stage == 3
-    assert configs[f"{accept.ZERO3}-resumed"].train.exit_after_steps == 25  # the mid-run save
-    assert configs[f"{accept.ZERO3}"].train.save_interval == 25
+    assert configs[f"{accept.ZERO3}-resumed"].train.exit_after_steps == 20  # the mid-run save
+    assert configs[f"{accept.ZERO3}"].train.save_interval == 20
     for engine in accept.ENGINES:
         gpt2 = configs[f"{accept.GPT2}-{engine}"]
         assert gpt2.model.family == "gpt2" and gpt2.attention.variant == "coupled"
@@ -114,3 +123,118 @@ def test_the_step_time_ratios_at_350m_are_checked_on_a_gpu():
     assert accept.ratio_check("350m", "differential", 1.3, on_gpu=True) == ("<= 1.25", False)
     assert accept.ratio_check("350m", "differential", 1.3, on_gpu=False) == ("<= 1.25", None)
     assert accept.ratio_check("1b", "coupled", 1.4, on_gpu=True) == ("reported", None)
+
+
+# -- the speed stage: the 1B run's own settings on one GPU ---------------------------------
+
+
+def _settings(config) -> dict:
+    """A config less what the cut changes: layers, world size, batch, steps, data, logging."""
+    from cqk_megatron.config import to_dict
+
+    data = to_dict(config)
+    data["model"].pop("num_layers")
+    data["parallel"].pop("world_size")
+    for key in (
+        "global_batch_size",
+        "train_steps",
+        "warmup_steps",
+        "eval_interval",
+        "save_interval",
+        "checkpoint_hashes",
+    ):
+        data["train"].pop(key)
+    return {section: data[section] for section in ("model", "attention", "parallel", "train")}
+
+
+def test_the_cut_config_is_the_1b_run_less_its_layers_and_world(tmp_path):
+    cut = accept.speed_config(tmp_path, accept.Sizes())
+    full = validate(load_config(REPO / accept.RUN_1B))
+    assert cut.model.num_layers < full.model.num_layers and cut.parallel.world_size == 1
+    assert _settings(cut) == _settings(full)
+    assert cut.train.engine == "megatron" and cut.train.overlap_grad_reduce
+    assert cut.train.precision == "bf16"
+    assert cut.train.global_batch_size == 4 * cut.train.micro_batch_size
+
+
+def test_the_cut_config_fits_an_h100_by_the_planner(tmp_path):
+    cut = accept.speed_config(tmp_path, accept.Sizes())
+    hardware = accept.one_gpu_hardware("NVIDIA H100 80GB HBM3")
+    predicted, planned = accept.speed_expectations(cut, hardware)
+    assert planned < hardware.hbm_gib / 2
+    # the model's prediction leaves room for both MFU thresholds to be met
+    assert predicted * accept.MFU_OF_PREDICTION >= accept.MFU_FLOOR
+
+
+def test_the_hardware_profile_follows_the_gpu_torch_reports():
+    h100 = accept.one_gpu_hardware("NVIDIA H100 80GB HBM3")
+    h200 = accept.one_gpu_hardware("NVIDIA H200")
+    assert (h100.gpu, h100.hbm_gib, h100.gpus_per_node) == ("H100 SXM", 79, 1)
+    assert (h200.gpu, h200.hbm_gib, h200.gpus_per_node) == ("H200 SXM", 139, 1)
+    assert accept.one_gpu_hardware("NVIDIA A100-SXM4-80GB") is None
+
+
+def test_the_speed_thresholds_judge_a_measurement():
+    passed = accept.judge_speed(0.40, 0.478, 20.9, 20.1)
+    assert [v.ok for v in passed] == [True, True, True]
+    assert "MFU 40.0% is 84% of the predicted 47.8%" in passed[0].message
+    slow = accept.judge_speed(0.36, 0.478, 20.1, 20.1)  # 75% of the prediction
+    assert [v.ok for v in slow] == [False, True, True]
+    assert "75% of the predicted 47.8% (at least 80%)" in slow[0].message
+    low = accept.judge_speed(0.30, 0.36, 20.1, 20.1)  # 83% of a low prediction, under 35%
+    assert [v.ok for v in low] == [True, False, True]
+    assert "MFU 30.0% (at least 35%)" in low[1].message
+    big = accept.judge_speed(0.40, 0.478, 22.4, 20.1)  # 11.4% over the planner
+    assert [v.ok for v in big] == [True, True, False]
+    assert "peak 22.40 GiB, planner 20.10 GiB: 11.4% apart (at most 10%)" in big[2].message
+    assert accept.judge_speed(0.40, 0.478, 18.2, 20.1)[2].ok is True  # 9.5% under
+
+
+# -- the two-GPU stage --------------------------------------------------------------------
+
+
+def test_the_two_gpu_runs_are_the_layouts_from_one_start(tmp_path):
+    runs = accept.two_gpu_runs(tmp_path, accept.Sizes())
+    configs = {
+        n: validate(load_config(REPO / "configs/runs/demo.yaml", o)) for n, o in runs.items()
+    }
+    reference = configs.pop(accept.TWO_GPU_REFERENCE)
+    assert reference.parallel.tensor_parallel == reference.parallel.pipeline_parallel == 1
+    tp, pp = configs["tp2sp"].parallel, configs["pp2vp2"].parallel
+    assert (tp.tensor_parallel, tp.sequence_parallel) == (2, True)
+    assert (pp.pipeline_parallel, pp.virtual_pipeline) == (2, 2)
+    for config in (reference, *configs.values()):
+        assert config.train.engine == "megatron" and config.train.precision == "bf16"
+        assert config.train.init_from == f"{tmp_path}/init"
+        assert config.train.train_steps == accept.Sizes().two_gpu_steps
+
+
+def test_the_two_gpu_tolerances_are_the_cpu_layout_tests():
+    from _curves import BF16_FIRST_STEP, STEPS, TOLERANCE
+
+    assert accept.TWO_GPU_LOSS_TOLERANCE == TOLERANCE["bf16"]["loss"]
+    assert accept.TWO_GPU_FIRST_STEP_TOLERANCE == BF16_FIRST_STEP["loss"]
+    assert accept.Sizes().two_gpu_steps == STEPS
+
+
+def test_the_two_gpu_losses_are_judged_against_one_gpu():
+    reference = [10.0, 9.0, 8.0]
+    assert accept.judge_curves([10.0005, 9.01, 8.01], reference).ok  # 1.25e-3 worst
+    drifted = accept.judge_curves([10.0, 9.0, 8.03], reference)
+    assert not drifted.ok and "largest rel. gap 3.75e-03 (at most 0.002)" in drifted.message
+    first = accept.judge_curves([10.002, 9.0, 8.0], reference)
+    assert not first.ok and "step 1 2.00e-04 (at most 0.0001)" in first.message
+    assert not accept.judge_curves([10.0, float("nan"), 8.0], reference).ok
+    assert not accept.judge_curves([10.0, 9.0], reference).ok
+
+
+def test_with_fewer_than_two_gpus_the_stage_is_skipped_and_says_why(tmp_path):
+    assert accept.two_gpu_skip_reason(2) is None
+    assert accept.two_gpu_skip_reason(1) == "skipped: 1 GPU(s) here, the stage needs 2"
+    args = accept.argparse.Namespace(work=str(tmp_path), cpu_budget_scale=1.0)
+    acceptance = accept.Acceptance(args)  # on this CPU machine: no GPU
+    acceptance.multigpu(budget=10)
+    (check,) = acceptance.report.checks
+    assert (check.stage, check.ok) == ("multigpu", None)
+    assert check.value == "skipped: 0 GPU(s) here, the stage needs 2"
+    assert not (tmp_path / "runs").exists()  # nothing started

@@ -23,6 +23,14 @@ Stages, each with a time budget (``STAGES``; the whole command stays under 8 min
 6. ``bench``: ``cqk_megatron.bench.variants`` at 350M and 1B: tokens/s, MFU, step-time
    ratios to standard (at 350M checked: ``RATIO_LIMITS``), activation memory against the
    planner.
+7. ``speed``: ``configs/runs/1b_4x8.yaml`` itself (the Megatron engine, its distributed
+   optimizer, ``overlap_grad_reduce``, bf16, its micro-batch) trained by ``cqk-train`` on
+   one GPU, layers cut: MFU at least ``MFU_OF_PREDICTION`` of the step-time model's for that
+   cut config on this GPU (``GPU_PROFILES``) and at least ``MFU_FLOOR``; peak memory within
+   ``MEMORY_TOLERANCE`` of the planner's.
+8. ``multigpu``: with two GPUs (NCCL), TP=2 + SP and interleaved PP=2 under the Megatron
+   engine, from the same weights as a one-GPU run, whose losses they must follow within
+   the CPU layout tests' bf16 tolerance; with fewer GPUs it is skipped, saying why.
 
 Prints one table and writes one JSON (``$OUT/accept.json`` if ``OUT`` is set, else
 ``--out`` or ``./gpu_accept.json``) with a log of failures beside it (``accept.log``).
@@ -36,10 +44,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,23 +73,36 @@ class Stage:
 
 
 STAGES = (
-    Stage("env", 25, "torch, CUDA, GPU name and peak, megatron-core and DeepSpeed versions"),
-    Stage("data", 45, "data tools: corpus -> SentencePiece tokenizer -> indexed .bin/.idx"),
+    Stage("env", 20, "torch, CUDA, GPU name and peak, megatron-core and DeepSpeed versions"),
+    Stage("data", 40, "data tools: corpus -> SentencePiece tokenizer -> indexed .bin/.idx"),
     Stage(
         "train",
-        190,
+        150,
         "cqk-train bf16: {standard, coupled, differential, coupled GPT-2} x {DeepSpeed "
         "ZeRO-1, Megatron distributed optimizer}, concurrently, replica check on; engines "
         "compared over every step; coupled ZeRO-1 SIGTERM mid-run, resumed; ZeRO-3 saving "
         "mid-run, its twin resumed from that save",
     ),
-    Stage("export", 50, "cqk-convert export of a GPU checkpoint; HF vs Megatron logits on GPU"),
-    Stage("kernels", 40, "the SDPA kernel each variant runs (profiler): flash/cuDNN, not math"),
+    Stage("export", 40, "cqk-convert export of a GPU checkpoint; HF vs Megatron logits on GPU"),
+    Stage("kernels", 30, "the SDPA kernel each variant runs (profiler): flash/cuDNN, not math"),
     Stage(
         "bench",
-        120,
+        85,
         "cqk-bench 350M and 1B: tokens/s, MFU, ratios (350M: coupled <= 1.10, differential "
         "<= 1.25 x standard), memory vs planner",
+    ),
+    Stage(
+        "speed",
+        70,
+        "cqk-train of configs/runs/1b_4x8.yaml on one GPU, layers cut (its engine, "
+        "distributed optimizer, overlap_grad_reduce, bf16): MFU >= 80% of the step-time "
+        "model's and >= 35%, peak memory within 10% of the planner's",
+    ),
+    Stage(
+        "multigpu",
+        40,
+        "two GPUs (NCCL), Megatron engine, bf16: TP=2 + SP and interleaved PP=2 against "
+        "one GPU from the same weights; skipped, saying so, with fewer GPUs",
     ),
 )
 
@@ -143,13 +166,13 @@ class Sizes:
         "model.seq_length=512",
     )
     precision: str = "bf16"
-    steps: int = 50
+    steps: int = 40
     micro_batch: int = 8
     global_batch: int = 16
     signal_at_step: int = 5
     bench: tuple[tuple[str, int], ...] = BENCH
     bench_seq: int = BENCH_SEQ
-    bench_rounds: int = 5
+    bench_rounds: int = 3
     bench_warmup: int = 2
     kernel_model: tuple[str, ...] = (
         "model.hidden_size=2048",
@@ -157,6 +180,11 @@ class Sizes:
         "model.num_query_groups=8",
         "model.seq_length=1024",
     )
+    # the 1B run on one GPU: its layers cut (8 of 16: 20 GiB by the planner, a 0.23 s step
+    # by the step-time model on an H100), everything else the run's own
+    speed_model: tuple[str, ...] = ("model.num_layers=8",)
+    speed_steps: int = 25
+    two_gpu_steps: int = 10  # the CPU layout tests' curve length (tests/_curves.py)
 
 
 def cpu_sizes() -> Sizes:
@@ -183,6 +211,181 @@ def cpu_sizes() -> Sizes:
             "model.num_attention_heads=4",
             "model.seq_length=128",
         ),
+        speed_model=(
+            "model.num_layers=1",
+            "model.hidden_size=128",
+            "model.num_attention_heads=4",
+            "model.ffn_hidden_size=256",
+            "model.seq_length=128",
+            "model.vocab_size=1024",
+        ),
+        speed_steps=8,
+        two_gpu_steps=4,
+    )
+
+
+# -- the 1B run's settings on one GPU, and the layouts on two -----------------------------
+
+RUN_1B = "configs/runs/1b_4x8.yaml"
+# The one-GPU hardware profile of the GPU torch reports: its figures from the cluster
+# profile of its kind (only compute and HBM matter on one GPU: no link is used).
+GPU_PROFILES = {
+    "H200": "configs/clusters/example_h200.yaml",
+    "H100": "configs/clusters/example_h100.yaml",
+}
+MFU_OF_PREDICTION = 0.80  # measured MFU over the step-time model's, at least
+MFU_FLOOR = 0.35  # measured MFU, at least
+MEMORY_TOLERANCE = 0.10  # |measured peak - planner| / planner, at most
+SPEED_GLOBAL_BATCH = 16  # 4 micro-batches of the 1B run's 4 sequences: a step of 0.1-0.3 s
+SPEED_WARMUP_STEPS = 5  # left out of the MFU: the coupling's compilation, allocator growth
+# TP=2 + SP and interleaved PP=2 (2 virtual stages of one layer each, on 4 layers), under
+# the 1B run's engine; each from the same TP=1 weights as the one-GPU reference
+TWO_GPU_LAYOUTS = {
+    "tp2sp": ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"],
+    "pp2vp2": ["parallel.pipeline_parallel=2", "parallel.virtual_pipeline=2"],
+}
+TWO_GPU_REFERENCE = "one-gpu"
+# bf16 tolerances of the CPU layout tests (tests/_curves.py): the whole loss curve, and
+# step 1 (same weights and batch: the gradient alone)
+TWO_GPU_LOSS_TOLERANCE = 2e-3
+TWO_GPU_FIRST_STEP_TOLERANCE = 1e-4
+
+
+def one_gpu_hardware(device_name: str):
+    """The step-time model's hardware for one GPU named ``device_name`` (H100 or H200
+    figures from their cluster profiles, one GPU a node), or None for another GPU."""
+    from cqk_megatron.planner.hardware import load_hardware
+
+    for kind, profile in GPU_PROFILES.items():
+        if kind in device_name:
+            return dataclasses.replace(load_hardware(REPO / profile), gpus_per_node=1)
+    return None
+
+
+def speed_overrides(work: Path, sizes: Sizes) -> list[str]:
+    """configs/runs/1b_4x8.yaml on one GPU: its layers cut, a few steps on the demo data;
+    its engine, optimizer, overlap, precision, micro-batch and parallel sizes kept."""
+    data = work / "data"
+    return [
+        *sizes.speed_model,
+        "parallel.world_size=1",
+        f"data.prefixes=[{data}/demo_text_document]",
+        f"data.tokenizer={data}/tokenizer.model",
+        f"data.cache_dir={work}/cache/speed",
+        f"train.global_batch_size={SPEED_GLOBAL_BATCH}",
+        f"train.train_steps={sizes.speed_steps}",
+        "train.warmup_steps=2",
+        f"train.eval_interval={10 * sizes.speed_steps}",
+        f"train.save_interval={10 * sizes.speed_steps}",
+        "train.checkpoint_hashes=false",
+        "name=1b-one-gpu",
+        f"log.root={work}/runs",
+        "log.wandb_mode=disabled",
+        'log.progress_bar="off"',
+    ]
+
+
+def speed_config(work: Path, sizes: Sizes):
+    from cqk_megatron.config import load_config, validate
+
+    return validate(load_config(REPO / RUN_1B, speed_overrides(work, sizes)))
+
+
+def speed_expectations(config, hardware) -> tuple[float, float]:
+    """(MFU the step-time model predicts, peak GiB the planner estimates) for ``config``
+    on ``hardware``."""
+    from cqk_megatron.perf.fit import GIB, own_layout, plan_layout
+    from cqk_megatron.planner.step_time import predict_step
+
+    layout = own_layout(config, config.parallel.world_size, None, None)
+    plan = plan_layout(config, layout, config.train.micro_batch_size, hardware.hbm_bytes)
+    return predict_step(config, hardware).mfu, plan.worst.total / GIB
+
+
+@dataclass(frozen=True)
+class Verdict:
+    name: str
+    ok: bool
+    message: str
+
+
+def judge_speed(
+    mfu: float, predicted_mfu: float, peak_gib: float, planned_gib: float
+) -> list[Verdict]:
+    """The speed stage's three checks of a measurement against the predictions, each with
+    its numbers."""
+    share = mfu / predicted_mfu
+    gap = abs(peak_gib - planned_gib) / planned_gib
+    return [
+        Verdict(
+            "MFU / step-time model",
+            share >= MFU_OF_PREDICTION,
+            f"MFU {mfu:.1%} is {share:.0%} of the predicted {predicted_mfu:.1%} "
+            f"(at least {MFU_OF_PREDICTION:.0%})",
+        ),
+        Verdict("MFU", mfu >= MFU_FLOOR, f"MFU {mfu:.1%} (at least {MFU_FLOOR:.0%})"),
+        Verdict(
+            "peak memory / planner",
+            gap <= MEMORY_TOLERANCE,
+            f"peak {peak_gib:.2f} GiB, planner {planned_gib:.2f} GiB: {gap:.1%} apart "
+            f"(at most {MEMORY_TOLERANCE:.0%})",
+        ),
+    ]
+
+
+def two_gpu_skip_reason(gpus: int) -> str | None:
+    """Why the two-GPU stage does not run here, or None where it does."""
+    if gpus >= 2:
+        return None
+    return f"skipped: {gpus} GPU(s) here, the stage needs 2"
+
+
+def two_gpu_runs(work: Path, sizes: Sizes) -> dict[str, list[str]]:
+    """Name -> overrides (on configs/runs/demo.yaml): the one-GPU reference and each
+    two-GPU layout, all from the TP=1 weights at ``work/init``, under the 1B run's engine."""
+    data = work / "data"
+    common = [
+        *sizes.model,
+        f"model.vocab_size={sizes.vocab}",
+        f"data.prefixes=[{data}/demo_text_document]",
+        f"data.tokenizer={data}/tokenizer.model",
+        "train.engine=megatron",
+        f"train.precision={sizes.precision}",
+        f"train.micro_batch_size={sizes.micro_batch}",
+        f"train.global_batch_size={sizes.global_batch}",
+        f"train.train_steps={sizes.two_gpu_steps}",
+        f"train.eval_interval={10 * sizes.two_gpu_steps}",
+        f"train.save_interval={10 * sizes.two_gpu_steps}",
+        "train.checkpoint_hashes=false",
+        f"train.init_from={work}/init",
+        f"log.root={work}/runs",
+        "log.wandb_mode=disabled",
+        'log.progress_bar="off"',
+    ]
+    layouts = {TWO_GPU_REFERENCE: [], **TWO_GPU_LAYOUTS}
+    return {
+        name: [*common, *layout, f"name={name}", f"data.cache_dir={work}/cache/{name}"]
+        for name, layout in layouts.items()
+    }
+
+
+def judge_curves(losses: list[float], reference: list[float]) -> Verdict:
+    """A two-GPU layout's losses against the one-GPU run's: every one finite, the curve
+    within the CPU layout tests' bf16 tolerance, step 1 within the tighter one."""
+    finite = bool(losses) and all(math.isfinite(x) for x in losses)
+    if not (finite and len(losses) == len(reference)):
+        return Verdict(
+            "loss",
+            False,
+            f"{len(losses)} losses, finite: {finite}; expected {len(reference)} finite",
+        )
+    gaps = [abs(x - y) / abs(y) for x, y in zip(losses, reference, strict=True)]
+    ok = max(gaps) <= TWO_GPU_LOSS_TOLERANCE and gaps[0] <= TWO_GPU_FIRST_STEP_TOLERANCE
+    return Verdict(
+        "loss vs one GPU",
+        ok,
+        f"largest rel. gap {max(gaps):.2e} (at most {TWO_GPU_LOSS_TOLERANCE:g}), step 1 "
+        f"{gaps[0]:.2e} (at most {TWO_GPU_FIRST_STEP_TOLERANCE:g})",
     )
 
 
@@ -325,8 +528,8 @@ def resumed_command(overrides: list[str]) -> list[str]:
     return [o for o in overrides if not o.startswith("train.exit_after_steps=")]
 
 
-def train_command(overrides: list[str]) -> list[str]:
-    config = str(REPO / "configs/runs/demo.yaml")
+def train_command(overrides: list[str], run: str = "configs/runs/demo.yaml") -> list[str]:
+    config = str(REPO / run)
     return [sys.executable, "-m", "cqk_megatron.train", "--config", config, *overrides]
 
 
@@ -764,6 +967,117 @@ class Acceptance:
                 torch.cuda.empty_cache()
         self.report.data["bench"] = results
 
+    def speed(self, budget: float) -> None:
+        import torch
+
+        report, config = self.report, speed_config(self.work, self.sizes)
+        t = config.train
+        report.check(
+            "speed",
+            "the 1B run on one GPU",
+            f"{config.model.num_layers} layers, {t.engine}, overlap {t.overlap_grad_reduce}, "
+            f"{t.precision}",
+            "reported",
+            None,
+        )
+        command = train_command(speed_overrides(self.work, self.sizes), RUN_1B)
+        code, _ = self._run_logged("speed", command, child_env(29570, self.on_gpu), budget)
+        if not report.check("speed", "cqk-train exit", code, "0", code == 0):
+            return
+        train = metrics(self.work / "runs" / config.name, "train")
+        measured = [r["mfu"] for r in train[SPEED_WARMUP_STEPS:] if r.get("mfu") is not None]
+        memory = [r["mem_gb"] for r in train if r.get("mem_gb") is not None]
+        name = torch.cuda.get_device_name() if self.on_gpu else "cpu"
+        hardware = one_gpu_hardware(name)
+        if not (measured and memory and hardware):
+            found = f"MFU of {len(measured)} steps, memory of {len(memory)}, device {name}"
+            report.check("speed", "measured", found, "H100/H200, MFU and memory", None)
+            return
+        predicted, planned = speed_expectations(config, hardware)
+        mfu, peak = statistics.median(measured), max(memory)
+        report.data["speed"] = {"mfu": mfu, "predicted_mfu": predicted, "peak_gib": peak}
+        report.data["speed"]["planned_gib"] = planned
+        for verdict in judge_speed(mfu, predicted, peak, planned):
+            report.check("speed", verdict.name, verdict.message, "see value", verdict.ok)
+
+    def multigpu(self, budget: float) -> None:
+        import torch
+
+        gpus = torch.cuda.device_count() if self.on_gpu else 0
+        reason = two_gpu_skip_reason(gpus)
+        label = "TP=2 + SP and interleaved PP=2"
+        if reason:
+            self.report.check("multigpu", label, reason, "runs on 2 GPUs", None)
+            return
+        deadline = time.monotonic() + budget
+        runs = two_gpu_runs(self.work, self.sizes)
+        self._save_initial_weights(runs[TWO_GPU_REFERENCE])
+        jobs = []
+        for index, (name, overrides) in enumerate(runs.items()):
+            world = 1 if name == TWO_GPU_REFERENCE else 2
+            for rank in range(world):
+                process = self._start_rank(name, overrides, 29700 + 10 * index, rank, world)
+                jobs.append((name, process))
+        exits = self._wait_all(jobs, deadline)
+        self.report.data["two_gpu_exits"] = exits
+        curves = {}
+        for name in runs:
+            ok = self.report.check(
+                "multigpu",
+                f"{name} exits",
+                exits[name],
+                "all 0",
+                not any(code != 0 for code in exits[name]),
+            )
+            curves[name] = [r["loss"] for r in metrics(self.work / "runs" / name, "train")]
+            if not ok:
+                self._tail(f"{name}-rank0")
+        self.report.data["two_gpu_losses"] = curves
+        for name in TWO_GPU_LAYOUTS:
+            verdict = judge_curves(curves[name], curves[TWO_GPU_REFERENCE])
+            self.report.check(
+                "multigpu", f"{name}: {verdict.name}", verdict.message, "see value", verdict.ok
+            )
+
+    def _save_initial_weights(self, overrides: list[str]) -> None:
+        """The TP=1 weights every two-GPU run starts from (``train.init_from``)."""
+        import torch
+
+        from cqk_megatron.config import load_config
+        from cqk_megatron.model.gpt import build_model
+        from cqk_megatron.parallel.process_groups import init_single_process
+        from cqk_megatron.training import checkpoint
+
+        settings = [o for o in overrides if not o.startswith("train.init_from=")]
+        config = load_config(REPO / "configs/runs/demo.yaml", settings)
+        init_single_process(config)
+        torch.manual_seed(config.seed)
+        checkpoint.save_weights(self.work / "init", build_model(config), config)
+
+    def _start_rank(self, name: str, overrides: list[str], port: int, rank: int, world: int):
+        (self.work / "logs").mkdir(exist_ok=True)
+        log = (self.work / "logs" / f"{name}-rank{rank}.log").open("w")
+        env = child_env(port, self.on_gpu)
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # as the cluster profiles set it
+        return subprocess.Popen(
+            train_command(overrides), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO
+        )
+
+    @staticmethod
+    def _wait_all(jobs: list, deadline: float) -> dict[str, list]:
+        """Each run's exit codes (one a rank), those still running at ``deadline`` killed."""
+        exits: dict[str, list] = {}
+        for name, process in jobs:
+            try:
+                code = process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+                code = "timeout"
+            exits.setdefault(name, []).append(code)
+        return exits
+
     # -- plumbing --------------------------------------------------------------------
 
     def _run_logged(self, stage: str, command: list[str], env: dict, timeout: float):
@@ -869,6 +1183,25 @@ def dry_run(args: argparse.Namespace) -> int:
         config = validate(load_config(REPO / "configs/runs/demo.yaml", overrides))
         extra = " (stopped mid-run, then resumed)" if name in TWINS else ""
         print(f"  {name}: {config.attention.variant}, train.engine={config.train.engine}{extra}")
+    config = speed_config(work, sizes)
+    hardware = one_gpu_hardware("H100")
+    predicted, planned = speed_expectations(config, hardware)
+    t = config.train
+    print(
+        f"\nspeed: {RUN_1B} on one GPU, {config.model.num_layers} layers, "
+        f"train.engine={t.engine}, overlap_grad_reduce={t.overlap_grad_reduce}, {t.precision}, "
+        f"micro-batch {t.micro_batch_size}, {sizes.speed_steps} steps; on an H100 the "
+        f"step-time model predicts MFU {predicted:.1%} (pass: >= {MFU_OF_PREDICTION:.0%} of "
+        f"it and >= {MFU_FLOOR:.0%}), the planner {planned:.1f} GiB (pass: within "
+        f"{MEMORY_TOLERANCE:.0%})"
+    )
+    print("\ntwo GPUs (skipped with fewer), from the same TP=1 weights:")
+    for name, overrides in two_gpu_runs(work, sizes).items():
+        p = validate(load_config(REPO / "configs/runs/demo.yaml", overrides)).parallel
+        print(
+            f"  {name}: TP={p.tensor_parallel} SP={p.sequence_parallel} "
+            f"PP={p.pipeline_parallel} VP={p.virtual_pipeline or 1}"
+        )
     print(
         f"\nSDPA kernel check: {', '.join(KERNEL_VARIANTS)}; "
         f"flash/cuDNN required for {', '.join(FUSED_REQUIRED)}"
