@@ -175,6 +175,7 @@ RULES = (
     Rule("Quickstart", "bash .ci/run", "skip", "CI itself: it runs this test"),
     Rule("Training a run", "cqk ", "run"),
     Rule("Training a run", "torchrun ", "run"),
+    Rule("On a Slurm cluster", "cqk plan", "run"),
     Rule("On a Slurm cluster", "cqk submit", "dry-run"),
     Rule("On a Slurm cluster", "cqk status", "skip", ON_THE_CLUSTER),
     Rule("On a Slurm cluster", "cqk cancel", "skip", ON_THE_CLUSTER),
