@@ -28,7 +28,9 @@ def refuse_duplicate_keys(path: Path, text: str) -> None:
         )
 
 
-def _duplicates(node: yaml.Node | None, prefix: str, seen: set[int]) -> Iterator[tuple]:
+def _duplicates(
+    node: yaml.Node | None, prefix: str, seen: set[int]
+) -> Iterator[tuple[str, int, int]]:
     """(dotted key, first line, second line) for each repeated key under ``node``."""
     if node is None or id(node) in seen:  # an alias is walked once
         return

@@ -25,6 +25,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from cqk_megatron.config import ConfigError, RunConfig, from_dict, to_dict
 from cqk_megatron.config.changes import LOCATION_KEYS, Change, changes
@@ -37,15 +38,15 @@ class Attempt:
     """One attempt of a run: the steps after ``start_step`` trained under ``config``."""
 
     start_step: int
-    config: dict  # the resolved config, as ``to_dict`` gives it
-    changes: list[dict] = field(default_factory=list)  # {key, old, new} vs the previous
+    config: dict[str, Any]  # the resolved config, as ``to_dict`` gives it
+    changes: list[dict[str, Any]] = field(default_factory=list)  # {key, old, new} vs the previous
     time: float = 0.0
     job_id: str | None = None
 
     def run_config(self) -> RunConfig:
         return from_dict(RunConfig, self.config, source=HISTORY)
 
-    def record(self) -> dict:
+    def record(self) -> dict[str, Any]:
         return {
             "start_step": self.start_step,
             "time": self.time,
@@ -55,7 +56,7 @@ class Attempt:
         }
 
 
-def _attempt(record: dict) -> Attempt | None:
+def _attempt(record: dict[str, Any]) -> Attempt | None:
     step, config = record.get("start_step"), record.get("config")
     if not isinstance(step, int) or not isinstance(config, dict):
         return None
@@ -110,7 +111,7 @@ def _job_id() -> str | None:
     return os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or None
 
 
-def _listed(found: list[Change]) -> list[dict]:
+def _listed(found: list[Change]) -> list[dict[str, Any]]:
     return [{"key": c.key, "old": c.old, "new": c.new} for c in found]
 
 
