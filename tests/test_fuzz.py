@@ -1207,3 +1207,45 @@ def test_a_name_too_long_is_refused_in_one_line(
     check(outcome, EXIT_REFUSED, f"error: file name too long: {tmp_path}/", "shorten the name")
     watch.assert_unchanged()
     watch.assert_no_process_left()
+
+
+def test_ctrl_c_on_cqk_torchrun_saves_and_exits_75(tmp_path):
+    """Ctrl-C at a terminal: SIGINT to the foreground process group, which holds
+    ``cqk torchrun``'s agent (it passes SIGINT on to its worker). The worker saves and
+    stops with 75, and so does ``cqk torchrun`` (a KeyboardInterrupt traceback before)."""
+    from _multiproc import free_port
+
+    command = [sys.executable, "-m", "cqk_megatron.parallel.torchrun", "--nproc-per-node", "1"]
+    command += ["--master-port", str(free_port()), "-m", "cqk_megatron.train"]
+    command += ["--config", CONFIG, f"log.root={tmp_path}", "name=interrupted", *NO_SAVES]
+    watch = Watch(tmp_path)
+    log = tmp_path / "torchrun.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=ENV,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own group: the terminal's foreground group
+        )
+    run_dir = tmp_path / "interrupted"
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(_steps(run_dir)) < 3 and process.poll() is None:
+            assert time.monotonic() < deadline, "gave up waiting for the steps"
+            time.sleep(0.2)
+        os.killpg(process.pid, signal.SIGINT)
+    finally:
+        code = _ended(process)
+    text = log.read_text()
+    assert code == EXIT_REQUEUE, text[-3000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert "(SIGINT); checkpoint saved, exit 75 to requeue" in text, text[-3000:]
+    assert "cqk-torchrun: exit 75 (workers: {0: 75})" in text, text[-3000:]
+    step = _steps(run_dir)[-1]
+    assert checkpoint_files.latest_name(run_dir / "checkpoints") == f"iter_{step:07d}"
+    watch.assert_unchanged(
+        lambda change: change.startswith("added interrupted") or change == "added torchrun.log"
+    )
+    watch.assert_no_process_left()

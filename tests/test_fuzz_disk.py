@@ -162,3 +162,34 @@ def _fill(path: Path) -> None:
                 out.flush()
     except OSError:
         pass
+
+
+def test_a_record_line_is_appended_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A write that the disk cuts short part-way is taken back: the file ends with its
+    last whole line, and the error says where, the free space and the fix."""
+    import errno
+
+    from cqk_megatron.run import atomic
+    from cqk_megatron.run.folder import NoSpaceError, append_event, events
+
+    append_event(tmp_path, "started", step=0)
+    before = (tmp_path / "jobs.jsonl").read_bytes()
+    real_write = os.write
+    calls = []
+
+    def write_half_then_fill(descriptor, data):
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real_write(descriptor, data[: len(data) // 2])  # a short write
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic.os, "write", write_half_then_fill)
+    with pytest.raises(NoSpaceError) as caught:
+        append_event(tmp_path, "failed", step=7)
+    monkeypatch.undo()
+    assert len(calls) == 2
+    assert (tmp_path / "jobs.jsonl").read_bytes() == before
+    assert [e["event"] for e in events(tmp_path)] == ["started"]
+    said = str(caught.value)
+    assert said.startswith(f"no space left on device writing {tmp_path / 'jobs.jsonl'} (")
+    assert "free on the filesystem of" in said and "point log.root at a larger" in said
