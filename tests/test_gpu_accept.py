@@ -207,6 +207,8 @@ def test_the_two_gpu_runs_are_the_layouts_from_one_start(tmp_path):
         assert config.train.engine == "megatron" and config.train.precision == "bf16"
         assert config.train.init_from == f"{tmp_path}/init"
         assert config.train.train_steps == accept.Sizes().two_gpu_steps
+    for overrides in accept.two_gpu_runs(tmp_path, accept.cpu_sizes()).values():  # --allow-cpu
+        validate(load_config(REPO / "configs/runs/demo.yaml", overrides))
 
 
 def test_the_two_gpu_tolerances_are_the_cpu_layout_tests():

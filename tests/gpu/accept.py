@@ -346,6 +346,7 @@ def two_gpu_runs(work: Path, sizes: Sizes) -> dict[str, list[str]]:
     data = work / "data"
     common = [
         *sizes.model,
+        "model.num_layers=4",  # one a virtual stage at PP=2 x VP=2
         f"model.vocab_size={sizes.vocab}",
         f"data.prefixes=[{data}/demo_text_document]",
         f"data.tokenizer={data}/tokenizer.model",
