@@ -171,11 +171,17 @@ TE_RUN_FIELDS = {
 
 @pytest.fixture(scope="module")
 def te_run_config():
-    """The shipped 1B run (TP=2 + SP, bf16) with the Transformer Engine spec and the
-    Megatron engine (which TE with SP needs): Megatron's config as a GPU rank builds it."""
+    """The shipped 1B run's model (bf16) at TP=2 + SP, as the ladder's larger sizes run,
+    with the Transformer Engine spec and the Megatron engine (which TE with SP needs):
+    Megatron's config as a GPU rank builds it."""
     config = load_config(
         REPO / "configs/runs/1b_4x8.yaml",
-        ["transformer_impl=transformer_engine", "train.engine=megatron"],
+        [
+            "transformer_impl=transformer_engine",
+            "train.engine=megatron",
+            "parallel.tensor_parallel=2",
+            "parallel.sequence_parallel=true",
+        ],
     )
     return gpt.transformer_config(config, device_type="cuda")
 
