@@ -400,7 +400,7 @@ def test_bench_runs_both_forms_side_by_side():
 
 def test_bench_reference_tag_runs_the_plain_module(monkeypatch):
     """differential@split@reference: DifferentialScoring's own forward (four SDPA calls,
-    the unfused combination), the form measured as "before" in docs/performance.md."""
+    the unfused combination), the reference row of docs/performance.md's kernel table."""
     config = bench.variant_of(bench.load_bench_config("tiny"), "differential@split@reference")
     model = build_model(config)
     cores = [layer.self_attention.core_attention for layer in model.decoder.layers]

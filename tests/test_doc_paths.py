@@ -21,7 +21,7 @@ _ROOTS = "|".join(TRACKED_ROOTS)
 PATH = re.compile(rf"(?<![\w./-])((?:{_ROOTS})/[\w./*-]*[\w/*])")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 INCLUDE = re.compile(r"include:\s*\[([^\]]*)\]")
-PLACEHOLDER = re.compile(r"[A-Z]{3,}|NAME|\.\.\.|<|\*")  # configs/runs/NAME.yaml, tests/gpu/*
+PLACEHOLDER = re.compile(r"[A-Z]{3,}|NAME|\.\.\.|<|\*|/my\w*\.")  # runs/NAME.yaml, mysite.yaml
 
 
 def _mentions(page: Path) -> list[tuple[int, str, str]]:

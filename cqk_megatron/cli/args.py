@@ -1,7 +1,7 @@
 """What every command's parser shares: the help format (defaults shown), the program name
 under ``cqk``, and the unified flag names with their old spellings as hidden aliases.
 
-Unified names (issue 29): ``--out`` (was ``--out-dir``, ``--output``, ``--output-prefix``),
+Unified names: ``--out`` (was ``--out-dir``, ``--output``, ``--output-prefix``),
 ``--force`` (was ``--overwrite``), ``--variants`` (was ``--variant``), ``--config`` (its
 help says which kind of file).
 """

@@ -3,7 +3,7 @@ attention variant learns to recall.
 
     cqk mqar --variants standard,coupled --settings 64x4,128x8 --seeds 0,1,2
     cqk mqar --benchmark --out runs/mqar_benchmark      # the results page's table and plot
-    cqk mqar gap --help                                 # the gap study (issue 20)
+    cqk mqar gap --help                                 # the gap study
     cqk mqar probe --help                               # one benchmark run with one change
 
 Each run trains a small model on fresh batches and evaluates held-out accuracy every

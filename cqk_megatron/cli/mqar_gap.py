@@ -1,6 +1,6 @@
 """``cqk mqar gap`` (``python -m cqk_megatron.eval.mqar_gap``): why the project's coupled
 model fell behind on MQAR where an independent one pulled ahead, one difference at a time
-between the two setups (issue 20; ``cqk_megatron.eval.mqar_gap`` has the rungs).
+between the two setups (``cqk_megatron.eval.mqar_gap`` has the rungs).
 
     cqk mqar gap --rungs project,independent --seeds 0,1,2 --out runs/mqar_gap/runs.jsonl
     cqk mqar gap --report runs/mqar_gap/runs.jsonl

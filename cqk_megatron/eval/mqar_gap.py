@@ -1,5 +1,5 @@
 """Why does the project's coupled model fall behind on MQAR where an independent one
-pulls ahead? One difference at a time between the two setups (issue 20).
+pulls ahead? One difference at a time between the two setups.
 
     cqk mqar gap --rungs project,independent --seeds 0,1,2 \\
         --out runs/mqar_gap/runs.jsonl            # appends one JSON line per run
@@ -12,7 +12,7 @@ Both setups train on 128x8 (vocabulary 512, width 64, one head of 64, two layers
   biases, coupling before RoPE, ``f`` without an output bias, ``dt = softplus(raw)``,
   N(0, 0.02) initialisation), fresh batches, AdamW (0.9, 0.98) without weight decay,
   warmup-stable-decay schedule.
-- ``independent``: the plain-PyTorch ``PlainLM`` as issue 20 describes it (leapfrog before
+- ``independent``: the plain-PyTorch ``PlainLM``, the independent small model (leapfrog before
   RoPE, ``f`` a 64-64-64 SiLU MLP with biases, ``dt = exp(log_dt)`` from 0.1, LayerNorm, a
   GELU MLP), AdamW at 1e-3 with weight decay 0.1 on every parameter (``log_dt``
   included) and torch's ``OneCycleLR``, a fixed set of 20k training examples. What the

@@ -65,7 +65,8 @@ PROJECT_FIELDS = dict(
 
 @dataclass(frozen=True)
 class PlainConfig:
-    """Every choice of the model; the defaults are the independent MQAR model of issue 20."""
+    """Every choice of the model; the defaults are the independent MQAR model of the gap
+    study (``cqk mqar gap``)."""
 
     vocab_size: int = 512
     hidden: int = 64

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Wheels for a GPU machine that has Python 3.12 and torch but not megatron-core or DeepSpeed
-# (the machines this project's device tool lends: torch 2.11, CUDA 13, no registry access).
-# Run here, in the repository root's checkout, once per session; it writes .whl/ (ignored by
-# git through .git/info/exclude). docs/gpu.md has the one command that installs them there
-# and runs tests/gpu/accept.py.
+# and cannot reach a package registry (e.g. torch 2.11 with CUDA 13). Run it on a machine
+# with registry access, in the repository root; it writes .whl/ (keep it out of git, e.g.
+# in .git/info/exclude). docs/gpu.md has the command that installs them on the GPU node and
+# runs tests/gpu/accept.py.
 #
 #   bash tests/gpu/prepare_wheels.sh            # PYTHON: VENV's python by default
 #
