@@ -21,6 +21,7 @@ change of global batch, the first halves of the DP=1 runs), two ranks (their res
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -145,7 +146,9 @@ def test_deepspeed_says_before_the_first_step_that_a_tp_change_restarts_the_opti
     assert "warning: the optimizer restarts from zero moments at step 3" in stderr
     assert "tensor- or pipeline-parallel ranks" in stderr
     # said at the start: the resume line (stdout, before step 4's line) names it too
-    assert stdout.index("weights only, fresh optimizer") < stdout.index("step      4")
+    step_4 = re.search(r"^step +4/", stdout, re.MULTILINE)
+    assert step_4 is not None, stdout
+    assert stdout.index("weights only, fresh optimizer") < step_4.start()
     # the control: a fresh Adam's first update moves the losses after it far beyond the
     # tolerance the resumes above are held to
     losses, reference = _losses(runs, "tp-ds"), _losses(runs, "straight-tp")

@@ -114,9 +114,10 @@ def test_compiled_equals_reference(kind, steps, kv_heads):
 def test_compiled_equals_eager_fp32(kind):
     """What ``coupling_impl=auto`` runs on GPU against what it runs on CPU: the fused form
     through inductor against the same form eagerly, outputs and every gradient within 1e-6
-    of the tensor's largest magnitude (a parameter's gradient sums over every token, and
-    inductor orders that sum its own way: element by element they differ by a few ulps
-    of the sum)."""
+    of the tensor's largest magnitude. A parameter's gradient sums over every token, and
+    inductor orders that sum its own way; the one-element gradient of ``dt`` is such a sum
+    of thousands of terms of both signs, whose fp32 rounding reaches a few 1e-6 of the
+    result on one thread: it is held to 1e-5."""
     coupling = coupling_under_test(kind, 2)
     q, k = inputs(2)
     eager = outputs_and_grads(coupling, q, k, fused_coupling)
@@ -125,7 +126,8 @@ def test_compiled_equals_eager_fp32(kind):
     )
     assert fast_coupling._COMPILED  # the compiled path ran
     for value, want in zip(compiled, eager, strict=True):
-        assert (value - want).abs().max() <= 1e-6 * want.abs().max()
+        tolerance = 1e-5 if want.numel() == 1 else 1e-6
+        assert (value - want).abs().max() <= tolerance * want.abs().max()
 
 
 @pytest.mark.parametrize(

@@ -334,7 +334,7 @@ CONFIG_CASES = {
     "missing data prefix": ConfigCase(
         ("data.mock=false", "data.prefixes=[{tmp}/no/such_prefix]"),
         "dataset '{tmp}/no/such_prefix' not found",
-        "cqk-preprocess",
+        "cqk data preprocess",
     ),
 }
 ENTRY_POINTS = {"cqk-train": cqk_train, "launcher": launcher}
@@ -1069,7 +1069,11 @@ def test_sigterm_stops_training_with_75_and_a_checkpoint_it_resumes_from(prepare
     # written before: untouched (metrics.jsonl only appended to; latest and config.yaml
     # name the new checkpoint and the new train_steps); the new checkpoint is complete
     assert (run_dir / "metrics.jsonl").read_bytes().startswith(metrics_before)
-    rewritten = {"changed runs/base/metrics.jsonl", "changed runs/base/config.yaml"}
+    rewritten = {
+        "changed runs/base/metrics.jsonl",
+        "changed runs/base/config.yaml",
+        "changed runs/base/history.jsonl",  # the attempt that trained, recorded
+    }
     rewritten.add("changed runs/base/checkpoints/latest")
     rewritten.add("changed runs/base/history.jsonl")  # this attempt's settings and start
     new = f"added runs/base/checkpoints/iter_{step:07d}"
@@ -1116,7 +1120,11 @@ def test_ctrl_c_stops_training_with_75_and_a_checkpoint_it_resumes_from(prepared
     assert "(SIGINT); checkpoint saved, exit 75 to requeue" in stop, stop
     step = int(stop.split()[3])
     assert _steps(run_dir) == [1, 2, 3, 4, *range(5, step + 1)]
-    rewritten = {"changed runs/base/metrics.jsonl", "changed runs/base/config.yaml"}
+    rewritten = {
+        "changed runs/base/metrics.jsonl",
+        "changed runs/base/config.yaml",
+        "changed runs/base/history.jsonl",  # the attempt that trained, recorded
+    }
     rewritten.add("changed runs/base/checkpoints/latest")
     new = f"added runs/base/checkpoints/iter_{step:07d}"
     watch.assert_unchanged(
@@ -1156,7 +1164,12 @@ def test_a_second_ctrl_c_during_the_save_stops_at_once_keeping_the_previous_chec
     # only the steps' records were added; the checkpoints are as they were
     watch.assert_unchanged(
         lambda change: (
-            change in {"changed runs/base/metrics.jsonl", "changed runs/base/config.yaml"}
+            change
+            in {
+                "changed runs/base/metrics.jsonl",
+                "changed runs/base/config.yaml",
+                "changed runs/base/history.jsonl",  # the attempt that trained, recorded
+            }
             or change == "added train.log"
         )
     )

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from cqk_megatron.run.folder import CONFIG
 from cqk_megatron.variants import VARIANTS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -87,7 +88,7 @@ def final_perplexities(runs: Path) -> dict[str, dict[int, float]]:
         finals = [r for r in records if r.get("final")]
         if not finals:
             continue
-        config = yaml.safe_load((metrics.parent / "config.yaml").read_text())
+        config = yaml.safe_load((metrics.parent / CONFIG).read_text())
         variant = variant_of(config["attention"])
         table.setdefault(variant, {})[int(config["seed"])] = float(finals[-1]["val_ppl"])
     return table
