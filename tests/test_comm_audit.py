@@ -83,8 +83,13 @@ def _cases() -> dict[str, dict]:
         config = load_config(path, [])
         settings = _settings(config)
         variants = [(path.stem, settings)]
-        if path.stem == "1b_4x8":  # the engine the step-time model may move it to
-            variants.append((f"{path.stem}-megatron", {**settings, "train.engine": "megatron"}))
+        if path.stem == "1b_4x8":
+            # The ladder's larger sizes run the 1B model's settings at TP=2 + SP, and the
+            # step-time model ranks DeepSpeed ZeRO-2 there too: both engines' TP sums.
+            tp2 = {"parallel.tensor_parallel": 2, "parallel.sequence_parallel": True}
+            variants.append((f"{path.stem}-tp2", {**settings, **tp2}))
+            zero2 = {"train.engine": "deepspeed", "train.zero_stage": 2}
+            variants.append((f"{path.stem}-tp2-zero2", {**settings, **tp2, **zero2}))
         for name, chosen in variants:
             # the variant matters only where TP partial gradients are summed
             key = tuple(
@@ -107,7 +112,7 @@ def _cases() -> dict[str, dict]:
                 "train.save_interval=100",
                 "train.check_replicas_interval=0",
             ]
-            ranks = DP * config.parallel.tensor_parallel * config.parallel.pipeline_parallel
+            ranks = DP * chosen["parallel.tensor_parallel"] * chosen["parallel.pipeline_parallel"]
             cases[name] = {
                 "source": path.name,
                 "overrides": overrides,

@@ -173,6 +173,12 @@ RULES = (
     Rule("Install", "pip install", "skip", CLUSTER_NODE),
     Rule("Quickstart", "bash scripts/demo.sh", "skip", "the demo: tests/test_demo.py runs it"),
     Rule("Quickstart", "bash .ci/run", "skip", "CI itself: it runs this test"),
+    Rule(
+        "Tests",
+        "DS_ACCELERATOR=cpu .venv/bin/python -m pytest",
+        "skip",
+        "the suite's fast tier: CI runs every test",
+    ),
     Rule("Training a run", "cqk ", "run"),
     Rule("Training a run", "torchrun ", "run"),
     Rule("On a Slurm cluster", "cqk plan", "run"),
