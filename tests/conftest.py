@@ -11,6 +11,8 @@ records it again).
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -20,6 +22,13 @@ import pytest
 # threads of every rank spin against each other. Set before any test module imports torch,
 # and inherited by the ranks and subprocesses the tests start.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# The launcher notes every run it submits in an index of the account
+# ($XDG_STATE_HOME/cqk-megatron/runs.jsonl, launch/run_dir.py), which ``status NAME`` reads:
+# the suite's runs go to an index of this test process, so that they never land in the
+# user's own, and a run name a test submits is not made ambiguous by an earlier session's.
+_STATE_HOME = tempfile.mkdtemp(prefix="cqk-test-state-")
+os.environ["XDG_STATE_HOME"] = _STATE_HOME
 
 from _tiers import (  # noqa: E402  (after the thread count, before torch)
     Recorder,
@@ -35,6 +44,10 @@ def pytest_configure(config: pytest.Config) -> None:
     start_recording(config)
     if config.getoption("--record-tiers"):
         config.pluginmanager.register(Recorder(), "cqk-tiers-recorder")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_STATE_HOME, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -30,9 +30,11 @@ SUBMIT = [sys.executable, str(REPO / "launch" / "submit.py")]
 TRAIN = [sys.executable, "-m", "cqk_megatron.train"]
 
 
-def run(command: list[str], cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess:
+def run(
+    command: list[str], cwd: Path = REPO, timeout: float = 300, env: dict[str, str] = ENV
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        command, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout
+        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -128,6 +130,7 @@ def test_status_finds_a_submitted_run_by_name_in_the_profile_s_runs_root(tmp_pat
     launcher says where, and ``status NAME`` finds it from another directory."""
     profile = tmp_path / "cluster.yaml"
     profile.write_text(f"gpus: false\ntasks_per_node: 1\nruns_root: {tmp_path}/shared\n")
+    env = {**ENV, "XDG_STATE_HOME": str(tmp_path / "state")}  # the runs index of this test only
     out = run(
         [
             *SUBMIT,
@@ -143,15 +146,16 @@ def test_status_finds_a_submitted_run_by_name_in_the_profile_s_runs_root(tmp_pat
             "train.save_interval=2",
         ],
         timeout=600,
+        env=env,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     run_dir = tmp_path / "shared" / "found-by-name"
     assert f"-> {run_dir} (log.root from cluster profile {profile} (runs_root))" in out.stdout
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    found = run([*SUBMIT, "status", "found-by-name"], elsewhere, timeout=60)
+    found = run([*SUBMIT, "status", "found-by-name"], elsewhere, timeout=60, env=env)
     assert found.returncode == 0, found.stdout + found.stderr
     assert f"run        {run_dir}" in found.stdout and "finished   yes" in found.stdout
-    missing = run([*SUBMIT, "status", "never-submitted"], elsewhere, timeout=60)
+    missing = run([*SUBMIT, "status", "never-submitted"], elsewhere, timeout=60, env=env)
     assert missing.returncode == 1
     assert "no run of that name was submitted from this account" in missing.stdout
