@@ -56,6 +56,9 @@ class Recorder(Callback):
     def post_train(self, run):
         self._note(f"post_train(finished={run.finished})", run)
 
+    def on_error(self, run, error):
+        self._note(f"on_error({error})", run)
+
     def close(self, run):
         self._note("close", run)
 
@@ -111,13 +114,19 @@ def test_a_stop_asked_in_post_step_ends_the_loop_after_that_step_with_the_requeu
     ]
 
 
-def test_an_error_skips_post_train_but_every_callback_is_closed():
+def test_an_error_skips_post_train_tells_every_callback_and_closes_them():
     calls: list[str] = []
     run = _run(train_steps=5)
     callbacks = Callbacks([Recorder("a", calls, fail_at=3), Recorder("b", calls)])
     with pytest.raises(RuntimeError, match="a failed at step 3"):
         run_loop(run, callbacks)
-    assert calls[-3:] == ["a.post_step@3", "b.close@3", "a.close@3"]
+    assert calls[-5:] == [
+        "a.post_step@3",
+        "a.on_error(a failed at step 3)@3",
+        "b.on_error(a failed at step 3)@3",
+        "b.close@3",
+        "a.close@3",
+    ]
     assert not [c for c in calls if "post_train" in c]
 
 

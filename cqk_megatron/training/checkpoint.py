@@ -39,9 +39,9 @@ import shutil
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -117,6 +117,9 @@ class TrainerState:
     consumed_valid_samples: int = 0
     skipped_in_a_row: int = 0
     tokens: int = 0
+    # The state of the callbacks a caller of ``loop.train`` adds, by ``Callback.state_key``
+    # (host objects only: a checkpoint written on GPU loads anywhere).
+    callbacks: dict[str, Any] = field(default_factory=dict)
 
 
 def current_layout(config: RunConfig) -> Layout:

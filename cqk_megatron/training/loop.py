@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +38,13 @@ from cqk_megatron.run import lease as run_lease
 from cqk_megatron.run.folder import CHECKPOINTS, run_dir_of
 from cqk_megatron.training import checkpoint, collectives, replicas
 from cqk_megatron.training.async_save import Saver
-from cqk_megatron.training.callbacks.base import Callbacks, StepOutcome, TrainingRun
+from cqk_megatron.training.callbacks.base import (
+    Callback,
+    Callbacks,
+    CallbackStates,
+    StepOutcome,
+    TrainingRun,
+)
 from cqk_megatron.training.callbacks.checkpointing import Checkpointing
 from cqk_megatron.training.callbacks.divergence import NonFiniteGuard, TrainingError
 from cqk_megatron.training.callbacks.metrics import RunSummary, TrainMetrics
@@ -83,7 +90,13 @@ def default_datasets(config: RunConfig, train_samples: int, valid_samples: int):
     return train, valid
 
 
-def train(config: RunConfig, resume: str = "auto", datasets=None, on_start=None) -> int:
+def train(
+    config: RunConfig,
+    resume: str = "auto",
+    datasets=None,
+    on_start=None,
+    callbacks: Sequence[Callback] = (),
+) -> int:
     """Train ``config``; returns 0 when finished, ``EXIT_REQUEUE`` when stopped early,
     ``EXIT_WATCHDOG`` when a rank never arrived at rendezvous (the watchdog ends the
     process with it when a rank is lost later).
@@ -92,6 +105,9 @@ def train(config: RunConfig, resume: str = "auto", datasets=None, on_start=None)
     (``run_lease``) from before anything is written until the end: a second job on the
     same run folder raises ``LeaseHeld`` on every rank, naming the holder. ``on_start``
     is called on rank 0 once the run really starts (its resume choice is applied).
+    ``callbacks`` are added to the loop's own, after validation and before the checkpoint
+    save (``callbacks_in_order``); their ``state_dict`` is saved in every checkpoint and
+    restored on resume. Every rank passes the same callbacks.
     """
     freeze_long_lived()  # the modules imported so far
     dist_env = discover()
@@ -102,10 +118,12 @@ def train(config: RunConfig, resume: str = "auto", datasets=None, on_start=None)
         watchdog.record_rendezvous_failure(run_dir_of(config), str(error), dist_env.rank)
         return EXIT_WATCHDOG
     with watchdog.watching(config, dist_env, run_dir_of(config)):
-        return _train_leased(config, resume, datasets, on_start)
+        return _train_leased(config, resume, datasets, on_start, callbacks)
 
 
-def _train_leased(config: RunConfig, resume: str, datasets, on_start) -> int:
+def _train_leased(
+    config: RunConfig, resume: str, datasets, on_start, added: Sequence[Callback]
+) -> int:
     world = dist.get_world_size()
     validate(config, world)
     init_model_parallel(config)
@@ -113,7 +131,7 @@ def _train_leased(config: RunConfig, resume: str, datasets, on_start) -> int:
     run_dir = run_dir_of(config)
     lease = _take_lease(run_dir, rank)
     try:
-        return _train(config, resume, datasets, run_dir, lease, on_start)
+        return _train(config, resume, datasets, run_dir, lease, on_start, added)
     finally:
         if lease is not None:
             lease.release()
@@ -197,7 +215,15 @@ def _choose_start(
     return choice, plan
 
 
-def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_start) -> int:
+def _train(
+    config: RunConfig,
+    resume: str,
+    datasets,
+    run_dir: Path,
+    lease,
+    on_start,
+    added: Sequence[Callback] = (),
+) -> int:
     choice, plan = _choose_start(run_dir / CHECKPOINTS, resume, config)
     model, engine, state, params = _build_model_and_engine(config, choice.folder, plan)
     replica_check = replicas.ReplicaCheck(model, config)
@@ -219,7 +245,9 @@ def _train(config: RunConfig, resume: str, datasets, run_dir: Path, lease, on_st
     saver = Saver(run_dir / CHECKPOINTS, engine, model, config, lease)
     freeze_long_lived()  # the model, its engine, the datasets and the modules they imported
     records = RunRecords(run_dir, state.step)
-    return run_loop(run, callbacks_in_order(run, records, replica_check, saver, params))
+    CallbackStates(added).restore(state)  # before any hook: resumed where it was saved
+    ordered = callbacks_in_order(run, records, replica_check, saver, params, added)
+    return run_loop(run, ordered)
 
 
 def callbacks_in_order(
@@ -228,6 +256,7 @@ def callbacks_in_order(
     replica_check: replicas.ReplicaCheck,
     saver: Saver,
     params: tuple[int, int],
+    added: Sequence[Callback] = (),
 ) -> Callbacks:
     """The loop's callbacks; each hook runs on them in this order (docs/training.md)."""
     return Callbacks(
@@ -237,6 +266,8 @@ def callbacks_in_order(
             NonFiniteGuard(),
             ReplicaChecks(replica_check),  # before this step's weights are saved
             Validation(),
+            *added,  # the caller's: they see the step's validation, and are saved with it
+            CallbackStates(added),  # their state, for the save just below
             Checkpointing(saver, run),
             StopAndRequeue(),  # after the save it may ask for: the exit waits for it
             RunSummary(*params),  # after the last save: a summary means a finished run
@@ -256,6 +287,9 @@ def run_loop(run: TrainingRun, callbacks: Callbacks) -> int:
             callbacks.post_step(run, outcome)
         callbacks.post_train(run)
         return 0 if run.stop_reason is None else EXIT_REQUEUE
+    except BaseException as error:
+        callbacks.on_error(run, error)
+        raise
     finally:
         callbacks.close(run)
 

@@ -5,11 +5,17 @@ method per moment of the loop and does nothing by default; ``Callbacks`` calls e
 every callback in the order the list was built (``loop.callbacks_in_order``), so that the
 order of a step's side effects (its metrics record, the replica check, validation, the
 save, the stop decision) is written down once. ``close`` runs in reverse order, as nested
-``with`` blocks unwind, and also when a hook or the step raised.
+``with`` blocks unwind, and also when a hook or the step raised, after ``on_error``.
+
+A caller of ``loop.train`` adds its own callbacks (``train(config, callbacks=[...])``); what
+their ``state_dict`` returns is saved in each checkpoint and handed back to
+``load_state_dict`` when a run resumes from it (``CallbackStates``), as OLMo-core's trainer
+does for its callbacks.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -67,8 +73,26 @@ class Callback:
         """Once, after the last step, or after the step a stop was agreed at
         (``run.stop_reason`` set). Not called when the loop raised."""
 
+    def on_error(self, run: TrainingRun, error: BaseException) -> None:
+        """When the step or a hook raised ``error``, before ``close``; the loop raises it
+        again afterwards (a failure here is printed, and does not replace it)."""
+
     def close(self, run: TrainingRun) -> None:
         """Always, last: release what ``pre_train`` (or the constructor) took."""
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """What a checkpoint keeps of this callback (None: nothing); host objects only."""
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """``state_dict()``'s value from the checkpoint the run resumes from; not called
+        when that checkpoint holds none for ``state_key``."""
+
+    @property
+    def state_key(self) -> str:
+        """Where a checkpoint keeps this callback's state: its class, by default (two
+        callbacks of one class that both keep state must override it)."""
+        return f"{type(self).__module__}.{type(self).__qualname__}"
 
 
 class Callbacks:
@@ -93,6 +117,43 @@ class Callbacks:
         for callback in self.callbacks:
             callback.post_train(run)
 
+    def on_error(self, run: TrainingRun, error: BaseException) -> None:
+        for callback in self.callbacks:
+            try:
+                callback.on_error(run, error)
+            except Exception as failure:  # the run's own error is the one to raise
+                print(
+                    f"error: {type(callback).__name__}.on_error failed ({failure}) while "
+                    f"handling: {error}",
+                    file=sys.stderr,
+                )
+
     def close(self, run: TrainingRun) -> None:
         for callback in reversed(self.callbacks):
             callback.close(run)
+
+
+class CallbackStates(Callback):
+    """Keeps the added callbacks' ``state_dict`` in ``run.state.callbacks`` after every
+    step, so that a checkpoint saved by the callbacks after it holds them; ``restore``
+    hands a resumed run's saved states back. Placed after the added callbacks' own
+    ``post_step`` and before ``Checkpointing``'s (``loop.callbacks_in_order``)."""
+
+    def __init__(self, added: Sequence[Callback]) -> None:
+        keys = [c.state_key for c in added]
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        if twice:
+            raise ValueError(
+                f"callbacks {', '.join(twice)} are added more than once: give each a "
+                "state_key of its own"
+            )
+        self.added = tuple(added)
+
+    def restore(self, state: TrainerState) -> None:
+        for callback in self.added:
+            if callback.state_key in state.callbacks:
+                callback.load_state_dict(state.callbacks[callback.state_key])
+
+    def post_step(self, run: TrainingRun, outcome: StepOutcome) -> None:
+        kept = ((c.state_key, c.state_dict()) for c in self.added)
+        run.state.callbacks = {key: value for key, value in kept if value is not None}
