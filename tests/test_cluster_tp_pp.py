@@ -33,8 +33,8 @@ from _curves import STEPS, agree, curve, worst
 from _multiproc import run_ranks
 from _training import TINY, exits
 
+from cqk_megatron.compat import cpu_bridge
 from cqk_megatron.config import family_overrides, load_config
-from cqk_megatron.parallel import cpu_bridge
 
 PRECISIONS = ("fp32", "bf16")
 ENGINES = ("ds", "mg")

@@ -11,6 +11,7 @@ import torch
 from _tiny import tiny_config
 
 from cqk_megatron.bench.overhead import format_table, overhead_table
+from cqk_megatron.compat import cpu_bridge
 from cqk_megatron.config import CONFIGS_DIR, COUPLINGS, SCORINGS, VARIANTS, load_config
 from cqk_megatron.model.attention import (
     DifferentialCoreAttention,
@@ -18,7 +19,6 @@ from cqk_megatron.model.attention import (
     SDPACoreAttention,
 )
 from cqk_megatron.model.gpt import build_model
-from cqk_megatron.parallel import cpu_bridge
 from cqk_megatron.parallel.process_groups import init_single_process
 from cqk_megatron.variants.plain_math import (
     EulerCoupling,

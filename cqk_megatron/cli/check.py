@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 # torch >= 2.5 for scaled_dot_product_attention(enable_gqa=...) (setup.py says the same).
 MIN_TORCH = (2, 5)
-# The megatron-core minor this stack is written and tested against (cpu_bridge and the
+# The megatron-core minor this stack is written and tested against (compat/ and the
 # engines reach into its internals); another minor gets a note, not a refusal.
 TESTED_MEGATRON_MINOR = (0, 16)
 INSTALL_DOC = "docs/install.md"

@@ -10,18 +10,15 @@ the launcher runs too).
 
 from __future__ import annotations
 
-import contextlib
-import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
-from megatron.core.datasets import blended_dataset
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import Split
 
+from cqk_megatron.compat import megatron_state
 from cqk_megatron.config import RunConfig
 from cqk_megatron.data.checks import (  # noqa: F401 - check_prefix, resolve_tokenizer: API
     PrefixSize,
@@ -120,42 +117,9 @@ def build_datasets(
     builder = BlendedMegatronDatasetBuilder(
         dataset_class, sizes, is_built_on_rank or (lambda: True), dataset_config
     )
-    with _plain_process_is_rank_zero():
+    with megatron_state.blended_dataset_outside_a_group():
         train, valid, test = builder.build()
     return train, valid, test
-
-
-class _RankZeroDistributed(types.SimpleNamespace):
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch.distributed, name)
-
-
-class _RankZeroTorch(types.ModuleType):
-    """``torch`` whose ``distributed.get_rank()`` answers 0; everything else is ``torch``."""
-
-    def __init__(self) -> None:
-        super().__init__("torch")
-        self.distributed = _RankZeroDistributed(get_rank=lambda *args, **kwargs: 0)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-
-@contextlib.contextmanager
-def _plain_process_is_rank_zero() -> Iterator[None]:
-    """Megatron-Core 0.16.1's ``BlendedDataset`` calls ``torch.distributed.get_rank()`` when
-    it caches its indices even without a process group (``GPTDataset`` checks
-    ``is_initialized()`` first). A process without a group is the only one, rank 0: that
-    module alone gets a view of ``torch`` saying so, while the build runs."""
-    if torch.distributed.is_initialized():
-        yield
-        return
-    original = blended_dataset.torch
-    blended_dataset.torch = _RankZeroTorch()
-    try:
-        yield
-    finally:
-        blended_dataset.torch = original
 
 
 def blend_counts(dataset: Any) -> np.ndarray:

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from cqk_megatron.compat import cpu_bridge, megatron_state
 from cqk_megatron.config import RunConfig
-from cqk_megatron.parallel import cpu_bridge
 from cqk_megatron.parallel.device import bind
 from cqk_megatron.parallel.ports import free_port, rendezvous_port
 
@@ -268,11 +268,7 @@ def init_model_parallel(config: RunConfig) -> None:
     again per pipeline stage)."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    # megatron-core 0.16's destroy_model_parallel forgets the embedding group but not its
-    # ranks, and initialize_model_parallel sets them only on the ranks in the group: after a
-    # PP=2 layout, a middle stage of PP=4 in the same process thought itself a holder of the
-    # tied embedding (is_rank_in_embedding_group) and asked for a group it did not have.
-    parallel_state._EMBEDDING_GLOBAL_RANKS = None  # private; megatron-core is pinned
+    megatron_state.forget_embedding_ranks()  # what destroy_model_parallel leaves behind
     _destroy_megatron_groups()
     p = config.parallel
     before = set(_all_groups())

@@ -36,7 +36,6 @@ import os
 import random
 import re
 import shutil
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -50,6 +49,7 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from torch.distributed.checkpoint.api import CheckpointException
 
+from cqk_megatron.compat import save_writes
 from cqk_megatron.config import RunConfig, save_config
 from cqk_megatron.config.changes import changes, listed
 from cqk_megatron.model.gpt import load_sharded_state, sharded_state_dict
@@ -245,32 +245,6 @@ def _guarded(log: WriteLog, write: Callable, target: Callable[..., object]) -> C
     return guarded
 
 
-def _path_arg(position: int, name: str, inside: str = "") -> Callable[..., Path | None]:
-    """The path a write function is given (argument ``position`` or ``name``), joined
-    with ``inside`` when it is a folder the function writes a file in."""
-
-    def target(*args, **kwargs):
-        value = args[position] if len(args) > position else kwargs.get(name)
-        return Path(value, inside) if isinstance(value, str | os.PathLike) else None
-
-    return target
-
-
-def _write_functions() -> list[tuple[object, str, Callable[..., Path | None]]]:
-    """The rank-local file writes inside Megatron's and DeepSpeed's collective saves, each
-    between two of their collectives: (module, attribute, the path it writes)."""
-    from megatron.core.dist_checkpointing import serialization
-
-    found = [
-        (torch, "save", _path_arg(1, "f")),  # Megatron's common.pt, DeepSpeed's files
-        (serialization, "save_config", _path_arg(1, "checkpoint_dir", "metadata.json")),
-    ]
-    deepspeed_engine = sys.modules.get("deepspeed.runtime.engine")
-    if deepspeed_engine is not None:  # rank 0 copies zero_to_fp32.py before a barrier
-        found.append((deepspeed_engine, "copyfile", _path_arg(1, "dst")))
-    return found
-
-
 @contextlib.contextmanager
 def guarded_writes(log: WriteLog):
     """During a collective save by Megatron-Core or DeepSpeed, a rank whose file write
@@ -282,17 +256,10 @@ def guarded_writes(log: WriteLog):
     are recorded too: each rank hashes the files it wrote. Only this process's main
     thread is guarded (Megatron's writer threads and processes report their own errors,
     which it agrees across ranks itself)."""
-    patched = []
-    for owner, name, target in _write_functions():
-        patched.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, _guarded(log, getattr(owner, name), target))
-    try:
+    with save_writes.replaced(lambda write, path_of: _guarded(log, write, path_of)):
         yield log
         if log.error is not None:
             raise log.error
-    finally:
-        for owner, name, original in patched:
-            setattr(owner, name, original)
 
 
 def _own_files(staging: Path, log: WriteLog, rank: int) -> list[str]:

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 from megatron.core import parallel_state as ps
 
+from cqk_megatron.compat import cpu_bridge
 from cqk_megatron.config import RunConfig
 from cqk_megatron.model.attention.tp_grads import (
     left_to_finalize_model_grads,
@@ -45,7 +46,6 @@ from cqk_megatron.model.attention.tp_grads import (
     take_over_tp_sums,
 )
 from cqk_megatron.model.gpt import model_chunks
-from cqk_megatron.parallel import cpu_bridge
 from cqk_megatron.parallel.device import device
 from cqk_megatron.parallel.layout import Layout
 from cqk_megatron.perf import traffic

@@ -77,9 +77,10 @@ def protect_checkpoint_writer() -> None:
     (``orphans.helper_dies_with_parent``, a torch-free module: the helper imports it).
     """
     import torch.multiprocessing as torch_mp
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if filesystem_async._results_queue is not None:  # private; megatron-core is pinned
+    from cqk_megatron.compat import megatron_state
+
+    if megatron_state.writer_results_queue() is not None:
         return
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGUSR1, signal.SIGTERM)}
     try:
@@ -87,7 +88,7 @@ def protect_checkpoint_writer() -> None:
         # items that stay pickled in the helper (writer_queue.py: it never imports torch)
         manager = WriterResultsManager(ctx=torch_mp.get_context("spawn"))
         manager.start(helper_dies_with_parent, (os.getpid(), _on_main_thread()))
-        filesystem_async._results_queue = manager.PickledQueue()  # the proxy keeps it
+        megatron_state.set_writer_results_queue(manager.PickledQueue())  # the proxy keeps it
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

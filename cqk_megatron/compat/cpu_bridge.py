@@ -1,4 +1,5 @@
-"""The one place where Megatron-Core 0.16's CUDA assumptions are redirected to CPU.
+"""Megatron-Core 0.16's CUDA assumptions, redirected to CPU (each patch is listed, with
+why and what would retire it, in ``compat.PATCHES``).
 
 Megatron hard-codes CUDA in a few spots that matter on a CPU/gloo run:
 ``torch.cuda.current_device()`` for the p2p shape exchange and receive buffers, for the
