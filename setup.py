@@ -61,7 +61,7 @@ setup(
             "cqk-analyze=cqk_megatron.cli.analyze:main",
             "cqk-submit=launch.submit:main",
             "cqk-mqar=cqk_megatron.cli.mqar:main",
-            "cqk-repro=cqk_megatron.repro.cli:main",
+            "cqk-repro=cqk_megatron.cli.repro:main",
         ],
     },
 )

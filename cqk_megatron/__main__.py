@@ -59,7 +59,15 @@ COMMANDS: dict[str, Command] = {
         "torchrun that exits with the training's own code", "cqk_megatron.cli.torchrun:main"
     ),
     "plan": Command("memory planner: which parallel layouts fit", "cqk_megatron.cli.plan:main"),
-    "bench": Command("time the attention variants side by side", "cqk_megatron.cli.bench:main"),
+    "bench": Command(
+        "time the attention variants side by side",
+        "cqk_megatron.cli.bench:main",
+        subcommands={
+            "checkpoints": Command(
+                "time a checkpoint save, part by part", "cqk_megatron.cli.bench_checkpoints:main"
+            ),
+        },
+    ),
     "params": Command(
         "parameter counts and each variant's overhead", "cqk_megatron.cli.params:main"
     ),
@@ -86,7 +94,7 @@ COMMANDS: dict[str, Command] = {
         },
     ),
     "repro": Command(
-        "the paper's attention comparison in one command", "cqk_megatron.repro.cli:main"
+        "the paper's attention comparison in one command", "cqk_megatron.cli.repro:main"
     ),
 }
 

@@ -62,7 +62,7 @@ NAME=$(basename "$RUN")
 HF="$OUT/hf/$NAME"
 echo "== 4/5 export $NAME (the largest coupled model) to Hugging Face -> $HF, then sample"
 if [ ! -f "$HF/config.json" ]; then
-  "$PY" -m cqk_megatron.convert.cli export "$RUN" "$HF" \
+  "$PY" -m cqk_megatron convert export "$RUN" "$HF" \
     --tokenizer "$OUT/data/tokenizer.model" --val-ppl "$PPL"
 fi
 HF_HUB_OFFLINE=1 "$PY" - "$HF" <<'PYEOF'

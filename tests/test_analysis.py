@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from cqk_megatron.analysis import cli, compare, plots
+from cqk_megatron.analysis import compare, plots
 from cqk_megatron.analysis.fits import (
     PARAMS,
     Bootstrap,
@@ -37,6 +37,7 @@ from cqk_megatron.analysis.report import (
 )
 from cqk_megatron.analysis.step_time import format_ratio, run_step_time
 from cqk_megatron.bench.overhead import count_variant_parameters
+from cqk_megatron.cli import analyze as cli
 from cqk_megatron.config import CONFIGS_DIR, ConfigError, load_config, save_config
 from cqk_megatron.planner.sweep import expand_sweep
 

@@ -1,15 +1,16 @@
-"""The checkpoint benchmark (cqk_megatron/bench/checkpoints.py) at a tiny size: the
-shape of its output, not its timings."""
+"""The checkpoint benchmark (``cqk bench checkpoints``: cqk_megatron/bench/checkpoints.py)
+at a tiny size: the shape of its output, not its timings."""
 
 from __future__ import annotations
 
+from cqk_megatron.__main__ import main as cqk
 from cqk_megatron.bench import checkpoints as checkpoint_bench
 
 PARTS = {"staging", "writing", "hashing", "manifest", "load", "stall", "hashing_share", "bytes"}
 
 
 def test_the_benchmark_reports_each_part_for_each_kind_of_save(capsys):
-    assert checkpoint_bench.main(["--hidden", "32", "--layers", "1", "--vocab", "64"]) == 0
+    assert cqk(["bench", "checkpoints", "--hidden", "32", "--layers", "1", "--vocab", "64"]) == 0
     result = checkpoint_bench.measure(32, 1, 64)
     assert result["parameters"] == 64 * 32 + 12 * 32 * 32
     assert len(result["measured"]) == 3

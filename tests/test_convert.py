@@ -22,6 +22,7 @@ import _tiny
 import pytest
 import torch
 
+from cqk_megatron.cli.convert import main as cli_main
 from cqk_megatron.config import VARIANTS, to_dict
 from cqk_megatron.convert import (
     ConversionError,
@@ -31,7 +32,6 @@ from cqk_megatron.convert import (
     import_hf_folder,
 )
 from cqk_megatron.convert import hf_config as hf_config_module
-from cqk_megatron.convert.cli import main as cli_main
 from cqk_megatron.convert.hf_import import import_checkpoint
 from cqk_megatron.convert.names import (
     ModelLayout,

@@ -75,8 +75,8 @@ def _differences(config: RunConfig, reference: RunConfig) -> set[str]:
 
 
 def _entry_point_configs(tmp_path: Path, capsys) -> dict[str, RunConfig]:
-    from cqk_megatron.analysis.cli import main as analyze
     from cqk_megatron.bench import variants as bench
+    from cqk_megatron.cli.analyze import main as analyze
     from cqk_megatron.cli.plan import load_plan_config
     from cqk_megatron.planner.sweep import expand_sweep
     from cqk_megatron.repro.configs import build_plan

@@ -381,7 +381,8 @@ def test_a_preempted_torchrun_job_exits_75(tmp_path):
     command = [
         sys.executable,
         "-m",
-        "cqk_megatron.parallel.torchrun",
+        "cqk_megatron",
+        "torchrun",
         "--nproc-per-node",
         "1",
         "--master-port",

@@ -182,7 +182,7 @@ def launcher(argv: list[str], capsys, monkeypatch) -> Outcome:
 
 
 def convert(argv: list[str], capsys) -> Outcome:
-    from cqk_megatron.convert import cli
+    from cqk_megatron.cli import convert as cli
 
     capsys.readouterr()
     code = cli.main(argv)
@@ -1228,7 +1228,7 @@ def test_ctrl_c_on_cqk_torchrun_saves_and_exits_75(tmp_path):
     stops with 75, and so does ``cqk torchrun`` (a KeyboardInterrupt traceback before)."""
     from _multiproc import free_port
 
-    command = [sys.executable, "-m", "cqk_megatron.parallel.torchrun", "--nproc-per-node", "1"]
+    command = [sys.executable, "-m", "cqk_megatron", "torchrun", "--nproc-per-node", "1"]
     command += ["--master-port", str(free_port()), "-m", "cqk_megatron.train"]
     command += ["--config", CONFIG, f"log.root={tmp_path}", "name=interrupted", *NO_SAVES]
     watch = Watch(tmp_path)

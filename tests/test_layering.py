@@ -29,12 +29,17 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> Iterator[tuple[int, str]]:
+def _imports(path: Path, with_type_checking: bool = True) -> Iterator[tuple[int, str]]:
     """(line, imported module) for every import in the file; ``from a import b`` yields
-    ``a`` and ``a.b`` (b may be a module)."""
+    ``a`` and ``a.b`` (b may be a module). ``with_type_checking=False`` leaves out the imports
+    under ``if TYPE_CHECKING:``, which never run (the module-cycle test)."""
     me = _module_name(path)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
-    for node in _outside_main_guard(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    skipped = set() if with_type_checking else _under_type_checking(tree)
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield node.lineno, alias.name
@@ -49,17 +54,13 @@ def _imports(path: Path) -> Iterator[tuple[int, str]]:
                 yield node.lineno, f"{module}.{alias.name}"
 
 
-def _outside_main_guard(tree: ast.Module) -> Iterator[ast.AST]:
-    """Every node but those under ``if __name__ == "__main__":``: a module's old command
-    spelling (``python -m cqk_megatron.perf.fit``) calls the command line from there, which
-    makes the command line no dependency of the module as a library."""
+def _under_type_checking(tree: ast.Module) -> set[int]:
     guards = [
         node
-        for node in tree.body
-        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
     ]
-    inside = {id(n) for guard in guards for n in ast.walk(guard)}
-    return (node for node in ast.walk(tree) if id(node) not in inside)
+    return {id(n) for guard in guards for stmt in guard.body for n in ast.walk(stmt)}
 
 
 def _sources() -> list[Path]:
@@ -71,13 +72,13 @@ def _sources() -> list[Path]:
 
 
 def _unit(module: str) -> str:
-    """The package a module belongs to, for the package graph. A package's own command-line
-    module (``convert/cli.py``, ``analysis/__main__.py``: the old spellings of ``cqk
-    convert``, ``cqk analyze``) belongs to the command line."""
+    """The package a module belongs to, for the package graph. A package's ``__main__.py``
+    (``python -m cqk_megatron.analysis``), which only dispatches to its command, belongs to
+    the command line."""
     parts = module.split(".")
     if module == ARGS or module.startswith(ARGS + "."):
         return ARGS
-    if parts[0] == "cqk_megatron" and len(parts) > 2 and parts[-1] in ("cli", "__main__"):
+    if parts[0] == "cqk_megatron" and len(parts) > 2 and parts[-1] == "__main__":
         return "cqk_megatron.cli"
     return ".".join(parts[:2]) if parts[0] == "cqk_megatron" and len(parts) > 1 else parts[0]
 
@@ -211,6 +212,44 @@ def _cycles(graph: dict[str, dict[str, str]]) -> list[list[str]]:
         if node not in index:
             visit(node)
     return groups
+
+
+def _module_graph() -> dict[str, dict[str, str]]:
+    """module -> {imported module of ours: the first place it is imported}, for the
+    imports that run (those under ``if TYPE_CHECKING:`` do not)."""
+    sources = _sources()
+    ours = {_module_name(path) for path in sources}
+    graph: dict[str, dict[str, str]] = defaultdict(dict)
+    for path in sources:
+        me = _module_name(path)
+        for line, module in _imports(path, with_type_checking=False):
+            if module in ours and module != me:
+                graph[me].setdefault(module, f"{path.relative_to(REPO)}:{line}")
+    return graph
+
+
+def test_no_two_modules_import_each_other():
+    graph = _module_graph()
+    found = []
+    for group in _cycles(graph):
+        edges = [f"{a} -> {b} ({graph[a][b]})" for a in group for b in group if b in graph[a]]
+        found.append("a cycle: " + "; ".join(edges))
+    assert found == [], "\n".join(found)
+
+
+def test_no_library_module_runs_as_a_script():
+    """``python -m`` entry points live in ``cli/`` (and ``__main__.py`` files that only
+    dispatch); ``cqk_megatron/train.py`` is the command that torchrun and srun start, in
+    the command-line layer. A module of any other package is a library."""
+    found = []
+    for path in _files("cqk_megatron"):
+        relative = path.relative_to(REPO)
+        if relative.parts[1] == "cli" or path.name == "__main__.py" or relative.name == "train.py":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+                found.append(f"{relative}:{node.lineno}")
+    assert found == [], "library modules with a __main__ block: " + ", ".join(found)
 
 
 def test_no_two_packages_depend_on_each_other():

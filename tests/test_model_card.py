@@ -9,8 +9,8 @@ import _tiny
 import pytest
 import torch
 
+from cqk_megatron.cli.convert import main as cli_main
 from cqk_megatron.config import load_config
-from cqk_megatron.convert.cli import main as cli_main
 from cqk_megatron.convert.model_card import model_card
 from cqk_megatron.model.gpt import build_model
 from cqk_megatron.parallel.process_groups import init_single_process

@@ -229,7 +229,7 @@ def test_repro_plan_in_the_gpt2_family(tmp_path):
 def test_repro_trains_the_gpt2_family(tmp_path, capsys):
     from test_repro import FAST
 
-    from cqk_megatron.repro.cli import main
+    from cqk_megatron.cli.repro import main
     from data_tools.demo_corpus import DemoSettings, build_demo
 
     prefix = build_demo(

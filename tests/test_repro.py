@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cqk_megatron.repro.cli import main
+from cqk_megatron.cli.repro import main
 from cqk_megatron.repro.presets import PRESETS, ReproError, canonical_variant, parse_tokens
 from data_tools.demo_corpus import DemoSettings, build_demo
 
@@ -219,7 +219,7 @@ def test_a_mostly_invalid_text_is_refused_unless_max_invalid_utf8_allows_it(tmp_
     """The data tools' refusal names ``--max-invalid-utf8``; cqk-repro takes it too."""
     import random
 
-    from cqk_megatron.repro.cli import build_parser
+    from cqk_megatron.cli.repro import build_parser
     from cqk_megatron.repro.data import CorpusOptions, resolve_data
     from data_tools.sources import MAX_INVALID_UTF8
 

@@ -188,7 +188,8 @@ def test_export_with_a_config_of_another_shape_names_it_instead_of_megatrons_err
         [
             sys.executable,
             "-m",
-            "cqk_megatron.convert.cli",
+            "cqk_megatron",
+            "convert",
             "export",
             str(folder),
             str(runs / "hf"),

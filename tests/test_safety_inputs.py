@@ -278,7 +278,7 @@ def _hashes(folder: Path) -> dict[str, str]:
 
 
 def _convert(argv: list[str], capsys) -> tuple[int, str]:
-    from cqk_megatron.convert.cli import main
+    from cqk_megatron.cli.convert import main
 
     code = main(argv)
     out, err = capsys.readouterr()

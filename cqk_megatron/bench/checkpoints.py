@@ -1,5 +1,5 @@
-"""Checkpoint benchmark: ``python -m cqk_megatron.bench.checkpoints [--hidden H
---layers L --vocab V] [--json out.json]``.
+"""Checkpoint benchmark (``cqk bench checkpoints [--hidden H --layers L --vocab V]
+[--json out.json]``).
 
 Measured, on this machine, in one process: a model of ``--layers`` transformer-sized
 blocks (default about 110M parameters: 12 x 768 x 768 x 12 weights plus a 32k x 768
@@ -24,8 +24,6 @@ cluster, as a fraction of the time between saves at ``configs/runs/1b_4x8.yaml``
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import tempfile
 import time
@@ -205,22 +203,3 @@ def report(result: dict) -> str:
             fraction = e["stall_fraction_of_interval"][label]
             lines.append(f"    {label:34s} stall {stall:6.1f} s = {100 * fraction:5.2f}%")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--vocab", type=int, default=32768)
-    parser.add_argument("--json", type=Path, default=None, help="also write the numbers")
-    args = parser.parse_args(argv)
-    result = measure(args.hidden, args.layers, args.vocab)
-    result["cluster"] = cluster_estimate()
-    print(report(result))
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

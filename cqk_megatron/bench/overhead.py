@@ -11,8 +11,6 @@ skips that.
 
 from __future__ import annotations
 
-import sys
-
 from cqk_megatron.config import RunConfig, validate
 from cqk_megatron.planner.parameters import count_parameters, variant_config
 
@@ -72,9 +70,3 @@ def format_table(rows: list[dict]) -> str:
             f"{row['variant']:<26}{row['parameters']:>16,}{row['extra']:>12,}{row['percent']:>9.3f}%"
         )
     return "\n".join(lines)
-
-
-if __name__ == "__main__":  # the old spelling of ``cqk params``
-    from cqk_megatron.cli.params import main
-
-    sys.exit(main())

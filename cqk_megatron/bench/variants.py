@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -469,9 +468,3 @@ def format_report(result: dict) -> str:
 def write_json(result: dict, path: str) -> None:
     """Write atomically: a temporary file in the same folder, renamed at the end."""
     write_text_atomically(path, json.dumps(result, indent=2))
-
-
-if __name__ == "__main__":  # the old spelling of ``cqk bench``
-    from cqk_megatron.cli.bench import main
-
-    sys.exit(main())

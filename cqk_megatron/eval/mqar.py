@@ -307,9 +307,3 @@ def write_results(
     write_text_atomically(out / "mqar_results.json", json.dumps(payload, indent=1))
     write_text_atomically(out / "mqar_results.md", format_table(rows) + "\n")
     plot_curves(runs, out / "mqar_curves.png")
-
-
-if __name__ == "__main__":  # the old spelling of ``cqk mqar``
-    from cqk_megatron.cli.mqar import main
-
-    main()

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 
 from cqk_megatron.eval.mqar_data import MQARSetting
@@ -282,9 +281,3 @@ def report(records: list[dict]) -> str:
                 f"{sum(r['solved'] for r in runs)}/{len(runs)} |"
             )
     return "\n".join(lines)
-
-
-if __name__ == "__main__":  # the old spelling of ``cqk mqar gap``
-    from cqk_megatron.cli.mqar_gap import main
-
-    sys.exit(main())

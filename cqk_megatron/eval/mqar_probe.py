@@ -19,8 +19,6 @@ Used for the README's look at why the GPT-2 family and invertible_differential s
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from cqk_megatron.eval import mqar_train
@@ -62,9 +60,3 @@ def probe(
         return mqar_train.train_run(variant, setting, options)
     finally:
         mqar_train.build = build
-
-
-if __name__ == "__main__":  # the old spelling of ``cqk mqar probe``
-    from cqk_megatron.cli.mqar_probe import main
-
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""``cqk-torchrun`` (``python -m cqk_megatron.parallel.torchrun``): torchrun, exiting with the
+"""``cqk torchrun`` (its command line: ``cli/torchrun.py``): torchrun, exiting with the
 training's own code.
 
 torchrun ends with exit 1 whenever a worker does not exit 0, and with a
@@ -99,7 +99,3 @@ def main(argv: list[str] | None = None) -> int:
     code = outcome(workers, failures, signal)
     print(f"cqk-torchrun: exit {code} (workers: {dict(sorted(workers.items()))})", flush=True)
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -564,11 +564,3 @@ def format_overrides(
             built = training_config(config, r.layout, micro_batch, global_batch)
             lines.append(RUN_PREFIX + " ".join(layout_overrides(built)))
     return "\n".join(lines)
-
-
-if __name__ == "__main__":  # the old spelling of ``cqk plan``
-    import sys
-
-    from cqk_megatron.cli.plan import main
-
-    sys.exit(main())

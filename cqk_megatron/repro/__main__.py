@@ -1,5 +1,5 @@
 import sys
 
-from cqk_megatron.repro.cli import main
+from cqk_megatron.cli.repro import main
 
 sys.exit(main())

@@ -80,13 +80,13 @@ import yaml
 from cqk_megatron.config import RunConfig, to_dict
 from cqk_megatron.errors import Refusal
 from cqk_megatron.run.atomic import append_line, write_text_atomically
+from cqk_megatron.run.lease import LEASE, live_holder
 
 CONFIG = "config.yaml"
 HISTORY = "history.jsonl"
 METRICS = "metrics.jsonl"
 JOBS = "jobs.jsonl"
 FAULTS = "faults.jsonl"
-LEASE = "lease.json"
 CHECKPOINTS = "checkpoints"
 SUPERSEDED = "superseded"
 SUBMITIT = "submitit"
@@ -408,9 +408,7 @@ def _launcher_failure(history: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def _held_by_another_job(run_dir: Path, failure: dict[str, Any]) -> bool:
     """A live process holds the run's lease and is not of the job that ``failure`` ended."""
-    from cqk_megatron.run import lease as run_lease  # it imports this module for the file's name
-
-    holder = run_lease.live_holder(run_dir)
+    holder = live_holder(run_dir)
     return holder is not None and holder.job_id != str(failure.get("job_id"))
 
 

@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cqk_megatron.errors import Refusal
-from cqk_megatron.run.folder import LEASE
 
+LEASE = "lease.json"  # in the run folder (run/folder.py lists the folder's files)
 TAKEOVER_STALE_S = 60.0  # a takeover file older than this was left by a dead contender
 
 

@@ -807,7 +807,8 @@ class Acceptance:
         command = [
             sys.executable,
             "-m",
-            "cqk_megatron.convert.cli",
+            "cqk_megatron",
+            "convert",
             "export",
             str(folder),
             str(hf),
