@@ -2,8 +2,8 @@
 under one name. ``cqk <command> --help`` says what each one takes.
 
 Each command is a ``module:function`` looked up when it runs, so ``cqk --help`` and
-``cqk X --help`` import only the parser of ``X`` (no torch, no Megatron). The old script
-names (``cqk-train``, ``cqk-plan``, ...) and ``python launch/submit.py`` still work.
+``cqk X --help`` import only the parser of ``X`` (no torch, no Megatron). The console
+scripts of setup.py other than ``cqk`` are the commands' old names, kept as aliases.
 """
 
 from __future__ import annotations
@@ -100,8 +100,7 @@ COMMANDS: dict[str, Command] = {
 
 
 ABOUT = (
-    "One command for the cqk-megatron stack (also 'python -m cqk_megatron'). The old script\n"
-    "names (cqk-train, cqk-plan, ...) and 'python launch/submit.py' still work.\n"
+    "One command for the cqk-megatron stack (also 'python -m cqk_megatron').\n"
     "'cqk --verbose <command>' also shows the third-party warnings it hides (Megatron-Core's\n"
     "fallbacks when Apex or Transformer Engine is not installed)."
 )

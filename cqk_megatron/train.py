@@ -162,7 +162,7 @@ def _main(argv: list[str] | None, started: dict) -> int:
     except BaseException:
         record_exit(1)
         raise
-    record_exit(code)  # for cqk-torchrun, whose agent may be signalled before it sees this
+    record_exit(code)  # for cqk torchrun, whose agent may be signalled before it sees this
     return code
 
 

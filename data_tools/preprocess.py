@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         docs_per_task=args.docs_per_task,
         overwrite=args.force,
         progress=not args.quiet,
-        command=sys.argv if argv is None else ["cqk-preprocess", *argv],
+        command=sys.argv if argv is None else ["cqk", "data", "preprocess", *argv],
     )
     print(
         f"wrote {result.prefix}.bin/.idx: {result.documents:,} documents, {result.tokens:,} "

@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         max_invalid_utf8=args.max_invalid_utf8,
         overwrite=args.force,
         verbose=args.verbose,
-        command=sys.argv if argv is None else ["cqk-train-tokenizer", *argv],
+        command=sys.argv if argv is None else ["cqk", "data", "tokenizer", *argv],
     )
     print(
         f"wrote {trained.model} ({recipe.vocab_size} pieces, {trained.sentences:,} training "

@@ -2,7 +2,7 @@
 # The README's main job, from nothing to a scaling analysis, on CPU:
 #   install -> embedded corpus + tokenizer + indexed dataset -> a mini-ladder (3 model
 #   sizes x {standard, coupled}, configs/sweeps/demo.yaml) as ONE sweep through
-#   launch/submit.py --sweep ... --cluster local -> validation perplexity -> export the
+#   cqk submit --sweep ... --cluster local -> validation perplexity -> export the
 #   largest coupled model to Hugging Face and sample from it -> the analysis report
 #   (L(N, D) fits with bootstrap intervals, data-efficiency multiplier, loss vs compute).
 # Interrupt it (Ctrl-C) and run it again: finished stages and runs are skipped, the other
@@ -34,7 +34,7 @@ if [ -n "${DEMO_STEPS:-}" ]; then
     "train.save_interval=$quarter" "train.warmup_steps=1")
 fi
 echo "== 2/5 the mini-ladder: one sweep ($SWEEP: 3 sizes x standard, coupled) through"
-echo "   launch/submit.py --cluster local, one task per run, two runs at a time;"
+echo "   cqk submit --cluster local, one task per run, two runs at a time;"
 echo "   run folders and job logs in $OUT/runs/"
 "$PY" launch/submit.py --sweep "$SWEEP" --cluster local --profile configs/clusters/local.yaml \
   "${overrides[@]}"

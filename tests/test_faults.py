@@ -420,7 +420,7 @@ def test_a_preempted_torchrun_job_exits_75(tmp_path):
     finally:
         kill_group(process)
     assert process.returncode == EXIT_REQUEUE, output[-3000:]
-    assert "cqk-torchrun: exit 75 (workers: {0: 75})" in output
+    assert "cqk torchrun: exit 75 (workers: {0: 75})" in output
     assert "stopping at step" in output and "SIGTERM" in output
 
 

@@ -1255,7 +1255,7 @@ def test_ctrl_c_on_cqk_torchrun_saves_and_exits_75(tmp_path):
     assert code == EXIT_REQUEUE, text[-3000:]
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
     assert "(SIGINT); checkpoint saved, exit 75 to requeue" in text, text[-3000:]
-    assert "cqk-torchrun: exit 75 (workers: {0: 75})" in text, text[-3000:]
+    assert "cqk torchrun: exit 75 (workers: {0: 75})" in text, text[-3000:]
     step = _steps(run_dir)[-1]
     assert checkpoint_files.latest_name(run_dir / "checkpoints") == f"iter_{step:07d}"
     watch.assert_unchanged(

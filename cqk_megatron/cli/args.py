@@ -40,7 +40,7 @@ def shows_a_default(action: argparse.Action) -> bool:
 
 def program(fallback: str) -> str:
     """The name a parser shows in its usage line (and errors): ``cqk plan`` under the
-    ``cqk`` dispatcher, ``cqk-plan`` as the old console script, else ``fallback``, the
+    ``cqk`` dispatcher, the old console script's own name (an alias), else ``fallback``, the
     command's ``cqk`` name (``python -m ...`` and in-process calls, where ``sys.argv[0]``
     is a file path)."""
     name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""

@@ -19,7 +19,7 @@ It also gives the workers time to save when the agent is signalled (torchrun's d
 Slurm's time-limit warning (torchrun's default set leaves it out, and it would end the
 agent). Arguments are torchrun's::
 
-    cqk-torchrun --nproc-per-node 4 -m cqk_megatron.train --config RUN.yaml
+    cqk torchrun --nproc-per-node 4 -m cqk_megatron.train --config RUN.yaml
 """
 
 from __future__ import annotations
@@ -97,5 +97,5 @@ def main(argv: list[str] | None = None) -> int:
                 continue
         shutil.rmtree(folder, ignore_errors=True)
     code = outcome(workers, failures, signal)
-    print(f"cqk-torchrun: exit {code} (workers: {dict(sorted(workers.items()))})", flush=True)
+    print(f"cqk torchrun: exit {code} (workers: {dict(sorted(workers.items()))})", flush=True)
     return code

@@ -8,7 +8,7 @@ Stages, each with a time budget (``STAGES``; the whole command stays under 8 min
 1. ``env``: torch, CUDA, the GPU and its dense bf16 peak, megatron-core and DeepSpeed.
 2. ``data``: the data tools make a small indexed dataset and its tokenizer
    (``python -m data_tools.demo_corpus``).
-3. ``train``: ``python -m cqk_megatron.train`` (what ``cqk-train`` runs) in bf16 on that
+3. ``train``: ``python -m cqk_megatron.train`` (what ``cqk train`` runs) in bf16 on that
    dataset, for standard, coupled and differential attention and the GPT-2 family's
    coupled model, under DeepSpeed ZeRO-1 and under ``train.engine=megatron``,
    concurrently on the one GPU, with the replica check on; the coupled ZeRO-1 run again,
@@ -16,7 +16,7 @@ Stages, each with a time budget (``STAGES``; the whole command stays under 8 min
    ZeRO-3 run that saves mid-run, beside its twin that stops after that save and resumes.
    Each run must learn, report MFU and memory; both engines must start from the same loss
    and stay together over every step; each resumed run must follow its uninterrupted twin.
-4. ``export``: ``cqk-convert export`` of a checkpoint written on the GPU; the Hugging Face
+4. ``export``: ``cqk convert export`` of a checkpoint written on the GPU; the Hugging Face
    model's logits on the GPU against the Megatron model's (fp32, TF32 off).
 5. ``kernels``: which SDPA kernel each attention variant ran (``KERNEL_VARIANTS``), read
    off the profiler: flash or cuDNN, not the math path, for ``FUSED_REQUIRED``.
@@ -24,7 +24,7 @@ Stages, each with a time budget (``STAGES``; the whole command stays under 8 min
    ratios to standard (at 350M checked: ``RATIO_LIMITS``), activation memory against the
    planner.
 7. ``speed``: ``configs/runs/1b_4x8.yaml`` itself (the Megatron engine, its distributed
-   optimizer, ``overlap_grad_reduce``, bf16, its micro-batch) trained by ``cqk-train`` on
+   optimizer, ``overlap_grad_reduce``, bf16, its micro-batch) trained by ``cqk train`` on
    one GPU, layers cut: MFU at least ``MFU_OF_PREDICTION`` of the step-time model's for that
    cut config on this GPU (``GPU_PROFILES``) and at least ``MFU_FLOOR``; peak memory within
    ``MEMORY_TOLERANCE`` of the planner's.
@@ -78,23 +78,23 @@ STAGES = (
     Stage(
         "train",
         150,
-        "cqk-train bf16: {standard, coupled, differential, coupled GPT-2} x {DeepSpeed "
+        "cqk train bf16: {standard, coupled, differential, coupled GPT-2} x {DeepSpeed "
         "ZeRO-1, Megatron distributed optimizer}, concurrently, replica check on; engines "
         "compared over every step; coupled ZeRO-1 SIGTERM mid-run, resumed; ZeRO-3 saving "
         "mid-run, its twin resumed from that save",
     ),
-    Stage("export", 40, "cqk-convert export of a GPU checkpoint; HF vs Megatron logits on GPU"),
+    Stage("export", 40, "cqk convert export of a GPU checkpoint; HF vs Megatron logits on GPU"),
     Stage("kernels", 30, "the SDPA kernel each variant runs (profiler): flash/cuDNN, not math"),
     Stage(
         "bench",
         85,
-        "cqk-bench 350M and 1B: tokens/s, MFU, ratios (350M: coupled <= 1.10, differential "
+        "cqk bench 350M and 1B: tokens/s, MFU, ratios (350M: coupled <= 1.10, differential "
         "<= 1.25 x standard), memory vs planner",
     ),
     Stage(
         "speed",
         70,
-        "cqk-train of configs/runs/1b_4x8.yaml on one GPU, layers cut (its engine, "
+        "cqk train of configs/runs/1b_4x8.yaml on one GPU, layers cut (its engine, "
         "distributed optimizer, overlap_grad_reduce, bf16): MFU >= 80% of the step-time "
         "model's and >= 35%, peak memory within 10% of the planner's",
     ),
@@ -472,7 +472,7 @@ def alarm(seconds: float):
 
 
 def train_runs(work: Path, sizes: Sizes) -> dict[str, list[str]]:
-    """Name -> the overrides of each ``cqk-train`` run (on top of configs/runs/demo.yaml)."""
+    """Name -> the overrides of each ``cqk train`` run (on top of configs/runs/demo.yaml)."""
     from cqk_megatron.config import VARIANTS, family_overrides
 
     data = work / "data"
@@ -817,7 +817,7 @@ class Acceptance:
             "--overwrite",
         ]
         code, _ = self._run_logged("export", command, child_env(29580, self.on_gpu), budget)
-        if not self.report.check("export", "cqk-convert export exit", code, "0", code == 0):
+        if not self.report.check("export", "cqk convert export exit", code, "0", code == 0):
             return
         from transformers import AutoModelForCausalLM
 
@@ -873,7 +873,7 @@ class Acceptance:
                 self.report.check(
                     "kernels",
                     variant,
-                    f"not in cqk-bench here ({error})",
+                    f"not in cqk bench here ({error})",
                     "a bench variant",
                     False if required else None,
                 )
@@ -984,7 +984,7 @@ class Acceptance:
         )
         command = train_command(speed_overrides(self.work, self.sizes), RUN_1B)
         code, _ = self._run_logged("speed", command, child_env(29570, self.on_gpu), budget)
-        if not report.check("speed", "cqk-train exit", code, "0", code == 0):
+        if not report.check("speed", "cqk train exit", code, "0", code == 0):
             return
         train = metrics(self.work / "runs" / config.name, "train")
         measured = [r["mfu"] for r in train[SPEED_WARMUP_STEPS:] if r.get("mfu") is not None]
