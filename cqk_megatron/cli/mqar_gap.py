@@ -1,4 +1,4 @@
-"""``cqk mqar gap`` (``python -m cqk_megatron.eval.mqar_gap``): why the project's coupled
+"""``cqk mqar gap``: why the project's coupled
 model fell behind on MQAR where an independent one pulled ahead, one difference at a time
 between the two setups (``cqk_megatron.eval.mqar_gap`` has the rungs).
 

@@ -1,5 +1,4 @@
-"""``cqk mqar probe`` (``python -m cqk_megatron.eval.mqar_probe``): one run of the MQAR
-benchmark's setup with one thing changed.
+"""``cqk mqar probe``: one run of the MQAR benchmark's setup with one thing changed.
 
     cqk mqar probe standard --family gpt2 --seed 0 --steps 2000
     cqk mqar probe standard --family gpt2 --megatron model.family=null \\

@@ -1,5 +1,4 @@
-"""``cqk repro`` (``python -m cqk_megatron.repro``): the paper's attention comparison in
-one command.
+"""``cqk repro``: the paper's attention comparison in one command.
 
     cqk repro --preset cpu-tiny
     cqk repro --preset paper-60m --data data/wikitext103/wt103_text_document \\
@@ -19,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from cqk_megatron.cli.args import HelpFormatter, program
+from cqk_megatron.cli.args import HelpFormatter, plain, program
 from cqk_megatron.repro.presets import (
     PRESETS,
     ReproError,
@@ -40,8 +39,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=program("cqk repro"),
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
+        description=plain(__doc__.split("\n\n")[0]),
+        epilog=plain(__doc__.split("\n\n", 1)[1]),
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--preset", required=True, help=f"one of: {', '.join(PRESETS)}")
