@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from cqk_megatron.cli.args import program
 from cqk_megatron.config import ConfigError, to_dict
 from cqk_megatron.run import lease as run_lease
 from cqk_megatron.run.folder import SUBMITIT
@@ -98,7 +99,7 @@ def record_submission(plan: RunPlan, job, backend: Backend, array: bool, argv: l
         array=array,
         submitit_folder=str(job.paths.folder),
         resources=vars(plan.resources),
-        command=["launch/submit.py", *argv],
+        command=[*program("launch/submit.py").split(), *argv],  # as typed: cqk submit or the script
     )
     runs.remember_run(plan.name, plan.run_dir)  # for status NAME
     print(

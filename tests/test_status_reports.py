@@ -18,6 +18,8 @@ from pathlib import Path
 
 from test_cancel import job_processes, train_steps, wait_until
 
+from launch.run_dir import events
+
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 420  # a shared 2-core machine; nothing here asserts on time
 
@@ -64,6 +66,9 @@ def test_a_cancelled_job_is_reported_as_cancelled(tmp_path):
         assert f"to-cancel: job {job_id} ended (CANCELLED)" in said, said
         status = cqk(state, "status", "to-cancel")
         assert re.search(rf"job\s+{job_id} \(local\): CANCELLED", status.stdout), status.stdout
+        # the record says what was typed: cqk submit, not the script it runs
+        submitted = next(e for e in events(run_dir) if e["event"] == "submitted")
+        assert submitted["command"][:3] == ["cqk", "submit", "--config"], submitted["command"]
     finally:
         if launcher.poll() is None:
             launcher.kill()
