@@ -62,6 +62,10 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from cqk_megatron.cli.quiet import quiet_third_party_warnings  # noqa: E402  (after the path)
+
+quiet_third_party_warnings()  # as every cqk command: CQK_VERBOSE=1 shows them
+
 TOTAL_BUDGET_S = 480  # 8 minutes on one H100/H200
 
 
