@@ -104,11 +104,12 @@ def zero3_gather_settings(bucket_elements: int) -> dict:
     DeepSpeed 0.19.8's defaults (``stage3_prefetch_bucket_size`` 5e7,
     ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` 1e9 elements) fit
     models far larger than a rank of the ladder holds: a parameter is kept gathered after
-    its forward when the trace reuses it within 1e9 elements, which at these sizes is its
-    own backward, so the whole bf16 model stays gathered from the forward to the backward
-    and ZeRO-3 saves no parameter memory. With the bucket (max(40M, 1M x DP) elements, at
-    most 1/8 of the rank's parameters: ``perf.traffic.reduce_bucket_elements``) the gathers
-    run one bucket ahead of the compute, as the reductions run one bucket behind it, and
+    its forward when the trace reuses it within 1e9 elements, as its own backward does
+    on a rank of under 500M parameters (the whole bf16 model then stays gathered from the
+    forward to the backward: ZeRO-3 saves no parameter memory) and for about half of a
+    1B TP=1 rank. With the bucket (max(40M, 1M x DP) elements, at most 1/8 of the rank's
+    parameters: ``perf.traffic.reduce_bucket_elements``) the gathers run one bucket ahead
+    of the compute, as the reductions run one bucket behind it, and
     ``perf.memory.engine_buffer_bytes`` counts what stays gathered.
     ``stage3_param_persistence_threshold`` keeps its default (1e5 elements): only norms,
     step sizes and the coupling's small MLPs stay whole on every rank."""
