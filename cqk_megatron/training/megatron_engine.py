@@ -65,6 +65,7 @@ from cqk_megatron.model.gpt import load_sharded_state, model_chunks, sharded_sta
 from cqk_megatron.parallel.layout import Layout
 from cqk_megatron.perf import traffic
 from cqk_megatron.run.checkpoint_files import CheckpointError
+from cqk_megatron.training.collectives import gather_objects
 from cqk_megatron.training.engine import Batch, Engine, StepResult
 from cqk_megatron.training.step_loss import global_mean_loss, schedule_loss_sum
 
@@ -292,12 +293,16 @@ def bucket_shapes(tensors) -> dict[str, tuple[int, ...]]:
 
 
 def check_same_buckets(sharded: dict, folder: Path) -> None:
-    """Refuse (on every rank: each reads the same metadata) optimizer state saved in the
-    dp_reshardable format under other gradient buckets than this run's: its tensors are
-    whole buckets, which do not map onto other ones. The buckets change with the bucket
-    rule (``bucket_elements``), not with the data-parallel size. Nothing is read yet."""
-    expected = bucket_shapes(nested_values(sharded))
-    if not expected:
+    """Collective: refuse optimizer state saved in the dp_reshardable format under other
+    gradient buckets than this run's: its tensors are whole buckets, which do not map onto
+    other ones. The buckets change with the bucket rule (``bucket_elements``), not with the
+    data-parallel size. The checkpoint holds the buckets of every model-parallel rank (its
+    keys name their data-parallel group), so every rank's are gathered and all ranks
+    compare the same sets and refuse together. Nothing is read but the metadata."""
+    expected: dict[str, tuple[int, ...]] = {}
+    for shapes in gather_objects(bucket_shapes(nested_values(sharded))):
+        expected |= shapes
+    if not expected:  # the fully reshardable format
         return
     saved = bucket_shapes(dist_checkpointing.load_tensors_metadata(str(folder)).values())
     if saved == expected:
