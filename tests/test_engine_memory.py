@@ -7,6 +7,7 @@ distributed optimizer."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from _memory_workers import measure_distopt_buffers, measure_zero2_buffers, measure_zero3_buffers
@@ -117,3 +118,37 @@ def test_zero3_buffers_match_the_planner_per_component(measured_zero3, tmp_path)
     # ZeRO-3 gathers a window of the model, not all of it (DeepSpeed's defaults keep the
     # whole bf16 model gathered from the forward to the backward at these sizes)
     assert m["gathered_parameters"] < 0.5 * (n - persistent) * 2
+
+
+MODEL_1B = Path(__file__).resolve().parent.parent / "configs/models/1b.yaml"
+
+
+def test_the_planner_shows_zero3_buffers_where_a_layout_uses_stage_3():
+    """``cqk plan`` (``perf/fit.py``): a ZeRO-3 layout's stages carry the whole parameters it
+    gathers and keeps beside its partitions, as ``engine_buffer_bytes`` counts them, in its
+    table and its one-line summary; a ZeRO-2 layout has no such parts."""
+    from cqk_megatron.config import load_config
+    from cqk_megatron.perf import fit
+    from cqk_megatron.perf.traffic import reduce_bucket_elements
+
+    base = ["train.precision=bf16", "train.engine=deepspeed", "train.micro_batch_size=1"]
+    zero3 = load_config(MODEL_1B, [*base, "train.zero_stage=3"])
+    result = fit.check_fits(zero3, 8, 80 * 2**30)
+    stage = result.worst
+    n = stage.parameters
+    buffers = engine_buffer_bytes(
+        n,
+        "bf16",
+        "zero3",
+        reduce_bucket_elements(n, 8),
+        False,
+        fit.largest_parameter(zero3, 1, True),
+        zero3_persistent_parameters(zero3),
+    )
+    assert stage.parts["gathered"] == buffers["gathered_parameters"] > 0
+    assert stage.parts["persistent"] == buffers["persistent_parameters"] > 0
+    assert stage.parts["buffers"] == buffers["reduce_buckets"]
+    assert "gathered" in fit.format_stages(result) and "persistent" in fit.format_stages(result)
+    assert "gathered 0.2 GiB" in result.message
+    zero2 = load_config(MODEL_1B, [*base, "train.zero_stage=2"])
+    assert "gathered" not in fit.check_fits(zero2, 8, 80 * 2**30).worst.parts
