@@ -152,3 +152,15 @@ def test_the_planner_shows_zero3_buffers_where_a_layout_uses_stage_3():
     assert "gathered 0.2 GiB" in result.message
     zero2 = load_config(MODEL_1B, [*base, "train.zero_stage=2"])
     assert "gathered" not in fit.check_fits(zero2, 8, 80 * 2**30).worst.parts
+
+
+def test_plan_explain_prints_the_zero3_buffers_of_each_ranked_layout(capsys):
+    from cqk_megatron.cli import plan as plan_cli
+    from cqk_megatron.config import CONFIGS_DIR
+
+    argv = ["--config", str(CONFIGS_DIR / "runs/1b_4x8.yaml"), "--no-build-check"]
+    argv += ["--profile", str(CONFIGS_DIR / "clusters/example_h100.yaml"), "--explain"]
+    assert plan_cli.main([*argv, "--tp", "1", "--zero", "3"]) == 0
+    ranked = capsys.readouterr().out.split("fastest first")[1]
+    (memory,) = [line for line in ranked.splitlines() if line.strip().startswith("memory")]
+    assert "gathered" in memory and "persistent" in memory and "buffers" in memory
