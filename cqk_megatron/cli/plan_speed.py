@@ -5,7 +5,7 @@ and the sweep's total. The model is ``cqk_megatron.planner.step_time``."""
 from __future__ import annotations
 
 from cqk_megatron.config import RunConfig, load_config
-from cqk_megatron.perf.fit import PlanResult, gib, training_config
+from cqk_megatron.perf.fit import PlanResult, gib, memory_parts, training_config
 from cqk_megatron.planner.hardware import ClusterHardware
 from cqk_megatron.planner.step_time import StepPrediction, format_prediction, predict_step
 from cqk_megatron.planner.sweep import expand_sweep
@@ -47,6 +47,7 @@ def format_ranking(ranked: list[tuple[PlanResult, StepPrediction]], explain: boo
         )
         if explain:
             lines.append(format_prediction(p))
+            lines.append(f"  memory, stage {result.worst.stage}: {memory_parts(result.worst)}")
     lines.append(
         "(predicted by the step-time model: docs/performance.md; comm is what the step "
         "waits for, the overlapped part left out)"

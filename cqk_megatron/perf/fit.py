@@ -19,10 +19,9 @@ import re
 from dataclasses import dataclass, field
 
 from cqk_megatron.config import ConfigError, RunConfig, validate
-from cqk_megatron.model.params import embedding_parameters, layer_parameters, stage_parameters
+from cqk_megatron.model.params import embedding_parameters, stage_parameters
 from cqk_megatron.parallel.layout import SHARDING_SETTINGS, Layout, sharding_name
 from cqk_megatron.perf.memory import (
-    BYTES,
     RECOMPUTE,
     SHARDINGS,
     activation_estimate,
@@ -30,6 +29,7 @@ from cqk_megatron.perf.memory import (
     microbatches_in_flight,
     model_state_bytes,
     stage_activation_bytes,
+    zero3_persistent_parameters,
 )
 from cqk_megatron.perf.traffic import reduce_bucket_elements
 
@@ -118,9 +118,15 @@ def gib(value: float) -> str:
     return f"{value / GIB:.1f} GiB"
 
 
+def memory_parts(stage: StageMemory) -> str:
+    """``parameters 1.2 GiB, gradients ...``: a stage's memory by part (under ZeRO-3 with
+    the whole parameters it gathers and keeps beside its partitions)."""
+    return ", ".join(f"{name} {gib(value)}" for name, value in stage.parts.items())
+
+
 def _summary(result: PlanResult) -> str:
     worst = result.worst
-    parts = ", ".join(f"{name} {gib(value)}" for name, value in worst.parts.items())
+    parts = memory_parts(worst)
     verdict = "fits" if result.fits else "does not fit"
     return (
         f"{result.config_name} ({result.variant}) {result.layout.describe()}, micro-batch "
@@ -173,15 +179,11 @@ def plan_layout(
         parts = model_state_bytes(
             params, config.train.precision, layout.optimizer_sharding, layout.dp, offload
         )
-        buffers = engine_buffer_bytes(
-            params,
-            config.train.precision,
-            layout.optimizer_sharding,
-            reduce_bucket_elements(params, layout.dp),
-            config.train.overlap_grad_reduce,
-            largest_parameter(config, tp, first or last),
-        )
+        buffers = stage_buffers(config, layout, params, first, last)
         parts["buffers"] = buffers["reduce_buckets"]
+        if layout.optimizer_sharding == "zero3":  # whole parameters beside its partitions
+            parts["gathered"] = buffers["gathered_parameters"]
+            parts["persistent"] = buffers["persistent_parameters"]
         in_flight = microbatches_in_flight(pp, stage, num_microbatches, layout.vp)
         one_microbatch = (
             layer_bytes
@@ -193,8 +195,6 @@ def plan_layout(
         transient = max(
             act.logits_transient_bytes if last else 0.0, rebuild_bytes, buffers["reduction_copy"]
         )
-        if layout.optimizer_sharding == "zero3":  # the gathered layer and the prefetched next one
-            transient += 2 * layer_parameters(config, tp) * BYTES[config.train.precision]
         parts["transient"] = transient
         stages.append(StageMemory(stage=stage, parameters=params, parts=parts))
     result = PlanResult(
@@ -209,6 +209,23 @@ def plan_layout(
     )
     result.message = _summary(result)
     return result
+
+
+def stage_buffers(
+    config: RunConfig, layout: Layout, params: int, first: bool, last: bool
+) -> dict[str, float]:
+    """``engine_buffer_bytes`` of a rank of the first and/or last pipeline stage."""
+    tp, pp = layout.tp, layout.pp
+    zero3 = layout.optimizer_sharding == "zero3"
+    return engine_buffer_bytes(
+        params,
+        config.train.precision,
+        layout.optimizer_sharding,
+        reduce_bucket_elements(params, layout.dp),
+        config.train.overlap_grad_reduce,
+        largest_parameter(config, tp, first or last),
+        zero3_persistent_parameters(config, tp, pp, first, last) if zero3 else 0,
+    )
 
 
 def largest_parameter(config: RunConfig, tp: int, holds_vocabulary: bool) -> int:
@@ -541,7 +558,7 @@ def format_layouts(results: list[PlanResult]) -> str:
     ]
     for r in results:
         w, lay = r.worst, r.layout
-        states = sum(w.parts[k] for k in ("parameters", "gradients", "optimizer", "buffers"))
+        states = w.total - w.parts["activations"] - w.parts["transient"]
         lines.append(
             f"{lay.tp:>3} {lay.pp:>3} {lay.dp:>3} {'on' if lay.sequence_parallel else '-':>3} "
             f"{lay.optimizer_sharding:>8} {lay.recompute_label():>16} {states / GIB:>8.1f} "

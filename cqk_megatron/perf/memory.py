@@ -27,6 +27,12 @@ import math
 from dataclasses import dataclass, field
 
 from cqk_megatron.config import RECOMPUTE, RECOMPUTE_METHODS, RunConfig
+from cqk_megatron.model.params import (
+    coupling_parameters,
+    embedding_parameters,
+    norm_parameters,
+    scoring_parameters,
+)
 from cqk_megatron.variants import ActivationTerm, Heads, coupling, scoring
 
 BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}
@@ -81,6 +87,7 @@ def engine_buffer_bytes(
     bucket_elements: int,
     overlap: bool,
     largest_parameter: int = 0,
+    persistent_parameters: int = 0,
 ) -> dict[str, float]:
     """The buffers an engine allocates beyond parameters, gradients and optimizer states,
     for ``parameters`` on one rank and a gradient bucket of ``bucket_elements``.
@@ -95,9 +102,13 @@ def engine_buffer_bytes(
     flattens its fp32 gradients into one buffer of up to ``DEEPSPEED_FALLBACK_BUCKET``
     elements to all-reduce. Megatron's distributed optimizer allocates nothing more: its
     fp32 gradient buffer (the ``gradients``) is reduce-scattered in place, and the bf16
-    parameters are views of its parameter buffer.
+    parameters are views of its parameter buffer. ZeRO-3: ``zero3_buffer_bytes``.
     """
     low = BYTES[precision]
+    if sharding == "zero3":
+        return zero3_buffer_bytes(
+            parameters, precision, bucket_elements, largest_parameter, persistent_parameters
+        )
     if sharding == "zero2":
         buckets = (2 if overlap else 1) * bucket_elements * low
         copy = min(max(bucket_elements, largest_parameter), parameters) * 4 if low < 4 else 0
@@ -108,6 +119,73 @@ def engine_buffer_bytes(
             "reduction_copy": min(DEEPSPEED_FALLBACK_BUCKET, parameters) * 4.0,
         }
     return {"reduce_buckets": 0.0, "reduction_copy": 0.0}
+
+
+# DeepSpeed's ``stage3_param_persistence_threshold`` (default, which the engine keeps):
+# parameters of at most this many elements stay whole on every rank.
+ZERO3_PERSISTENCE_THRESHOLD = 100_000
+
+
+def zero3_persistent_parameters(
+    config: RunConfig, tp: int = 1, pp: int = 1, first: bool = True, last: bool = True
+) -> int:
+    """Elements on one rank of a pipeline stage that ZeRO-3 keeps whole: each tensor of at
+    most ``ZERO3_PERSISTENCE_THRESHOLD`` elements (the layout of ``model.params``). A
+    coupling's or scoring's tensors count when their layer's total is under it (they
+    are not listed one by one; above it, they are left out)."""
+    m = config.model
+    h, d, hq, hkv, f = m.hidden_size, m.head_dim, m.num_attention_heads, m.kv_heads, m.ffn_size
+    fc1_rows = f * (2 if m.swiglu else 1)
+    per_layer = [h * (hq + 2 * hkv) * d // tp, hq * d * h // tp, h * fc1_rows // tp, f * h // tp]
+    per_layer += [norm_parameters(config)] * 2
+    if m.add_bias_linear:
+        per_layer += [(hq + 2 * hkv) * d // tp, fc1_rows // tp, h, h]
+    per_layer += [coupling_parameters(config) + scoring_parameters(config)]
+    tensors = per_layer * (m.num_layers // pp)
+    if first:
+        tensors.append(embedding_parameters(config, tp))
+        if m.position_embedding_type == "learned_absolute":
+            tensors.append(m.seq_length * h)
+    if last:
+        tensors.append(norm_parameters(config))
+        if not (m.tie_embeddings and first):
+            tensors.append(embedding_parameters(config, tp))
+    return sum(n for n in tensors if n <= ZERO3_PERSISTENCE_THRESHOLD)
+
+
+def zero3_buffer_bytes(
+    parameters: int,
+    precision: str,
+    bucket_elements: int,
+    largest_parameter: int,
+    persistent_parameters: int,
+) -> dict[str, float]:
+    """DeepSpeed 0.19.8 ZeRO-3's buffers beyond its partitions (``model_state_bytes``),
+    as ``training/deepspeed_engine.py`` configures it, for ``parameters`` on one rank.
+
+    - ``reduce_buckets``: one bucket in the communication dtype (fp32: ``bf16_settings``),
+      into which each gradient is copied as autograd produces it (``contiguous_gradients``;
+      ``stage3.py``, ``__add_grad_to_ipg_bucket``).
+    - ``reduction_copy``: ``reduce_scatter_coalesced`` concatenates a bucket's gradients
+      into one fp32 buffer; a parameter larger than the bucket is reduced alone, its bf16
+      gradient copied to fp32 (``__avg_scatter_grads``).
+    - ``gathered_parameters``: the whole bf16 copies that the parameter coordinator holds
+      while the model computes: up to ``stage3_max_live_parameters`` (the bucket:
+      ``zero3_gather_settings``), which the prefetch can pass by one parameter
+      (``partitioned_param_coordinator.py``: it stops once the limit is crossed).
+    - ``persistent_parameters``: the whole copies of the parameters under
+      ``ZERO3_PERSISTENCE_THRESHOLD``, never released (their partitions are in the
+      ``parameters``).
+    """
+    low = BYTES[precision]
+    comm = max(4, low)
+    partitioned = parameters - persistent_parameters
+    return {
+        "reduce_buckets": float(bucket_elements * comm),
+        "reduction_copy": float(min(max(bucket_elements, largest_parameter), parameters) * comm),
+        "gathered_parameters": float(min(bucket_elements + largest_parameter, partitioned) * low),
+        "persistent_parameters": float(persistent_parameters * low),
+    }
 
 
 # ---------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ format ``train.optimizer_checkpoint`` names (Megatron's sharding types):
   bucket, no gathering. It loads under another data-parallel size (each rank takes its
   slice of every bucket), as long as the buckets are the same: one per buffer without
   ``overlap_grad_reduce``, a size derived from the model with it (``bucket_elements``).
+  Saved under other buckets, it is refused at load (``check_same_buckets``).
 - ``fully_reshardable``: each parameter's fp32 master weight and Adam moments under the
   parameter's own sharded key, so the state loads under another tensor-, pipeline- or
   data-parallel size. Saving gathers the data-parallel shards on data-parallel rank 0 of
@@ -38,11 +39,14 @@ checkpoint's model folder.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -60,6 +64,8 @@ from cqk_megatron.model.attention.tp_grads import (
 from cqk_megatron.model.gpt import load_sharded_state, model_chunks, sharded_state_dict
 from cqk_megatron.parallel.layout import Layout
 from cqk_megatron.perf import traffic
+from cqk_megatron.run.checkpoint_files import CheckpointError
+from cqk_megatron.training.collectives import gather_objects
 from cqk_megatron.training.engine import Batch, Engine, StepResult
 from cqk_megatron.training.step_loss import global_mean_loss, schedule_loss_sum
 
@@ -256,6 +262,7 @@ class MegatronEngine(Engine):
             is_loading=True,
             metadata=_sharding(saved_optimizer_format(folder)),
         )
+        check_same_buckets(sharded, folder)
         loaded = dist_checkpointing.load({"optimizer": sharded}, str(folder))
         for part, state in _distributed_parts(self.optimizer, loaded["optimizer"]):
             param_state = state.pop("param_state")
@@ -269,6 +276,51 @@ class MegatronEngine(Engine):
                 part.load_parameter_state_from_dp_reshardable(param_state)
         for adam in torch_adams:
             _restore_step_counts(adam)
+
+
+# A dp_reshardable key names one gradient bucket's state, ``...bucket_idx_N.param``.
+_BUCKET_KEY = re.compile(r"\.bucket_idx_\d+\.param$")
+
+
+def bucket_shapes(tensors) -> dict[str, tuple[int, ...]]:
+    """The global shape of each gradient bucket among ``tensors`` (``ShardedTensor``s):
+    empty for the fully reshardable format, whose keys are the parameters'."""
+    return {
+        t.key: tuple(t.global_shape)
+        for t in tensors
+        if isinstance(t, ShardedTensor) and _BUCKET_KEY.search(t.key)
+    }
+
+
+def check_same_buckets(sharded: dict, folder: Path) -> None:
+    """Collective: refuse optimizer state saved in the dp_reshardable format under other
+    gradient buckets than this run's: its tensors are whole buckets, which do not map onto
+    other ones. The buckets change with the bucket rule (``bucket_elements``), not with the
+    data-parallel size. The checkpoint holds the buckets of every model-parallel rank (its
+    keys name their data-parallel group), so every rank's are gathered and all ranks
+    compare the same sets and refuse together. Nothing is read but the metadata."""
+    expected: dict[str, tuple[int, ...]] = {}
+    for shapes in gather_objects(bucket_shapes(nested_values(sharded))):
+        expected |= shapes
+    if not expected:  # the fully reshardable format
+        return
+    saved = bucket_shapes(dist_checkpointing.load_tensors_metadata(str(folder)).values())
+    if saved == expected:
+        return
+    checkpoint = folder.parent
+    raise CheckpointError(
+        f"checkpoint {checkpoint} holds its optimizer state in Megatron's dp_reshardable "
+        f"format in {_describe_buckets(saved)}, and this run's buckets are "
+        f"{_describe_buckets(expected)} (train.overlap_grad_reduce sizes them from the "
+        f"model): resume its weights with a fresh optimizer (--resume weights:{checkpoint}); "
+        f"train.optimizer_checkpoint={FULLY_RESHARDABLE} saves checkpoints that load "
+        "whatever the buckets"
+    )
+
+
+def _describe_buckets(shapes: dict[str, tuple[int, ...]]) -> str:
+    sizes = sorted({math.prod(shape) for shape in shapes.values()}, reverse=True)
+    return f"{len(shapes)} gradient bucket(s) of {', '.join(f'{n:,}' for n in sizes)} elements"
 
 
 # Megatron's distributed optimizer over torch's AdamW (its fallback without Transformer
