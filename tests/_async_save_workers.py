@@ -45,7 +45,21 @@ class Observed:
             with self.record.open("a") as handle:
                 handle.write(json.dumps(entry) + "\n")
         if self.act is not None and step == self.act[1]:
+            if self.act[0] == "kill" and self.record is not None:
+                self._record_children()
             os.kill(os.getpid(), signal.SIGKILL if self.act[0] == "kill" else signal.SIGTERM)
+
+    def _record_children(self) -> None:
+        """This rank's child processes, as ``{"pid", "writer"}`` to ``record.children``
+        (a writer is a fork of the rank: the same command line; Megatron's results helper
+        is spawned, with its own)."""
+        own = Path("/proc/self/cmdline").read_bytes()
+        children = []
+        for task in Path("/proc/self/task").iterdir():
+            for pid in (task / "children").read_text().split():
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                children.append({"pid": int(pid), "writer": cmdline == own})
+        Path(f"{self.record}.children").write_text(json.dumps(children))
 
 
 def observed_run(rank, world_size, port, root, name, overrides, hold_steps, act) -> None:

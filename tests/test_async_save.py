@@ -1,7 +1,7 @@
 """Asynchronous checkpoint saves (``train.async_save``, training/async_save.py), 2 ranks.
 
 The background write is held for a number of step boundaries through a test-only hook
-(``CQK_TEST_ASYNC_SAVE_HOLD_STEPS``, read in one place in async_save.Writer): without it
+(``CQK_TEST_ASYNC_SAVE_HOLD_STEPS``, read in one place in async_writer.Writer): without it
 a tiny model's write finishes within a step on a fast disk, and whether steps ran
 during it would depend on this machine's speed. With it the order is deterministic, and
 every check here is on the order of events (which checkpoints existed when each step
@@ -11,7 +11,8 @@ Runs (8 steps, a save every 3 steps: iter 3, 6 and the final 8):
 - ``sync``: synchronous saves, the reference;
 - ``async``: asynchronous saves, each write held 2 step boundaries;
 - ``killed``: asynchronous, every rank SIGKILLed as step 7 fetches its data while iter 6
-  is still being written; then resumed (synchronously) to the end;
+  is still being written (rank 0 records its child processes first); then resumed
+  (synchronously) to the end;
 - ``stopped``: asynchronous, every rank SIGTERMed as step 7 fetches its data, while
   iter 6 is being written: the stop saves step 7, waits for both and exits 75; resumed.
 """
@@ -149,6 +150,26 @@ def test_kill_during_the_write_keeps_the_previous_checkpoint(runs):
     assert {r["step"]: r["loss"] for r in resumed} == {s: reference[s] for s in range(4, 9)}
     checkpoints = "checkpoints/iter_0000008"
     assert not same_files(runs / "sync" / checkpoints, runs / "killed" / checkpoints)
+
+
+@DEEPSPEED
+def test_a_killed_rank_leaves_no_writer_process_behind(runs):
+    """Rank 0's children as it was SIGKILLed, iter 6's write in flight: its checkpoint
+    writer (a fork of the rank, held: it would wait long after the kill) and Megatron's
+    results helper; every one of them is gone, by the time the resumed run has ended."""
+    children = json.loads((runs / "killed.observed.jsonl.children").read_text())
+    assert [child["writer"] for child in children].count(True) == 1, children
+    alive = [child for child in children if running(child["pid"])]
+    assert not alive, f"outlived their SIGKILLed rank: {alive}"
+
+
+def running(pid: int) -> bool:
+    """Running or sleeping: not gone and not a zombie waiting for its new parent."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
 
 
 @DEEPSPEED
