@@ -33,6 +33,7 @@ from _training import records
 from cqk_megatron.errors import EXIT_REQUEUE
 from cqk_megatron.run.checkpoint_files import verify
 from cqk_megatron.training.async_save import host_copy
+from cqk_megatron.training.async_writer import HOLD_STEPS_ENV, Staged, Writer
 
 BASE = [
     "train.train_steps=8",
@@ -218,3 +219,39 @@ def test_host_copy_pickles_to_the_same_bytes(tmp_path):
         (tmp_path / name).mkdir()
         torch.save(saved, tmp_path / name / "state.pt")  # the archive is named after the file
     assert zip_records(tmp_path / "original/state.pt") == zip_records(tmp_path / "copy/state.pt")
+
+
+def _one_file(path: Path) -> Staged:
+    return Staged(files=[(path, {"w": torch.ones(2)}, {"args": (), "kwargs": {}})])
+
+
+def test_a_write_past_its_time_is_killed_and_reaped(tmp_path, monkeypatch):
+    """A writer that has not ended when the rank stops waiting (``train.save_timeout_s``
+    in ``PendingSave.wait``; here a write held until released, which never comes) is
+    killed, reaped and writes nothing more."""
+    monkeypatch.setenv(HOLD_STEPS_ENV, "1")
+    writer = Writer(_one_file(tmp_path / "state.pt"), tmp_path, False, rank=0)
+    writer.start()
+    pid = writer.pid
+    writer.join(0.5)
+    assert writer.is_alive()
+    writer.kill()
+    assert not writer.is_alive() and not running(pid)
+    assert not (tmp_path / "state.pt").exists()
+
+
+def test_a_failed_write_comes_back_from_the_writer_process(tmp_path):
+    """The writer's first failure (here a folder that is a file) comes back to the rank,
+    type and all, and the files it did write are hashed only when it succeeds."""
+    (tmp_path / "model").write_text("not a folder")
+    writer = Writer(_one_file(tmp_path / "model" / "state.pt"), tmp_path, True, rank=0)
+    writer.start()
+    writer.join(60)
+    assert not writer.is_alive()
+    assert isinstance(writer.error, OSError), writer.error
+    assert writer.digests == {}
+    good = Writer(_one_file(tmp_path / "good" / "state.pt"), tmp_path, True, rank=0)
+    good.start()
+    good.join(60)
+    assert good.error is None and list(good.digests) == ["good/state.pt"]
+    assert torch.equal(torch.load(tmp_path / "good/state.pt")["w"], torch.ones(2))

@@ -6,26 +6,29 @@ Why a process forked per save (as Megatron-Core's ``TemporalAsyncCaller`` does) 
 a thread, nor a persistent spawned worker (Megatron's ``PersistentAsyncCaller``, torch
 DCP's process checkpointer):
 
-- A thread shares the interpreter lock with training, and ``torch.save`` holds it while
-  it writes a storage: the training thread stalled for as long as one storage took to
-  write (hundreds of milliseconds per GiB, seconds on a slow filesystem).
+- A thread shares the interpreter lock with training. ``torch.save`` releases it while
+  it copies a storage's bytes but holds it between them, as do pickling and the Python
+  of Megatron's writer and of the hashing; a writer preempted while it holds the lock
+  holds up the training thread until it runs again: tens to hundreds of milliseconds on
+  a loaded CPU, in some saves and not others (``tests/test_async_stall.py``).
 - A forked child sees the staged host copies as they are, with nothing pickled or
   copied again: the staged objects (Megatron's write buckets, the engine's captured
   ``torch.save`` calls, with their storage sharing) are written as a synchronous save
   writes them, the same bytes. A spawned worker would first need every tensor moved into
   shared memory and every object pickled across, on the training thread, and a new
   interpreter that imports torch and Megatron.
-- A process per save holds no state from one save to the next, and the fork costs
-  milliseconds (the page tables of this process), paid at the stage, which training
-  waits for anyway.
+- A process per save holds no state from one save to the next. The fork copies this
+  process's page tables, paid at the stage, which training waits for anyway; and on CPU,
+  where the state is in host memory, each page that training writes while the child
+  lives is copied once (copy-on-write). On GPU the state is in device memory.
 
 The child is forked from the main thread at a step boundary, never from another thread
-(a fork copies the locks other threads hold; Megatron's own writer forks from a thread
-and a child of it once hung for good). It touches no CUDA and no process group: the
-staged copies are in host memory (on GPU the device-to-host copy is made first, as
+(a fork copies the locks that other threads hold at that moment, and a child that
+needs one of them waits for good). It touches no CUDA and no process group: the staged
+copies are in host memory (on GPU the device-to-host copy is made first, as
 Megatron does), and the rank is passed in. It asks the kernel to kill it when its rank
 ends (``orphans.die_with_parent``: a rank killed with SIGKILL leaves no writer behind),
-ignores the stop signals (a stop waits for the write it started, as before), and leaves
+ignores the stop signals (a stop waits for the write in flight), and leaves
 with ``os._exit`` whatever happens (it never returns into the training loop, runs no
 exit handler and flushes none of the rank's buffers). It reports through a pipe: each
 request's write results (which Megatron's finalize functions read from its results
@@ -116,8 +119,9 @@ def write_staged(staged: Staged, staging: Path, with_hashes: bool, rank: int) ->
 def _write_request(request: AsyncRequest) -> dict | Exception | None:
     """Megatron's write of one asynchronous request; its results ({bucket: results}, or
     the first exception), which its finalize function later reads from its queue. Its own
-    function (``write_preloaded_data_multiproc``) forks again, a process a bucket: its
-    per-bucket function runs here instead, one bucket after another."""
+    function (``write_preloaded_data_multiproc``) forks again, a process a bucket, each
+    waited for without a bound: its per-bucket function runs here instead, one bucket
+    after another, and this child is the one process to bound."""
     kind, write = _write_request_kind(request), request.async_fn
     if kind == "none":
         return None
