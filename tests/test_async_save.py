@@ -1,7 +1,7 @@
 """Asynchronous checkpoint saves (``train.async_save``, training/async_save.py), 2 ranks.
 
 The background write is held for a number of step boundaries through a test-only hook
-(``CQK_TEST_ASYNC_SAVE_HOLD_STEPS``, read in one place in async_save.Writer): without it
+(``CQK_TEST_ASYNC_SAVE_HOLD_STEPS``, read in one place in async_writer.Writer): without it
 a tiny model's write finishes within a step on a fast disk, and whether steps ran
 during it would depend on this machine's speed. With it the order is deterministic, and
 every check here is on the order of events (which checkpoints existed when each step
@@ -11,7 +11,8 @@ Runs (8 steps, a save every 3 steps: iter 3, 6 and the final 8):
 - ``sync``: synchronous saves, the reference;
 - ``async``: asynchronous saves, each write held 2 step boundaries;
 - ``killed``: asynchronous, every rank SIGKILLed as step 7 fetches its data while iter 6
-  is still being written; then resumed (synchronously) to the end;
+  is still being written (rank 0 records its child processes first); then resumed
+  (synchronously) to the end;
 - ``stopped``: asynchronous, every rank SIGTERMed as step 7 fetches its data, while
   iter 6 is being written: the stop saves step 7, waits for both and exits 75; resumed.
 """
@@ -32,6 +33,7 @@ from _training import records
 from cqk_megatron.errors import EXIT_REQUEUE
 from cqk_megatron.run.checkpoint_files import verify
 from cqk_megatron.training.async_save import host_copy
+from cqk_megatron.training.async_writer import HOLD_STEPS_ENV, Staged, Writer
 
 BASE = [
     "train.train_steps=8",
@@ -152,6 +154,26 @@ def test_kill_during_the_write_keeps_the_previous_checkpoint(runs):
 
 
 @DEEPSPEED
+def test_a_killed_rank_leaves_no_writer_process_behind(runs):
+    """Rank 0's children as it was SIGKILLed, iter 6's write in flight: its checkpoint
+    writer (a fork of the rank, held: it would wait long after the kill) and Megatron's
+    results helper; every one of them is gone, by the time the resumed run has ended."""
+    children = json.loads((runs / "killed.observed.jsonl.children").read_text())
+    assert [child["writer"] for child in children].count(True) == 1, children
+    alive = [child for child in children if running(child["pid"])]
+    assert not alive, f"outlived their SIGKILLed rank: {alive}"
+
+
+def running(pid: int) -> bool:
+    """Running or sleeping: not gone and not a zombie waiting for its new parent."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+@DEEPSPEED
 def test_sigterm_during_the_write_waits_for_it_then_exits_75(runs):
     """SIGTERM while iter 6 is written: the stop saves step 7, and the exit (75) comes
     after both are committed and verify; the resume finishes as the reference does."""
@@ -197,3 +219,39 @@ def test_host_copy_pickles_to_the_same_bytes(tmp_path):
         (tmp_path / name).mkdir()
         torch.save(saved, tmp_path / name / "state.pt")  # the archive is named after the file
     assert zip_records(tmp_path / "original/state.pt") == zip_records(tmp_path / "copy/state.pt")
+
+
+def _one_file(path: Path) -> Staged:
+    return Staged(files=[(path, {"w": torch.ones(2)}, {"args": (), "kwargs": {}})])
+
+
+def test_a_write_past_its_time_is_killed_and_reaped(tmp_path, monkeypatch):
+    """A writer that has not ended when the rank stops waiting (``train.save_timeout_s``
+    in ``PendingSave.wait``; here a write held until released, which never comes) is
+    killed, reaped and writes nothing more."""
+    monkeypatch.setenv(HOLD_STEPS_ENV, "1")
+    writer = Writer(_one_file(tmp_path / "state.pt"), tmp_path, False, rank=0)
+    writer.start()
+    pid = writer.pid
+    writer.join(0.5)
+    assert writer.is_alive()
+    writer.kill()
+    assert not writer.is_alive() and not running(pid)
+    assert not (tmp_path / "state.pt").exists()
+
+
+def test_a_failed_write_comes_back_from_the_writer_process(tmp_path):
+    """The writer's first failure (here a folder that is a file) comes back to the rank,
+    type and all, and the files it did write are hashed only when it succeeds."""
+    (tmp_path / "model").write_text("not a folder")
+    writer = Writer(_one_file(tmp_path / "model" / "state.pt"), tmp_path, True, rank=0)
+    writer.start()
+    writer.join(60)
+    assert not writer.is_alive()
+    assert isinstance(writer.error, OSError), writer.error
+    assert writer.digests == {}
+    good = Writer(_one_file(tmp_path / "good" / "state.pt"), tmp_path, True, rank=0)
+    good.start()
+    good.join(60)
+    assert good.error is None and list(good.digests) == ["good/state.pt"]
+    assert torch.equal(torch.load(tmp_path / "good/state.pt")["w"], torch.ones(2))

@@ -12,11 +12,12 @@ A save has three stages here, against one for ``checkpoint.save``:
    and a distributed-checkpoint save inside it becomes asynchronous too); the trainer
    state is copied. A copy, always: on CPU, ``tensor.to("cpu")`` is the live tensor
    itself, which the next optimizer step overwrites.
-2. **Write** (a background thread on each rank, training runs): Megatron's write function
-   for each request, ``torch.save`` of each captured object (the same bytes as a
-   synchronous save: the copies keep the originals' storage sharing), then this rank
-   hashes the files it wrote.
-3. **Commit** (collective, at a step boundary once every rank's thread has finished, or
+2. **Write** (a child process forked on each rank, training runs; ``async_writer``
+   says why a process and how it is bounded): Megatron's write function for each
+   request, ``torch.save`` of each captured object (the same bytes as a synchronous
+   save: the copies keep the originals' storage sharing), then this rank hashes the
+   files it wrote.
+3. **Commit** (collective, at a step boundary once every rank's writer has ended, or
    waited for at the next save, at a stop and at the end): Megatron's finalize functions
    (rank 0 writes the distributed checkpoints' metadata), the errors of every rank agreed,
    then ``checkpoint.commit_across_ranks``: manifest, rename, ``latest``, retention.
@@ -29,12 +30,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
-import shutil
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,18 +42,12 @@ from megatron.core import dist_checkpointing
 
 from cqk_megatron.config import RunConfig
 from cqk_megatron.parallel.device import device
-from cqk_megatron.run.folder import is_unwritable
+from cqk_megatron.run.checkpoint_files import CheckpointSaveError
 from cqk_megatron.training import checkpoint, collectives
+from cqk_megatron.training.async_writer import Staged, Writer
 from cqk_megatron.training.checkpoint import FAILURES, TrainerState, WriteLog
 from cqk_megatron.training.engine import Engine
 from cqk_megatron.training.resilience import watchdog
-
-# Tests only: the background write waits until this many step boundaries have passed
-# since the save was staged (or until the save is waited for), so that a test sees
-# steps train while a write is in flight, and can stop or kill the job then, without
-# depending on how fast this machine writes. Read here and nowhere else.
-HOLD_STEPS_ENV = "CQK_TEST_ASYNC_SAVE_HOLD_STEPS"
-HOLD_BOUND_S = 300.0
 
 
 def enabled(config: RunConfig) -> bool:
@@ -122,14 +115,6 @@ def _tensor_copy(tensor: torch.Tensor, memo: dict) -> torch.Tensor:
     return host
 
 
-@dataclass
-class Staged:
-    """One rank's save, held in host memory until the background thread writes it."""
-
-    files: list[tuple[Path, object, dict]] = field(default_factory=list)
-    requests: list = field(default_factory=list)  # Megatron's AsyncRequests, in order
-
-
 def _stage_request(request):
     """An ``AsyncRequest`` whose write buckets are host copies (Megatron's own preload
     only moves GPU tensors: CPU ones would still be the live ones)."""
@@ -168,78 +153,6 @@ def staging_writes(staged: Staged):
         torch.save, dist_checkpointing.save = original_save, original_dcp
 
 
-# -- write -----------------------------------------------------------------------------
-
-
-class Writer(threading.Thread):
-    """Writes one rank's staged save, then hashes the files this rank wrote."""
-
-    def __init__(self, staged: Staged, staging: Path, with_hashes: bool) -> None:
-        super().__init__(name=f"checkpoint writer {staging.name}", daemon=True)
-        self.staged, self.staging, self.with_hashes = staged, staging, with_hashes
-        self.release = threading.Event()
-        self.hold_steps = int(os.environ.get(HOLD_STEPS_ENV, "0"))
-        if self.hold_steps <= 0:
-            self.release.set()
-        self.digests: dict[str, str] = {}
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        self.release.wait(HOLD_BOUND_S)
-        try:
-            log = WriteLog()
-            for request in self.staged.requests:
-                _write_request(request)
-            for path, obj, extra in self.staged.files:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(obj, path, *extra["args"], **extra["kwargs"])
-                log.paths.append(path)
-            self.staged.files.clear()  # the host copies are no longer needed
-            if self.with_hashes:
-                self.digests = checkpoint.own_digests(self.staging, log)
-        except FAILURES as caught:
-            self.error = caught
-            if is_unwritable(caught):
-                # free the disk now: the training thread's next write (a metrics line) must
-                # not be the one that meets the full disk; the save's failure is reported,
-                # as the cause, at the next step boundary (``Saver.poll``)
-                shutil.rmtree(self.staging, ignore_errors=True)
-
-
-def _write_request(request) -> None:
-    """Megatron's write of one asynchronous request, in this thread. Its own function
-    (``write_preloaded_data_multiproc``) forks a process a bucket; a fork from this
-    thread while the main thread trains can copy a lock another thread holds (seen: a
-    child hung for good). So its per-bucket function runs here instead, one bucket after
-    another, and the results go to the queue its finalize function reads, as it expects
-    them ({bucket: results}, or the first exception)."""
-    write = request.async_fn
-    if write is None:
-        return
-    if getattr(getattr(write, "func", None), "__name__", "") != "write_preloaded_data_multiproc":
-        write(*request.async_fn_args, **request.async_fn_kwargs)  # another writer: as given
-        return
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
-        FileSystemWriterAsync,
-    )
-
-    transform_list, _use_msc = write.args
-    _rank, buckets, results_queue = request.async_fn_args
-    results: dict | Exception = {}
-    for index, bucket in enumerate(buckets):
-        local, count = queue.Queue(), queue.Queue()
-        count.put(index)
-        FileSystemWriterAsync.write_preloaded_data(
-            transform_list, index, bucket, local, count, use_fsync=True
-        )
-        _, outcome = local.get()
-        if isinstance(outcome, Exception):
-            results = outcome
-            break
-        results[index] = outcome
-    results_queue.put(results)
-
-
 # -- commit ----------------------------------------------------------------------------
 
 
@@ -259,14 +172,15 @@ class PendingSave:
         """Collective: True on every rank once every rank's writer has finished."""
         self.boundaries += 1
         if self.boundaries >= self.writer.hold_steps:
-            self.writer.release.set()
+            self.writer.release()
         return not collectives.any_rank(self.writer.is_alive())
 
     def wait(self) -> None:
-        """This rank's writer finished, bounded by ``train.save_timeout_s``."""
-        self.writer.release.set()
+        """This rank's writer ended, bounded by ``train.save_timeout_s`` (then killed)."""
+        self.writer.release()
         self.writer.join(self.config.train.save_timeout_s)
         if self.writer.is_alive():
+            self.writer.kill()
             self.writer.error = TimeoutError(
                 f"the asynchronous write of {self.final} did not finish within "
                 f"train.save_timeout_s={self.config.train.save_timeout_s} s"
@@ -279,9 +193,7 @@ class PendingSave:
         checkpoint._agree(self.writer.error, self.staging, what)
         error = None
         try:
-            for request in self.writer.staged.requests:
-                for finalize in request.finalize_fns:
-                    finalize()
+            self.writer.finalize()
         except FAILURES as caught:
             error = caught
         checkpoint._agree(error, self.staging, what)
@@ -294,7 +206,7 @@ def stage(
     checkpoints: Path, engine: Engine, model, config: RunConfig, state: TrainerState, lease=None
 ) -> PendingSave:
     """Collective: stage a save of ``state`` (see the module's docstring) and start this
-    rank's background write. Any failure while staging raises on every rank."""
+    rank's writer process. Any failure while staging raises on every rank."""
     final, staging = checkpoint.open_staging(checkpoints, engine, model, state.step)
     what = checkpoint.save_description(final)
     staged = Staged()
@@ -313,7 +225,16 @@ def stage(
             error = log.attempt(part)
         checkpoint._agree(error, staging, what)
     writer = Writer(staged, staging, config.train.checkpoint_hashes)
-    writer.start()
+    try:
+        writer.start()
+        error = None
+    except OSError as caught:  # no memory or no process left for the fork
+        error = caught
+    try:
+        checkpoint._agree(error, staging, what)
+    except CheckpointSaveError:
+        writer.kill()  # another rank could not start its writer: this one's write is void
+        raise
     return PendingSave(staging, final, config, state.step, lease, writer)
 
 
@@ -354,6 +275,8 @@ class Saver:
 
     def _commit(self, when: str) -> None:
         pending, self.pending = self.pending, None
+        if pending is None:
+            return
         with watchdog.phase("save"):
             pending.commit()
         if dist.get_rank() == 0:

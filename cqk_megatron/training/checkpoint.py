@@ -270,9 +270,10 @@ def _own_files(staging: Path, log: WriteLog, rank: int) -> list[str]:
     return sorted(n for n in names if (staging / n).is_file())
 
 
-def own_digests(staging: Path, log: WriteLog) -> dict[str, str]:
-    """This rank's digests of the files it wrote, by name within ``staging``."""
-    names = _own_files(staging, log, dist.get_rank())
+def own_digests(staging: Path, log: WriteLog, rank: int | None = None) -> dict[str, str]:
+    """This rank's digests of the files it wrote, by name within ``staging`` (``rank``
+    given where no process group may be used: a checkpoint writer's process)."""
+    names = _own_files(staging, log, dist.get_rank() if rank is None else rank)
     algorithm = file_hash.CHECKPOINT_HASH
     return {n: file_hash.file_digest(staging / n, algorithm) for n in names}
 
