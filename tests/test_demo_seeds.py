@@ -180,6 +180,8 @@ def test_diff_gap_sizes_change_one_setting_each_of_the_demo_model():
         "h8": {"model.num_attention_heads": "8"},
         "lr1e3": {"train.lr": "0.001", "train.min_lr": "0.0001"},
         "lr4e3": {"train.lr": "0.004", "train.min_lr": "0.0004"},
+        "nonorm": {"attention.differential_norm": "none"},
+        "smallstart": {"attention.differential_norm": "small_start"},
     }
     runs = expand_sweep(REPO / "configs/sweeps/diff_gap.yaml")
     for size, change in changed.items():
