@@ -113,6 +113,9 @@ def reference_layer(attention, hidden, freqs):
         a1 = causal_softmax(q[:, :, 2 * i], k[:, :, 2 * j], scale)
         a2 = causal_softmax(q[:, :, 2 * i + 1], k[:, :, 2 * j + 1], scale)
         out = torch.einsum("bst,tbd->sbd", a1 - lam * a2, value)
+        if diff.subln is None:  # attention.differential_norm=none
+            outputs.append(out)
+            continue
         out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + diff.subln.eps)
         outputs.append(out * diff.subln.weight * (1 - diff.lambda_init))
     return torch.cat(outputs, dim=-1) @ attention.linear_proj.weight.T
@@ -128,13 +131,21 @@ def output_and_grads(attention, hidden, forward) -> tuple[torch.Tensor, dict]:
     return out.detach(), {"input": hidden.grad, **grads}
 
 
-@pytest.mark.parametrize("kv", list(KV_LAYOUTS))
-@pytest.mark.parametrize("coupling", COUPLINGS)
-def test_paired_equals_split_equals_reference(coupling, kv):
+FORM_CASES = [(coupling, kv, "paper") for coupling in COUPLINGS for kv in KV_LAYOUTS] + [
+    (coupling, "gqa", norm)
+    for coupling in ("none", "hamiltonian")
+    for norm in DIFFERENTIAL_NORMS
+    if norm != "paper"
+]
+
+
+@pytest.mark.parametrize("coupling,kv,norm", FORM_CASES)
+def test_paired_equals_split_equals_reference(coupling, kv, norm):
     models = {}
     for kernel in ("paired", "split"):
         torch.manual_seed(0)
-        models[kernel] = build_model(tiny(coupling, KV_LAYOUTS[kv], kernel))
+        setting = f"attention.differential_norm={norm}"
+        models[kernel] = build_model(tiny(coupling, KV_LAYOUTS[kv], kernel, setting))
     attention = models["paired"].decoder.layers[1].self_attention
     perturb(attention.core_attention, seed=1)
     if attention.coupling is not None:
@@ -154,7 +165,9 @@ def test_paired_equals_split_equals_reference(coupling, kv):
         attention, hidden, lambda x: reference_layer(attention, x, freqs)
     )
     ref_out, ref_grads = results["reference"]
-    assert ref_out.std() > 1e-2
+    # without the paper's norm the output is smaller (what the setting is for); float64
+    # forms agree far below the tolerance either way
+    assert ref_out.std() > (1e-2 if norm == "paper" else 2e-3)
     for kernel in ("paired", "split"):
         out, grads = results[kernel]
         torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6, msg=kernel)
