@@ -540,3 +540,43 @@ def test_mqar_plain_model_takes_differential_scoring(norm):
     )
     model = build("differential", MQARSetting(64, 4), options)
     assert len([b for b in model.blocks if b.attn.differential is not None]) == len(model.blocks)
+
+
+@pytest.mark.parametrize("norm", ["paper", "none"])
+def test_megatron_and_plain_models_train_alike_on_the_same_batches(norm):
+    """``eval/plain_curves.py``: from the same weights, on the same batches, with the same
+    schedule and AdamW, the two models' validation curves agree (fp64, a tiny
+    coupled_differential model on a synthetic progression task)."""
+    from _synthetic import ProgressionDataset
+
+    from cqk_megatron.eval.plain_curves import paired_curves
+
+    config = validate(
+        tiny_config(
+            "coupled_differential",
+            "model.make_vocab_size_divisible_by=8",
+            f"attention.differential_norm={norm}",
+            "train.train_steps=6",
+            "train.eval_interval=2",
+            "train.eval_iters=1",
+            "train.warmup_steps=2",
+            "train.lr=0.01",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=2",
+            vocab=64,
+            hidden=32,
+            heads=4,
+            kv_heads=2,
+            seq=12,
+            precision="fp64",
+        )
+    )
+    m = config.model
+    datasets = (ProgressionDataset(64, m.seq_length), ProgressionDataset(64, m.seq_length, seed=1))
+    curve = paired_curves(config, datasets)
+    assert [step for step, *_ in curve] == [2, 4, 6]
+    assert curve[-1][1] < curve[0][1] - 0.05  # it learns
+    # Megatron's cross-entropy runs in fp32 whatever the model's dtype
+    # (tensor_parallel/cross_entropy.py: logits.float()), hence 1e-6 and not 1e-9
+    for step, megatron, plain in curve:
+        assert abs(plain - megatron) < 1e-6 * abs(megatron), (step, megatron, plain)
