@@ -179,12 +179,14 @@ def test_paired_equals_split_equals_reference(coupling, kv, norm):
             )
 
 
+@pytest.mark.parametrize("norm", DIFFERENTIAL_NORMS)
 @pytest.mark.parametrize("kv", ["mha", "gqa"])
-def test_paired_sdpa_path_with_a_mask_equals_the_maps_path(kv, monkeypatch):
+def test_paired_sdpa_path_with_a_mask_equals_the_maps_path(kv, norm, monkeypatch):
     """With an explicit mask the paired form runs its two SDPA calls (the math path on
-    CPU), not ``paired_maps``; a causal mask must give the causal result."""
+    CPU), not ``paired_maps``; a causal mask must give the causal result, with each norm."""
     torch.manual_seed(0)
-    model = build_model(tiny("none", KV_LAYOUTS[kv], "paired"))
+    setting = f"attention.differential_norm={norm}"
+    model = build_model(tiny("none", KV_LAYOUTS[kv], "paired", setting))
     core = model.decoder.layers[0].self_attention.core_attention
     perturb(core, seed=3)
     kv_heads = KV_LAYOUTS[kv]
