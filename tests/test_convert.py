@@ -175,6 +175,9 @@ LOGIT_CASES = [(variant, kv) for variant in VARIANTS for kv in KV_LAYOUTS] + [
     ("coupled", "gqa", "model.tie_embeddings=true"),
     ("standard", "mha", "model.normalization=LayerNorm", "model.swiglu=false"),
     ("coupled", "gqa", "attention.steps=3", "attention.coupling_hidden=12"),
+    ("differential", "mha", "attention.differential_norm=none"),
+    ("coupled_differential", "gqa", "attention.differential_norm=small_start"),
+    ("invertible_differential", "gqa", "attention.differential_norm=none"),
 ]
 
 
@@ -238,6 +241,25 @@ def test_round_trip_gives_identical_tensors(exports, case):
         assert imported[name].dtype == tensor.dtype
         assert torch.equal(imported[name], tensor), name
     assert to_dict(imported_config) == to_dict(config)
+
+
+def test_differential_norm_survives_an_import_without_the_run_config(exports, tmp_path):
+    """config.json alone (a folder whose cqk_run_config.yaml was left behind) records the
+    scoring's norm, and the import builds the same model from it."""
+    config, _, state, folder = exports.get(
+        "coupled_differential", "gqa", "attention.differential_norm=small_start"
+    )
+    recorded = json.loads((folder / "config.json").read_text())["scoring_options"]
+    assert recorded == {"kernel": "paired", "norm": "small_start"}
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for item in folder.iterdir():
+        if item.name != "cqk_run_config.yaml":
+            (bare / item.name).write_bytes(item.read_bytes())
+    imported, imported_config = import_hf_folder(bare)
+    assert imported_config.attention.differential_norm == "small_start"
+    assert set(imported) == set(state)
+    assert all(torch.equal(imported[name], tensor) for name, tensor in state.items())
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

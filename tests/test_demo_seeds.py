@@ -17,10 +17,13 @@ REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ("standard", "coupled", "differential", "coupled_differential")
 
 
-def fake_run(runs: Path, name: str, coupling: str, scoring: str, seed: int, ppl: float) -> None:
+def fake_run(
+    runs: Path, name: str, coupling: str, scoring: str, seed: int, ppl: float, **attention
+) -> None:
     folder = runs / name
     folder.mkdir(parents=True)
-    config = {"name": name, "seed": seed, "attention": {"coupling": coupling, "scoring": scoring}}
+    attention = {"coupling": coupling, "scoring": scoring, **attention}
+    config = {"name": name, "seed": seed, "attention": attention}
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
     records = [
         {"kind": "eval", "step": 1, "val_ppl": 900.0},
@@ -66,6 +69,62 @@ def test_seeds_sweep_is_the_demo_w128_model_with_the_seeds_asked_for(tmp_path):
     assert [o for o in ours["overrides"] if not o.startswith("name=")] == [
         o for o in theirs["overrides"] if not o.startswith("name=")
     ]
+
+
+def test_table_names_a_scoring_setting_and_pairs_it_with_standard(tmp_path):
+    """Runs with attention.differential_norm set sit beside the unchanged ones, each their
+    own row, paired with standard attention on the same seed."""
+    runs = tmp_path / "runs"
+    for seed, (std, paper, none) in enumerate([(119.65, 143.33, 114.97), (112.86, 134.89, 108.73)]):
+        fake_run(runs, f"s-standard-s{seed}", "none", "standard", seed, std)
+        fake_run(runs, f"s-diff-s{seed}", "none", "differential", seed, paper)
+        fake_run(
+            runs, f"n-diff-s{seed}", "none", "differential", seed, none, differential_norm="none"
+        )
+    lines = format_table(final_perplexities(runs)).splitlines()
+    assert [line.split(" | ")[0][2:] for line in lines[2:]] == [
+        "standard",
+        "differential",
+        "differential (differential_norm=none)",
+    ]
+    assert "| 114.97 / 108.73 | 111.85 | -3.9% / -3.7% (mean -3.8%" in lines[4]
+
+
+def test_seeds_sweep_takes_variants_and_overrides(tmp_path):
+    """``--variants`` and ``attention.X=...``: the same runs but for the setting, named
+    apart (so that a finished unchanged run is never taken for one of these)."""
+    from cqk_megatron.planner.sweep import expand_sweep
+
+    path = write_sweep(
+        tmp_path, 2, ["differential", "coupled_differential"], ["attention.differential_norm=none"]
+    )
+    runs = {run["name"]: run for run in expand_sweep(path)}
+    assert sorted(runs) == sorted(
+        f"seeds_differential_norm_none-w128-{v}-s{s}"
+        for v in ("differential", "coupled_differential")
+        for s in (0, 1)
+    )
+    plain = {run["name"]: run for run in expand_sweep(write_sweep(tmp_path / "plain", 2))}
+    ours = runs["seeds_differential_norm_none-w128-differential-s1"]["overrides"]
+    theirs = plain["seeds-w128-differential-s1"]["overrides"]
+    assert "attention.differential_norm=none" in ours
+    assert sorted(
+        o for o in ours if not o.startswith(("name=", "attention.differential_norm"))
+    ) == (sorted(o for o in theirs if not o.startswith("name=")))
+
+
+def test_demo_seeds_refuses_unknown_variants_and_stray_overrides(tmp_path):
+    result = cqk_demo(
+        "--seeds", "1", "--variants", "differentail", "--out", str(tmp_path), timeout=120
+    )
+    assert (
+        result.returncode == 2 and "--variants 'differentail': choose presets of" in result.stderr
+    )
+    result = cqk_demo("attention.differential_norm=none", "--out", str(tmp_path), timeout=120)
+    assert result.returncode == 2
+    assert "--variants and config overrides go with --seeds N" in result.stderr
+    result = cqk_demo("--seeds", "1", "differential_norm", "--out", str(tmp_path), timeout=120)
+    assert result.returncode == 2 and "is not a config override" in result.stderr
 
 
 def cqk_demo(*args: str, timeout: int) -> subprocess.CompletedProcess:
@@ -121,6 +180,8 @@ def test_diff_gap_sizes_change_one_setting_each_of_the_demo_model():
         "h8": {"model.num_attention_heads": "8"},
         "lr1e3": {"train.lr": "0.001", "train.min_lr": "0.0001"},
         "lr4e3": {"train.lr": "0.004", "train.min_lr": "0.0004"},
+        "nonorm": {"attention.differential_norm": "none"},
+        "smallstart": {"attention.differential_norm": "small_start"},
     }
     runs = expand_sweep(REPO / "configs/sweeps/diff_gap.yaml")
     for size, change in changed.items():

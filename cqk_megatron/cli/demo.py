@@ -43,7 +43,34 @@ def build_parser() -> argparse.ArgumentParser:
         "and coupled_differential, seeds 0..N-1, and a table of each variant's perplexity "
         "against standard's on the same seed (configs/sweeps/demo_seeds.yaml)",
     )
+    parser.add_argument(
+        "--variants",
+        default=None,
+        metavar="A,B",
+        help="with --seeds: only these variants (comma-separated presets, e.g. "
+        "differential,coupled_differential)",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="with --seeds: config overrides for every run of the study, e.g. "
+        "attention.differential_norm=none",
+    )
     return parser
+
+
+def seeds_variants(parser: argparse.ArgumentParser, text: str | None) -> list[str] | None:
+    """``--variants``' presets, each checked against the registry."""
+    if text is None:
+        return None
+    from cqk_megatron.variants import VARIANTS, preset_of
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if preset_of(name) is None]
+    if unknown or not names:
+        parser.error(f"--variants {text!r}: choose presets of {list(VARIANTS)}")
+    return [str(preset_of(name)) for name in names]
 
 
 def demo_environment(args: argparse.Namespace) -> dict[str, str]:
@@ -59,13 +86,21 @@ def demo_environment(args: argparse.Namespace) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may come between options
+    if args.seeds is None and (args.variants is not None or args.overrides):
+        parser.error("--variants and config overrides go with --seeds N")
     if args.seeds is not None:
         if args.seeds < 1:
             parser.error(f"--seeds {args.seeds}: give 1 or more (3 tells a gap from noise)")
-        from cqk_megatron.cli.demo_seeds import run_study
+        from cqk_megatron.cli.demo_seeds import parse_override, run_study
 
-        return run_study(Path(args.out).resolve(), args.seeds, args.steps)
+        variants = seeds_variants(parser, args.variants)
+        try:
+            [parse_override(text) for text in args.overrides]
+        except ValueError as error:
+            parser.error(str(error))
+        out = Path(args.out).resolve()
+        return run_study(out, args.seeds, args.steps, variants, args.overrides)
     if not SCRIPT.is_file():
         parser.error(
             f"{SCRIPT} is not there: the demo runs from the repository's checkout; clone it "

@@ -6,12 +6,18 @@ One seed cannot tell a gap from noise (the demo's report says so); this is the c
 that can. The sweep is ``configs/sweeps/demo_seeds.yaml`` with its seeds replaced by
 ``0 .. N-1``, written to ``OUT/seeds/sweep.yaml``; the runs go to ``OUT/seeds/runs``. Run it
 again after Ctrl-C: finished runs are skipped, the others resume.
+
+``--variants`` runs a subset of the variants; config overrides (``attention.X=...``) go into
+the sweep's ``common`` settings and its name (``seeds_X_value``), so their runs sit beside
+the unchanged ones in ``OUT/seeds/runs``, and the table pairs every row with the standard
+runs found there (a study with overrides into the ``--out`` of a plain one).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -19,23 +25,51 @@ from pathlib import Path
 
 import yaml
 
+from cqk_megatron.config.schema import AttentionConfig
 from cqk_megatron.run.folder import CONFIG
-from cqk_megatron.variants import VARIANTS
+from cqk_megatron.variants import SCORINGS, VARIANTS
 
 REPO = Path(__file__).resolve().parents[2]
 SEEDS_SWEEP = REPO / "configs" / "sweeps" / "demo_seeds.yaml"
 BASELINE = "standard"
 
 
-def write_sweep(out: Path, seeds: int) -> Path:
-    """``demo_seeds.yaml`` with seeds ``0 .. seeds-1``, under ``out``; its model files are
-    found under the checkout's ``configs/`` (the planner looks there too)."""
+def write_sweep(
+    out: Path,
+    seeds: int,
+    variants: list[str] | None = None,
+    overrides: list[str] | None = None,
+) -> Path:
+    """``demo_seeds.yaml`` with seeds ``0 .. seeds-1`` (and ``variants``, ``overrides``
+    where given), under ``out``; its model files are found under the checkout's
+    ``configs/`` (the planner looks there too)."""
     sweep = yaml.safe_load(SEEDS_SWEEP.read_text())
     sweep["seeds"] = list(range(seeds))
-    path = out / "sweep.yaml"
+    if variants:
+        sweep["variants"] = list(variants)
+    if overrides:
+        settings = dict(parse_override(text) for text in overrides)
+        sweep["common"] = {**sweep["common"], **settings}
+        sweep["name"] = study_name(sweep["name"], settings)
+    path = out / f"{sweep['name']}.yaml" if overrides else out / "sweep.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(sweep, sort_keys=False))
     return path
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    """``section.key=value`` as the sweep's ``common`` holds it (the value read as YAML)."""
+    dotted, sep, value = text.partition("=")
+    if not sep or "." not in dotted:
+        raise ValueError(f"{text!r} is not a config override; write section.key=value")
+    return dotted, yaml.safe_load(value)
+
+
+def study_name(base: str, settings: dict[str, object]) -> str:
+    """The sweep's name with each override's key and value, so that its runs are named
+    apart from the unchanged ones (``seeds_differential_norm_none``)."""
+    parts = [base] + [f"{key.rsplit('.', 1)[-1]}_{value}" for key, value in settings.items()]
+    return re.sub(r"[^A-Za-z0-9_]", "_", "_".join(parts))
 
 
 def step_overrides(steps: int | None) -> list[str]:
@@ -51,14 +85,25 @@ def step_overrides(steps: int | None) -> list[str]:
     ]
 
 
-def run_study(out: Path, seeds: int, steps: int | None) -> int:
+def run_study(
+    out: Path,
+    seeds: int,
+    steps: int | None,
+    variants: list[str] | None = None,
+    overrides: list[str] | None = None,
+) -> int:
     """Corpus, sweep, table; the launcher's exit code if a run failed."""
     data, study = out / "data", out / "seeds"
     python = sys.executable
     corpus = [python, "-m", "data_tools.demo_corpus", "--out", str(data), "--quiet"]
     subprocess.run(corpus, check=True, cwd=REPO)
-    sweep = write_sweep(study, seeds)
-    print(f"== {seeds} seeds x 4 variants of the demo's w128 model ({SEEDS_SWEEP.name})")
+    sweep = write_sweep(study, seeds, variants, overrides)
+    chosen = yaml.safe_load(sweep.read_text())["variants"]
+    changed = f", {' '.join(overrides)}" if overrides else ""
+    print(
+        f"== {seeds} seeds x {len(chosen)} variants of the demo's w128 model "
+        f"({SEEDS_SWEEP.name}{changed})"
+    )
     submit = [
         python,
         "launch/submit.py",
@@ -89,7 +134,7 @@ def final_perplexities(runs: Path) -> dict[str, dict[int, float]]:
         if not finals:
             continue
         config = yaml.safe_load((metrics.parent / CONFIG).read_text())
-        variant = variant_of(config["attention"])
+        variant = variant_of(config["attention"]) + scoring_settings(config["attention"])
         table.setdefault(variant, {})[int(config["seed"])] = float(finals[-1]["val_ppl"])
     return table
 
@@ -98,6 +143,19 @@ def variant_of(attention: dict) -> str:
     """The registry's preset for a run's ``attention`` section (coupling, scoring)."""
     pair = (attention["coupling"], attention["scoring"])
     return next((name for name, preset in VARIANTS.items() if preset == pair), "+".join(pair))
+
+
+def scoring_settings(attention: dict) -> str:
+    """`` (key=value, ...)`` for the scorings' options (the registry's) that a run sets
+    away from their defaults; empty where it sets none."""
+    defaults = AttentionConfig()
+    options = sorted({name for variant in SCORINGS.values() for name in variant.options.values()})
+    changed = [
+        f"{name}={attention[name]}"
+        for name in options
+        if name in attention and attention[name] != getattr(defaults, name)
+    ]
+    return f" ({', '.join(changed)})" if changed else ""
 
 
 def paired_differences(runs: dict[int, float], baseline: dict[int, float]) -> dict[int, float]:

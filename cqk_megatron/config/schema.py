@@ -155,6 +155,12 @@ class AttentionConfig:
     # differential scoring: paired (2 attention calls, values 2 head_dim wide) | split (4
     # calls, for kernels needing values as wide as queries) | auto (from backend and device)
     differential_kernel: str = "auto"
+    # differential scoring, what follows out1 - lambda out2 in each differential head:
+    # paper (RMSNorm over 2 head_dim times 1 - lambda_init, Ye et al.; the ladder's sizes,
+    # where the paper measured it) | none (no norm: at the demo's 3M parameters it closes
+    # differential's 24% gap to standard, docs/results.md) | small_start (the paper's norm,
+    # its weight starting at 0.1, about standard attention's output scale at initialisation)
+    differential_norm: str = "paper"
 
     @property
     def variant(self) -> str:

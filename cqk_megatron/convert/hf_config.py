@@ -325,7 +325,7 @@ def run_config_from_cqk(hf: dict[str, Any], source: str) -> RunConfig:
     coupling_name, scoring_name = hf.get("coupling", "none"), hf.get("scoring", "standard")
     try:
         variant = coupling(coupling_name)
-        scoring(scoring_name)
+        scoring_variant = scoring(scoring_name)
     except UnknownVariantError as error:
         raise ConversionError(f"{source}: {error}") from None
     llama_like = {**hf, "rms_norm_eps": hf.get("norm_eps", 1e-5)}
@@ -339,8 +339,10 @@ def run_config_from_cqk(hf: dict[str, Any], source: str) -> RunConfig:
     a.coupling, a.scoring = coupling_name, scoring_name
     a.position = hf.get("coupling_position", "pre_rope")
     options = dict(hf.get("coupling_options") or {})
-    try:  # the coupling's constructor keywords, back to the AttentionConfig fields they are
+    scoring_options = dict(hf.get("scoring_options") or {})
+    try:  # the constructor keywords, back to the AttentionConfig fields they are
         fields = variant.attention_fields(options, f"{source}: coupling_options")
+        fields |= scoring_variant.attention_fields(scoring_options, f"{source}: scoring_options")
     except ValueError as error:
         raise ConversionError(str(error)) from None
     for field, value in fields.items():

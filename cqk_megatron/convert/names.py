@@ -304,7 +304,8 @@ def _attention_extras(config: RunConfig) -> dict[str, tuple[int, ...]]:
     math = scoring.math_class()
     if math is not None:  # the core attention holds it as its ``math_attribute``
         prefix = f"self_attention.core_attention.{scoring.math_attribute}."
-        for name, param in math(head_dim, layer_index=0).named_parameters():
+        options = scoring.constructor_options(config.attention)
+        for name, param in math(head_dim, layer_index=0, **options).named_parameters():
             extras[prefix + name] = tuple(param.shape)
     return extras
 

@@ -157,6 +157,13 @@ def variant_source(config: RunConfig) -> str:
     return "".join(parts)
 
 
+def scoring_options(config: RunConfig) -> dict:
+    """The exported scoring's constructor keywords: its fixed ones (the form the exported
+    model runs) and those taken from the config (``attention.differential_norm``)."""
+    variant = scoring(config.attention.scoring)
+    return {**variant.export_options, **variant.constructor_options(config.attention)}
+
+
 def export_fields(config: RunConfig) -> dict:
     """What ``config.json`` records of the variant's classes: their names, the file that
     defines the coupling, and the scoring's options in the exported model."""
@@ -168,5 +175,5 @@ def export_fields(config: RunConfig) -> dict:
         "coupling_class": None if coupling_cls is None else coupling_cls.__name__,
         "coupling_source": source,
         "scoring_class": None if scoring_cls is None else scoring_cls.__name__,
-        "scoring_options": dict(scoring(config.attention.scoring).export_options),
+        "scoring_options": scoring_options(config),
     }

@@ -132,6 +132,7 @@ def plain_config_for(config: RunConfig) -> PlainConfig:
         invertible_layers=a.invertible_layers,
         invertible_bound=a.invertible_scale_bound,
         scoring=a.scoring,
+        differential_norm=a.differential_norm,
     )
 
 

@@ -33,6 +33,7 @@ from cqk_megatron.eval.mqar_options import (  # noqa: F401  (their old home)
     SOLVED,
     TrainOptions,
 )
+from cqk_megatron.eval.plain_model import SCORINGS as PLAIN_SCORINGS
 from cqk_megatron.eval.plain_model import PlainConfig, PlainLM
 from cqk_megatron.parallel.device import device, to_device
 
@@ -73,9 +74,13 @@ def model_config(variant: str, setting: MQARSetting, options: TrainOptions) -> R
 
 
 def plain_config(variant: str, setting: MQARSetting, options: TrainOptions) -> PlainConfig:
+    """The ``PlainLM`` of ``variant`` (its coupling and scoring); ``options.plain`` sets
+    any other ``PlainConfig`` field (``differential_norm``, ...)."""
     coupling, scoring = VARIANTS[variant]
-    if scoring != "standard":
-        raise ValueError(f"model=plain has standard scoring only, not {variant!r}")
+    if scoring not in PLAIN_SCORINGS:
+        raise ValueError(
+            f"model=plain writes out scorings {list(PLAIN_SCORINGS)}, not {variant!r}'s {scoring!r}"
+        )
     return PlainConfig(
         **{
             "vocab_size": options.vocab_size,
@@ -84,6 +89,7 @@ def plain_config(variant: str, setting: MQARSetting, options: TrainOptions) -> P
             "heads": options.num_heads,
             "seq_len": setting.seq_len,
             "coupling": coupling,
+            "scoring": scoring,
             **options.plain,
         }
     )

@@ -26,7 +26,9 @@ out from the paper's formula: heads ``2i`` and ``2i+1`` give the two maps of dif
 head ``i``, value heads ``2j`` and ``2j+1`` side by side its value of width ``2d``,
 ``(1 - lambda_init) RMSNorm((A1 - lambda A2) v)`` its output, with
 ``lambda = exp(lq1.lk1) - exp(lq2.lk2) + lambda_init`` and
-``lambda_init = 0.8 - 0.6 exp(-0.3 l)`` at 0-based depth ``l``.
+``lambda_init = 0.8 - 0.6 exp(-0.3 l)`` at 0-based depth ``l``. ``differential_norm``
+changes the output: ``none`` is ``(A1 - lambda A2) v`` as it is, ``small_start`` the
+paper's norm with its weight starting at 0.1 instead of 1.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ POSITIONS = ("learned", "rope")
 # each one against the Megatron model and that every registered coupling is here.
 COUPLINGS = ("none", "hamiltonian", "euler", "mlp_only", "invertible")
 SCORINGS = ("standard", "differential")
+# What follows (A1 - lambda A2) v: the paper's (1 - lambda_init) RMSNorm, nothing, or the
+# paper's norm with its weight starting at SMALL_START (the registry's attention.differential_norm)
+DIFFERENTIAL_NORMS = ("paper", "none", "small_start")
+SMALL_START = 0.1
 DT_PARAMS = ("exp", "softplus")
 INITS = ("torch", "gpt2")
 
@@ -97,6 +103,7 @@ class PlainConfig:
     attention_kernel: str = "sdpa"
     scoring: str = "standard"  # standard | differential (maps always written out)
     lambda_std: float = 0.1  # differential: lambda vectors start N(0, lambda_std)
+    differential_norm: str = "paper"  # paper | none | small_start (DIFFERENTIAL_NORMS)
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -109,6 +116,7 @@ class PlainConfig:
             ("coupling_position", ("pre_rope", "post_rope")),
             ("attention_kernel", ("sdpa", "explicit")),
             ("scoring", SCORINGS),
+            ("differential_norm", DIFFERENTIAL_NORMS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"PlainConfig.{name}={getattr(self, name)!r}; one of {allowed}")
@@ -251,7 +259,10 @@ class PlainDifferential(nn.Module):
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
             vector = torch.empty(d, device=None).normal_(0, config.lambda_std)
             setattr(self, name, nn.Parameter(vector))
-        self.subln = PlainRMSNorm(2 * d, config.norm_eps)
+        self.norm = config.differential_norm
+        self.subln = None if self.norm == "none" else PlainRMSNorm(2 * d, config.norm_eps)
+        if self.norm == "small_start":
+            nn.init.constant_(self.subln.weight, SMALL_START)
 
     def lam(self) -> torch.Tensor:
         first = torch.exp((self.lambda_q1 * self.lambda_k1).sum())
@@ -269,7 +280,8 @@ class PlainDifferential(nn.Module):
         future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
         maps = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
         out = (maps[:, :, 0] - self.lam() * maps[:, :, 1]) @ v  # [b, H/2, s, 2d]
-        out = self.subln(out) * (1 - self.lambda_init)
+        if self.subln is not None:  # differential_norm paper or small_start
+            out = self.subln(out) * (1 - self.lambda_init)
         return out.transpose(1, 2).reshape(b, s, heads * d)
 
 

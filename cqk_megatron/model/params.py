@@ -35,7 +35,8 @@ def coupling_parameters(config: RunConfig) -> int:
 
 def scoring_parameters(config: RunConfig) -> int:
     """One layer's scoring parameters (differential: lambda and its norm): the registry's."""
-    return scoring(config.attention.scoring).parameters(config.model.head_dim)
+    variant = scoring(config.attention.scoring)
+    return variant.parameters(config.model.head_dim, variant.constructor_options(config.attention))
 
 
 def layer_parameters(config: RunConfig, tp: int = 1) -> int:

@@ -11,6 +11,7 @@ from cqk_megatron.variants.options import (
     COUPLING_POSITIONS,
     DIFFERENTIAL_KERNEL_SETTINGS,
     DIFFERENTIAL_KERNELS,
+    DIFFERENTIAL_NORMS,
     INTEGRATOR_STEPS,
 )
 from cqk_megatron.variants.registry import (
@@ -49,6 +50,7 @@ __all__ = [
     "COUPLING_POSITIONS",
     "DIFFERENTIAL_KERNEL_SETTINGS",
     "DIFFERENTIAL_KERNELS",
+    "DIFFERENTIAL_NORMS",
     "INTEGRATOR_STEPS",
     "SCORINGS",
     "VARIANTS",

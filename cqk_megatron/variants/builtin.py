@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from cqk_megatron.variants.options import DIFFERENTIAL_NORMS
 from cqk_megatron.variants.registry import (
     ActivationTerm,
     AttentionCalls,
@@ -186,6 +187,12 @@ def _differential_memory(h: Heads) -> dict[str, ActivationTerm]:
 
 
 def _differential_checks(config: Any) -> Iterable[str]:
+    norm = config.attention.differential_norm
+    if norm not in DIFFERENTIAL_NORMS:
+        yield (
+            f"attention.differential_norm={norm!r} is unknown; choose one of "
+            f"{list(DIFFERENTIAL_NORMS)}"
+        )
     m, tp = config.model, config.parallel.tensor_parallel
     heads, kv_heads = m.num_attention_heads, m.kv_heads
     if heads % tp or kv_heads % tp:
@@ -264,6 +271,7 @@ register_scoring(
         math_attribute="differential",
         # each map once, two SDPA calls with values 2 head_dim wide (any kernel serves it)
         export_options={"kernel": "paired"},
+        options={"norm": "differential_norm"},
         checks=_differential_checks,
         calls=_differential_calls,
         memory=_differential_memory,

@@ -16,3 +16,5 @@ INTEGRATOR_STEPS: tuple[int, int] = math_constant("INTEGRATOR_STEPS")  # attenti
 # attention.differential_kernel: auto (attention/differential.py picks) or a form of the math
 DIFFERENTIAL_KERNELS: tuple[str, ...] = math_constant("DIFFERENTIAL_KERNELS")
 DIFFERENTIAL_KERNEL_SETTINGS = ("auto", *DIFFERENTIAL_KERNELS)
+# attention.differential_norm: what follows out1 - lambda out2 (plain_math.py says each)
+DIFFERENTIAL_NORMS: tuple[str, ...] = math_constant("DIFFERENTIAL_NORMS")

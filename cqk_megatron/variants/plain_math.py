@@ -276,6 +276,16 @@ class RMSNorm(nn.Module):
 
 
 DIFFERENTIAL_KERNELS = ("paired", "split")
+# What follows ``out1 - lambda out2`` in a differential head (attention.differential_norm):
+# ``paper``: the learnable RMSNorm over 2 head_dim, times 1 - lambda_init (Ye et al.);
+# ``none``: nothing (``out1 - lambda out2`` as it is); ``small_start``: the paper's norm
+# with its weight starting at SMALL_START_WEIGHT instead of 1.
+DIFFERENTIAL_NORMS = ("paper", "none", "small_start")
+# The paper's norm writes about 12x (layer 1) to 5x (layer 4) standard attention's output
+# scale into the residual stream at initialisation (N(0, 0.02), width 128: 0.065..0.037
+# against 0.0037..0.0075, docs/results.md); 0.1 is about the geometric mean of the four
+# ratios (0.11), so the sub-layer starts near standard attention's scale.
+SMALL_START_WEIGHT = 0.1
 
 
 def pair_values(v: torch.Tensor) -> torch.Tensor:
@@ -293,6 +303,10 @@ class DifferentialScoring(nn.Module):
     ``(1 - lambda_init) * RMSNorm((A1 - lambda A2) v)`` with
     ``lambda = exp(lq1.lk1) - exp(lq2.lk2) + lambda_init``.
 
+    ``norm`` (one of ``DIFFERENTIAL_NORMS``) says what follows ``(A1 - lambda A2) v``: the
+    paper's ``(1 - lambda_init) RMSNorm``, nothing (``none``: no ``subln`` either), or the
+    paper's norm with its weight starting at ``SMALL_START_WEIGHT`` (``small_start``).
+
     ``kernel`` says how the two maps meet the value (same function either way):
     ``paired`` (two attention calls, each with the ``2 head_dim`` value) or ``split``
     (four calls, each map once per ``head_dim`` half of the value: a kernel that needs
@@ -300,19 +314,31 @@ class DifferentialScoring(nn.Module):
     """
 
     def __init__(
-        self, head_dim: int, layer_index: int, eps: float = 1e-5, kernel: str = "paired"
+        self,
+        head_dim: int,
+        layer_index: int,
+        eps: float = 1e-5,
+        kernel: str = "paired",
+        norm: str = "paper",
     ) -> None:
         super().__init__()
         if kernel not in DIFFERENTIAL_KERNELS:
             raise ValueError(f"kernel must be one of {DIFFERENTIAL_KERNELS}, got {kernel!r}")
+        if norm not in DIFFERENTIAL_NORMS:
+            raise ValueError(f"norm must be one of {DIFFERENTIAL_NORMS}, got {norm!r}")
         self.kernel = kernel
+        self.norm = norm
         self.head_dim = head_dim
         self.lambda_init = differential_lambda_init(layer_index)
         self.lambda_q1 = nn.Parameter(torch.zeros(head_dim).normal_(0, 0.1))
         self.lambda_k1 = nn.Parameter(torch.zeros(head_dim).normal_(0, 0.1))
         self.lambda_q2 = nn.Parameter(torch.zeros(head_dim).normal_(0, 0.1))
         self.lambda_k2 = nn.Parameter(torch.zeros(head_dim).normal_(0, 0.1))
-        self.subln = RMSNorm(2 * head_dim, eps=eps)
+        self.subln: RMSNorm | None = None
+        if norm != "none":
+            self.subln = RMSNorm(2 * head_dim, eps=eps)
+            if norm == "small_start":
+                nn.init.constant_(self.subln.weight, SMALL_START_WEIGHT)
 
     def lambda_full(self) -> torch.Tensor:
         dtype = torch.promote_types(self.lambda_q1.dtype, torch.float32)
@@ -360,6 +386,9 @@ class DifferentialScoring(nn.Module):
         return self.normalize(out1 - self.lambda_full().type_as(out1) * out2)
 
     def normalize(self, diff: torch.Tensor) -> torch.Tensor:
-        """``(1 - lambda_init) RMSNorm(diff)`` over the ``2 head_dim`` of a differential head."""
+        """``(1 - lambda_init) RMSNorm(diff)`` over the ``2 head_dim`` of a differential head
+        (``diff`` itself with ``norm="none"``)."""
+        if self.subln is None:
+            return diff
         normed: torch.Tensor = self.subln(diff)
         return normed * (1 - self.lambda_init)

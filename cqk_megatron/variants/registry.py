@@ -215,8 +215,11 @@ class ScoringVariant:
     ``core_attention``: the Megatron core attention class (its ``spec_params(attention,
     transformer_impl)`` gives its options). ``math``: the module of its own parameters and rule in
     ``coupling.py`` style, which the core attention holds as ``math_attribute`` and the
-    exported model builds as ``math(head_dim, layer_index=..., eps=..., **export_options)``
-    and calls as ``math(q, k, v, attend)``; None: plain softmax attention. ``calls`` and
+    exported model builds as ``math(head_dim, layer_index=..., eps=..., **export_options,
+    **options)`` and calls as ``math(q, k, v, attend)``; None: plain softmax attention.
+    ``options``: ``math``'s constructor keyword -> the ``AttentionConfig`` field it comes
+    from (a field that only this scoring reads; other scorings refuse a value of it other
+    than its default). ``calls`` and
     ``memory`` (extra ``ActivationTerm``s by name) serve the FLOPs and memory estimates;
     ``keeps_value_view``: whether its attention keeps a view of the QKV output (the value).
     """
@@ -226,6 +229,7 @@ class ScoringVariant:
     math: ModuleRef | None = None
     math_attribute: str | None = None
     export_options: Mapping[str, Any] = field(default_factory=dict)
+    options: Mapping[str, str] = field(default_factory=dict)
     checks: Checks = _no_checks
     calls: Callable[[Heads], AttentionCalls] | None = None
     memory: Callable[[Heads], Mapping[str, ActivationTerm]] | None = None
@@ -239,12 +243,29 @@ class ScoringVariant:
     def math_class(self) -> type | None:
         return cast("type | None", resolve(self.math))
 
-    def parameters(self, head_dim: int) -> int:
+    def constructor_options(self, attention: Any) -> dict[str, Any]:
+        """``math``'s keyword arguments from an ``AttentionConfig`` (its ``options``)."""
+        return {keyword: getattr(attention, name) for keyword, name in self.options.items()}
+
+    def attention_fields(self, options: Mapping[str, Any], source: str) -> dict[str, Any]:
+        """The ``AttentionConfig`` fields that ``options`` (an exported model's scoring
+        options: ``export_options`` and ``options``' keywords) came from."""
+        unknown = sorted(set(options) - set(self.options) - set(self.export_options))
+        if unknown:
+            raise ValueError(
+                f"{source}: scoring {self.name!r} takes options {sorted(self.options)}, not "
+                f"{unknown}"
+            )
+        fields = self.options.items()
+        return {name: options[keyword] for keyword, name in fields if keyword in options}
+
+    def parameters(self, head_dim: int, options: Mapping[str, Any] | None = None) -> int:
         """Parameters of one layer's scoring, counted on its math module (meta device)."""
         cls = self.math_class()
         if cls is None:
             return 0
-        return _count_parameters(cls, (head_dim,), (("layer_index", 0),))
+        kwargs = (("layer_index", 0), *sorted((options or {}).items()))
+        return _count_parameters(cls, (head_dim,), kwargs)
 
     def attention_calls(self, heads: Heads) -> AttentionCalls:
         return cast(AttentionCalls, _declared(self, "calls", "FLOPs and memory estimates")(heads))
@@ -438,7 +459,7 @@ def check_config(config: Any) -> list[str]:
     already known to be positive), plus the rules every coupling shares; unregistered
     names are ``unknown_names``'s to report."""
     a = config.attention
-    problems: list[str] = []
+    problems: list[str] = _options_of_other_scorings(config)
     for variant in _chosen(config)[0]:
         problems.extend(variant.checks(config))
         if (
@@ -452,3 +473,19 @@ def check_config(config: Any) -> list[str]:
                 "form to compile (CouplingVariant.fused); use attention.coupling_impl=eager"
             )
     return problems
+
+
+def _options_of_other_scorings(config: Any) -> list[str]:
+    """One message for each field of another scoring's ``options`` set away from its
+    default: the chosen scoring would ignore it, and a sweep that sets it means another."""
+    a = config.attention
+    chosen = _SCORINGS.get(a.scoring)
+    mine = set(chosen.options.values()) if chosen is not None else set()
+    defaults = type(a)()
+    owners = {name: v.name for v in _SCORINGS.values() for name in v.options.values()}
+    return [
+        f"attention.{name}={getattr(a, name)!r} applies to scoring {owner!r} only, not "
+        f"attention.scoring={a.scoring!r}; remove it or choose a {owner} variant"
+        for name, owner in sorted(owners.items())
+        if name not in mine and getattr(a, name) != getattr(defaults, name)
+    ]

@@ -158,7 +158,10 @@ def paired_maps(
 
 def fused_normalize(scoring: DifferentialScoring, diff: torch.Tensor) -> torch.Tensor:
     """``scoring.normalize(diff)`` as one ``F.rms_norm`` with ``(1 - lambda_init)`` folded
-    into the weight (a ``2 head_dim`` vector) instead of multiplying the output."""
+    into the weight (a ``2 head_dim`` vector) instead of multiplying the output; ``diff``
+    itself where the scoring has no norm (``attention.differential_norm=none``)."""
+    if scoring.subln is None:
+        return diff
     weight = scoring.subln.weight * (1 - scoring.lambda_init)
     return F.rms_norm(diff, (diff.shape[-1],), weight.to(diff.dtype), scoring.subln.eps)
 
@@ -246,6 +249,7 @@ class DifferentialCoreAttention(SDPACoreAttention):
         attn_mask_type,
         *args,
         differential_kernel: str = "auto",
+        differential_norm: str = "paper",
         transformer_impl: str = "local",
         reference: bool = False,
         **kwargs,
@@ -272,6 +276,7 @@ class DifferentialCoreAttention(SDPACoreAttention):
             layer_index=self.layer_number - 1,
             eps=config.layernorm_epsilon,
             kernel=self.kernel,
+            norm=differential_norm,
         ).to(dtype=config.params_dtype)
         # lambda and subln are whole on every TP rank but each rank uses them on its heads
         sum_partial_grads_across_tp(self.differential, self.tp_group)
@@ -292,6 +297,7 @@ class DifferentialCoreAttention(SDPACoreAttention):
     def spec_params(cls, attention, transformer_impl: str) -> dict:
         return {
             "differential_kernel": attention.differential_kernel,
+            "differential_norm": attention.differential_norm,
             "transformer_impl": transformer_impl,
             # cqk bench's @reference (set past validation): plain_math.py's modules as they are
             "reference": attention.coupling_impl == "reference",
