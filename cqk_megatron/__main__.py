@@ -71,7 +71,16 @@ COMMANDS: dict[str, Command] = {
     "params": Command(
         "parameter counts and each variant's overhead", "cqk_megatron.cli.params:main"
     ),
-    "demo": Command("the end-to-end CPU demo (scripts/demo.sh)", "cqk_megatron.cli.demo:main"),
+    "demo": Command(
+        "the end-to-end CPU demo (scripts/demo.sh)",
+        "cqk_megatron.cli.demo:main",
+        subcommands={
+            "plain-curves": Command(
+                "the Megatron model against the plain model on the demo's data",
+                "cqk_megatron.cli.plain_curves:main",
+            ),
+        },
+    ),
     "check": Command(
         "check the install: versions, CUDA/NCCL, a one-rank process group",
         "cqk_megatron.cli.check:main",

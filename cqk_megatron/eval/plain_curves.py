@@ -1,6 +1,6 @@
 """The Megatron model against the plain model on the demo's data: validation curves.
 
-``python -m cqk_megatron.eval.plain_curves --variants standard,coupled,differential``
+``cqk demo plain-curves --variants standard,coupled,differential`` (``cli/plain_curves.py``)
 builds one run of ``configs/sweeps/demo_seeds.yaml`` (the demo's ``w128`` model) per variant,
 copies its initial Megatron weights into ``eval/plain_model.py``'s independent model, and
 trains the two side by side on the same batches (the run's dataset, sampler order,
@@ -14,7 +14,6 @@ here, so a gap between the curves is a difference between the two models, nothin
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -159,35 +158,3 @@ def format_curves(curves: dict[str, list[tuple[int, float, float]]]) -> str:
                 f"{difference:+.2f}% |"
             )
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cqk_megatron.eval.plain_curves")
-    parser.add_argument("--variants", default="standard,coupled,differential")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=None, help="shorten every run")
-    parser.add_argument("--data", default="demo_out/data", help="the demo corpus's folder")
-    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. attention.X=...")
-    args = parser.parse_args(argv)
-    data = Path(args.data).resolve()
-    if not (data / "demo_text_document.bin").is_file():
-        parser.error(f"--data {data}: no demo_text_document.bin; run cqk demo-corpus --out {data}")
-    from cqk_megatron.data import build_datasets
-    from cqk_megatron.data.checks import run_samples
-    from cqk_megatron.parallel.process_groups import init_single_process
-
-    init_single_process()
-    extra = [*(shortened(args.steps) if args.steps else []), *args.overrides]
-    curves = {}
-    for variant in args.variants.split(","):
-        config = demo_run_config(variant, args.seed, data, extra)
-        train_samples, valid_samples, _ = run_samples(config)
-        train, valid, _ = build_datasets(config, train_samples, valid_samples, 0)
-        curves[variant] = paired_curves(config, (train, valid))
-        print(format_curves({variant: curves[variant]}).splitlines()[-1], flush=True)
-    print(format_curves(curves))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
