@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from _overrides import replaced
 
 from cqk_megatron.errors import EXIT_REFUSED, EXIT_REQUEUE
 from cqk_megatron.run import checkpoint_files
@@ -351,8 +352,8 @@ def test_a_bad_config_is_refused_and_nothing_is_written(
     copy_run(prepared_run, tmp_path)
     watch = Watch(tmp_path)
     overrides = [o.replace("{tmp}", str(tmp_path)) for o in case.overrides]
-    argv = ["--config", CONFIG, f"log.root={tmp_path / 'runs'}", f"name={RUN}", *SETTINGS]
-    outcome = ENTRY_POINTS[entry]([*argv, *overrides], capsys, monkeypatch)
+    settings = replaced([f"log.root={tmp_path / 'runs'}", f"name={RUN}", *SETTINGS], *overrides)
+    outcome = ENTRY_POINTS[entry](["--config", CONFIG, *settings], capsys, monkeypatch)
     first, names = (s.replace("{tmp}", str(tmp_path)) for s in (case.first, case.names))
     check(outcome, EXIT_REFUSED, first, names)
     watch.assert_unchanged()
@@ -403,6 +404,90 @@ def test_a_key_given_twice_in_a_run_file_is_refused(
     check(outcome, EXIT_REFUSED, f"{run_file}: {first}", "merge them into one")
     watch.assert_unchanged()
     watch.assert_no_process_left()
+
+
+# (overrides, first line): a key given twice on the command line, where the later would
+# silently replace the earlier
+REPEAT_CASES = {
+    "key twice": (
+        ("train.lr=1e-3", "train.save_interval=3", "train.lr=2e-3"),
+        "command line: key 'train.lr' is given twice, by override 1 'train.lr=1e-3' and "
+        "override 3 'train.lr=2e-3'",
+    ),
+    "section, then a key it holds": (
+        ("train={lr: 1e-3}", "train.lr=2e-3"),
+        "command line: key 'train.lr' is given twice (the section 'train' holds it), by "
+        "override 1 'train={lr: 1e-3}' and override 2 'train.lr=2e-3'",
+    ),
+    "old and new name": (
+        ("backend=local", "transformer_impl=local"),
+        "command line: key 'transformer_impl' is given twice, by override 1 'backend=local' "
+        "and override 2 'transformer_impl=local'",
+    ),
+}
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+@pytest.mark.parametrize(
+    ("overrides", "first"), list(REPEAT_CASES.values()), ids=list(REPEAT_CASES)
+)
+def test_a_key_given_twice_on_the_command_line_is_refused(
+    overrides, first, entry, tmp_path, capsys, monkeypatch
+):
+    watch = Watch(tmp_path)
+    argv = ["--config", CONFIG, *overrides, f"log.root={tmp_path / 'runs'}"]
+    outcome = ENTRY_POINTS[entry](argv, capsys, monkeypatch)
+    check(outcome, EXIT_REFUSED, first, "give each key once")
+    assert len(outcome.err.strip().splitlines()) == 1, outcome.err
+    watch.assert_unchanged()
+    watch.assert_no_process_left()
+
+
+def test_a_key_given_twice_to_cqk_torchrun_is_refused_before_any_rank_starts(tmp_path):
+    """torchrun ends rank 0 as soon as another rank exits: the refusal is said once, by
+    ``cqk torchrun`` itself, before it starts the ranks."""
+    watch = Watch(tmp_path)
+    command = [sys.executable, "-m", "cqk_megatron", "torchrun", "--nproc-per-node", "2"]
+    training = ["-m", "cqk_megatron.train", "--config", CONFIG, f"log.root={tmp_path / 'runs'}"]
+    out = subprocess.run(
+        [*command, *training, "train.lr=1e-3", "train.lr=2e-3"],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    said = f"exit {out.returncode}\nstderr:\n{out.stderr}\nstdout:\n{out.stdout}"
+    assert out.returncode == EXIT_REFUSED, said
+    assert out.stderr.splitlines() == [
+        "error: command line: key 'train.lr' is given twice, by override 2 'train.lr=1e-3' "
+        "and override 3 'train.lr=2e-3'; the later would silently replace the earlier: give "
+        "each key once"
+    ], said
+    watch.assert_unchanged()
+    watch.assert_no_process_left()
+
+
+SWEEP = str(REPO / "configs" / "sweeps" / "ladder_smoke.yaml")
+
+
+def test_a_key_given_twice_after_a_sweep_is_refused(tmp_path, capsys, monkeypatch):
+    watch = Watch(tmp_path)
+    argv = ["--sweep", SWEEP, "--tasks", "2", f"log.root={tmp_path}"]  # its TP=2 size
+    outcome = launcher([*argv, "train.lr=1e-3", "train.lr=2e-3"], capsys, monkeypatch)
+    check(outcome, EXIT_REFUSED, "command line: key 'train.lr' is given twice, by override 2")
+    watch.assert_unchanged()
+
+
+def test_the_command_line_may_set_once_what_a_sweep_sets(tmp_path, capsys, monkeypatch):
+    """The sweep's own overrides (its common keys, each size's) and the profile's are the
+    launcher's composition: a key that the command line sets once wins over them."""
+    from launch import submit
+
+    argv = ["--sweep", SWEEP, "--profile", PROFILE, "--cluster", "local", f"log.root={tmp_path}"]
+    assert submit.main([*argv, "model.seq_length=64", "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("seq_length: 64  # command line") == 4, printed
 
 
 # -- bad data ------------------------------------------------------------------------------
@@ -958,10 +1043,7 @@ def _train_process(
                 "cqk_megatron.train",
                 "--config",
                 CONFIG,
-                f"log.root={run_dir.parent}",
-                f"name={RUN}",
-                *SETTINGS,
-                *overrides,
+                *replaced([f"log.root={run_dir.parent}", f"name={RUN}", *SETTINGS], *overrides),
             ],
             cwd=REPO,
             env={**ENV, **(env or {})},
