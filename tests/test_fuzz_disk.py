@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _tmpfs import mounted_tmpfs
 from test_fuzz import TIMEOUT_S, Watch, _ended
 
 from cqk_megatron.errors import EXIT_REFUSED
@@ -34,18 +35,8 @@ SMALL_DISK = "4m"
 def disk(tmp_path):
     """A small tmpfs (root only), unmounted after; a file beside it shows that nothing
     outside the run folder changes."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    out = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK}", "tmpfs", str(mount)],
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 0, f"mounting a tmpfs needs root: {out.stderr}"
-    try:
+    with mounted_tmpfs(tmp_path / "disk", SMALL_DISK) as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
 def _train(root: Path, *overrides: str, log: Path) -> subprocess.Popen:
