@@ -261,6 +261,19 @@ def no_space_error(path: Path, error: BaseException, what: str = "") -> BaseExce
     return NoSpaceError(f"{cause}{doing} {what or path} ({room}); {fix}", code)
 
 
+def unwritable_folder(folder: Path) -> NoSpaceError | None:
+    """The refusal a write in ``folder`` would meet (or the making of it, under its nearest
+    existing folder): a read-only filesystem, or a folder this user may not write; None
+    where a write may go ahead. Checked before a run starts, so that a read-only
+    ``log.root`` or run folder is refused as a full disk is, before anything is written."""
+    existing = _existing_ancestor(folder)
+    if os.access(existing, os.W_OK):
+        return None
+    code = errno.EROFS if os.statvfs(existing).f_flag & os.ST_RDONLY else errno.EACCES
+    refused = no_space_error(folder, OSError(code, os.strerror(code), str(existing)))
+    return refused if isinstance(refused, NoSpaceError) else None
+
+
 # -- JSON-lines files ----------------------------------------------------------------------
 
 
