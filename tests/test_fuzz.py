@@ -1296,9 +1296,9 @@ def test_a_name_too_long_is_refused_in_one_line(
     """An uncaught ``OSError [Errno 36]`` traceback, exit 1, before."""
     data = copy_data(prepared_data, tmp_path)
     watch = Watch(tmp_path)
-    argv = ["--config", CONFIG, f"log.root={tmp_path / 'runs'}", *data_overrides(data)]
-    argv += [o.replace("{tmp}", str(tmp_path)) for o in overrides]
-    outcome = cqk_train(argv, capsys, monkeypatch)
+    settings = [f"log.root={tmp_path / 'runs'}", *data_overrides(data)]
+    changes = [o.replace("{tmp}", str(tmp_path)) for o in overrides]
+    outcome = cqk_train(["--config", CONFIG, *replaced(settings, *changes)], capsys, monkeypatch)
     check(outcome, EXIT_REFUSED, f"error: file name too long: {tmp_path}/", "shorten the name")
     watch.assert_unchanged()
     watch.assert_no_process_left()
