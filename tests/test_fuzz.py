@@ -1259,23 +1259,132 @@ def test_a_second_ctrl_c_during_the_save_stops_at_once_keeping_the_previous_chec
     watch.assert_no_process_left()
 
 
-def test_a_second_ctrl_c_while_the_launcher_cancels_its_jobs_says_one_line(capsys, monkeypatch):
-    """The launcher's first Ctrl-C cancels its local jobs (each saves); a second one while
-    it waits for them ends the wait with one line and the same exit code, no traceback.
-    (The jobs are stand-ins: what is tested is the launcher's handling of the signal.)"""
-    import types
+STOP_NOW_BOUND_S = 90  # the launcher's wait after a second Ctrl-C, with slack
 
-    from launch import submit
 
-    def interrupted_wait(backend, jobs):
-        raise KeyboardInterrupt
+def _wait_for(ready: Callable[[], bool], process: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ready():
+        assert process.poll() is None, f"ended ({process.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.2)
 
-    monkeypatch.setattr(submit, "cancel_jobs", interrupted_wait)
-    monkeypatch.setattr(submit.STOPS, "ignore", lambda: None)  # leave this process's handlers
-    backend = types.SimpleNamespace(name="local", launcher_owns_jobs=True)
-    assert submit.stop_jobs(backend, [], "interrupted", 130) == 130
-    said = capsys.readouterr()
-    assert "interrupted again: not waiting for the jobs to end" in said.out + said.err
+
+def _job_logs(run_dir: Path) -> str:
+    logs = sorted((run_dir / "submitit").glob("*_log.*"))
+    return "\n".join(path.read_text(errors="replace") for path in logs)
+
+
+def _kill_tree(process: subprocess.Popen) -> None:
+    """A process that outlived its test, with its children (ranks start sessions of
+    their own)."""
+    if process.poll() is not None:
+        return
+    for child in psutil.Process(process.pid).children(recursive=True):
+        child.kill()
+    process.kill()
+    process.wait()
+
+
+def _gone(watch: Watch, bound_s: float) -> None:
+    """Every process under the watched folder has ended within ``bound_s``."""
+    deadline = time.monotonic() + bound_s
+    while processes_left(watch.children, str(watch.folder)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    watch.assert_no_process_left()
+
+
+def test_a_second_ctrl_c_to_the_launcher_stops_its_local_job_at_once(prepared_run, tmp_path):
+    """``cqk submit --cluster local``: the first Ctrl-C cancels the job, whose rank starts
+    its save (which hangs: a fault drill, a slow filesystem's stand-in); the second stops
+    the job at once (its rank used to finish the save first): exit 130, one line, no
+    traceback, every process gone within a bound, the previous complete checkpoint still
+    the newest and nothing half-written taken for one."""
+    run_dir = copy_run(prepared_run, tmp_path)
+    checkpoints = run_dir / "checkpoints"
+    before = sorted(path.name for path in checkpoints.iterdir())
+    watch = Watch(tmp_path)
+    settings = replaced([f"log.root={run_dir.parent}", f"name={RUN}", *SETTINGS], *NO_SAVES)
+    command = [sys.executable, "-m", "cqk_megatron", "submit", "--profile", PROFILE]
+    command += ["--cluster", "local", "--tasks", "1", "--config", CONFIG, *settings]
+    log = tmp_path / "submit.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env={**ENV, "CQK_FAULT": "rank=0,phase=save,action=hang"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own group: the terminal's foreground group
+        )
+    try:
+        _wait_for(lambda: len(_steps(run_dir)) >= 6, process, "the resumed steps")
+        os.killpg(process.pid, signal.SIGINT)
+        _wait_for(lambda: "CQK_FAULT: hang at" in _job_logs(run_dir), process, "the save")
+        os.killpg(process.pid, signal.SIGINT)
+        code = process.wait(timeout=STOP_NOW_BOUND_S)
+    finally:
+        _kill_tree(process)
+    text = log.read_text()
+    assert code == 130, text[-3000:]
+    _gone(watch, 15)
+    assert "Traceback" not in text, text[-3000:]
+    (said,) = [line for line in text.splitlines() if line.startswith("interrupted again")]
+    assert said == (
+        "interrupted again: stopping the local jobs at once, without their saves (each run "
+        "resumes from its newest complete checkpoint)"
+    ), said
+    assert "interrupted: stopped at once, without saving" in _job_logs(run_dir)
+    assert sorted(path.name for path in checkpoints.iterdir()) == before
+    assert checkpoint_files.latest_name(checkpoints) == "iter_0000004"
+    choice = checkpoint_files.choose_resume(checkpoints, "auto", hashes=True)
+    assert choice.folder.name == "iter_0000004" and not choice.refused
+
+
+def test_a_second_ctrl_c_to_cqk_torchrun_stops_its_ranks_at_once(prepared_run, tmp_path):
+    """``cqk torchrun`` with 2 ranks, Ctrl-C'd twice (SIGINT to its group, as a terminal
+    sends it): the first asks for a save, which hangs on rank 0 (a fault drill); the
+    second stops both ranks at once (torchrun's agent sends them SIGINT, then SIGTERM):
+    exit 130, one line, no traceback, the previous complete checkpoint still the newest."""
+    from _multiproc import free_port
+
+    run_dir = copy_run(prepared_run, tmp_path)
+    checkpoints = run_dir / "checkpoints"
+    before = sorted(path.name for path in checkpoints.iterdir())
+    watch = Watch(tmp_path)
+    settings = replaced([f"log.root={run_dir.parent}", f"name={RUN}", *SETTINGS], *NO_SAVES)
+    command = [sys.executable, "-m", "cqk_megatron", "torchrun", "--nproc-per-node", "2"]
+    command += ["--master-port", str(free_port()), "-m", "cqk_megatron.train"]
+    log = tmp_path / "torchrun.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [*command, "--config", CONFIG, *settings],
+            cwd=REPO,
+            env={**ENV, "CQK_FAULT": "rank=0,phase=save,action=hang"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own group: the terminal's foreground group
+        )
+    try:
+        _wait_for(lambda: len(_steps(run_dir)) >= 6, process, "the resumed steps")
+        os.killpg(process.pid, signal.SIGINT)
+        _wait_for(lambda: "CQK_FAULT: hang at" in log.read_text(), process, "the save")
+        os.killpg(process.pid, signal.SIGINT)
+        code = process.wait(timeout=STOP_NOW_BOUND_S)
+    finally:
+        _kill_tree(process)
+    text = log.read_text()
+    assert code == 130, text[-3000:]
+    _gone(watch, 15)
+    assert "Traceback" not in text, text[-3000:]
+    (said,) = [line for line in text.splitlines() if line.startswith("interrupted")]
+    newest = checkpoints / "iter_0000004"
+    assert said == (
+        f"interrupted: stopped at once, without saving; the newest complete checkpoint is "
+        f"still {newest}"
+    ), said
+    assert sorted(path.name for path in checkpoints.iterdir()) == before
+    assert checkpoint_files.latest_name(checkpoints) == "iter_0000004"
 
 
 LONG = "x" * 300  # a path component over the 255 bytes a filesystem allows
