@@ -41,7 +41,7 @@ from pathlib import Path
 import submitit
 
 from cqk_megatron.config import RunConfig, from_dict
-from cqk_megatron.errors import EXIT_REFUSED, EXIT_REQUEUE
+from cqk_megatron.errors import EXIT_INTERRUPTED, EXIT_REFUSED, EXIT_REQUEUE
 from cqk_megatron.parallel.ports import rendezvous_port
 from launch import run_dir as runs
 from launch.backends import Backend, get_backend
@@ -185,6 +185,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
 
         try:
             return train(config, resume=resume, on_start=started)
+        except KeyboardInterrupt:  # a second cancel (the launcher's second Ctrl-C)
+            _stopped_at_once(run_dir, rank0)
         except Exception as error:
             if not is_refusal(error):  # a full disk at a save is one: not relaunched
                 if rank0 and isinstance(error, CheckpointSaveError):
@@ -224,6 +226,23 @@ class TrainingJob(submitit.helpers.Checkpointable):
         if attempt - 1 >= self.max_requeues:
             return f"refused: requeued {attempt - 1} times already (max_requeues)", EXIT_REQUEUE
         return self.job_backend(env).requeue(env)
+
+
+def _stopped_at_once(run_dir: Path, rank0: bool) -> None:
+    """One line for a job stopped at once, without its save, and its exit code (130)."""
+    from cqk_megatron.run.checkpoint_files import latest_name
+    from cqk_megatron.run.folder import CHECKPOINTS
+
+    if rank0:
+        checkpoints = run_dir / CHECKPOINTS
+        newest = latest_name(checkpoints) if checkpoints.is_dir() else None
+        kept = (
+            f"the newest complete checkpoint is still {checkpoints / newest}"
+            if newest
+            else ("no checkpoint of this run was written")
+        )
+        print(f"interrupted: stopped at once, without saving; {kept}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_INTERRUPTED)
 
 
 def _record_unended_attempt(run_dir: Path, job_id: str, attempt: int) -> None:

@@ -14,7 +14,10 @@ This controller (a subclass: the same environment, logs and requeue code) differ
   checkpoint and stop, as under Slurm's ``scancel``), neither restarts them for a requeue
   nor relaunches a failed attempt, kills any still alive after ``CANCEL_GRACE_S``
   seconds, and leaves a ``<job id>.cancelled`` file in the submitit folder so the job's
-  rank 0 records "cancelled" rather than "requeued". Each task gets SIGTERM from the
+  rank 0 records "cancelled" rather than "requeued". A second one (the launcher's second
+  Ctrl-C) means "now": SIGINT to the tasks, whose ranks abandon the save in progress (the
+  previous complete checkpoint stays the newest) and exit 130, and whatever is left is
+  killed ``STOP_NOW_GRACE_S`` later. Each task gets SIGTERM from the
   kernel if the controller itself dies (``PR_SET_PDEATHSIG``), so even ``kill -9 <job
   id>`` does not leave ranks training.
 - **One failure ends the attempt** (``srun --kill-on-bad-exit=1``'s rule): when a task
@@ -48,6 +51,9 @@ from launch import attempts
 from launch import run_dir as runs
 
 CANCEL_GRACE_S = float(os.environ.get("CQK_CANCEL_GRACE_S", "120"))
+# After a second cancel: the tasks' ranks stop at once, unless one is blocked in a
+# collective with a peer that already left; what is left then is killed.
+STOP_NOW_GRACE_S = 10.0
 CONTROLLER_MODULE = "launch.local_job"
 CONTROLLER_LOG = "local_controller.log"  # the setup lines' and the controller's own output
 
@@ -88,13 +94,19 @@ class Controller(submitit_local.Controller):
     # -- cancel ---------------------------------------------------------------------------
 
     def _cancel(self, signum: int, *args: tp.Any) -> None:
-        if not self.cancelled:
-            self.cancelled = True
-            cancelled_marker(self.folder, self.pid).touch()
-            timer = threading.Timer(CANCEL_GRACE_S, self._kill_all)
-            timer.daemon = True
-            timer.start()
+        if self.cancelled:  # a second cancel (the launcher's second Ctrl-C): at once
+            self._forward_signal(signal.SIGINT)  # the tasks abandon the save in progress
+            self._kill_all_after(STOP_NOW_GRACE_S)
+            return
+        self.cancelled = True
+        cancelled_marker(self.folder, self.pid).touch()
+        self._kill_all_after(CANCEL_GRACE_S)
         self._forward_signal(signal.SIGTERM)  # the tasks save a checkpoint and stop
+
+    def _kill_all_after(self, seconds: float) -> None:
+        timer = threading.Timer(seconds, self._kill_all)
+        timer.daemon = True
+        timer.start()
 
     def _kill_all(self) -> None:
         for task in list(self.tasks):

@@ -327,14 +327,33 @@ def stop_jobs(backend: Backend, pending: list, how: str, code: int) -> int:
     say(f"\n{how}: cancelling the {backend.name} jobs (each saves a checkpoint)...")
     try:
         left = cancel_jobs(backend, pending)
-    except KeyboardInterrupt:  # a second Ctrl-C: stop waiting, without a traceback
-        say("interrupted again: not waiting for the jobs to end (follow: submit.py status RUN)")
-        return code
+    except KeyboardInterrupt:  # a second Ctrl-C: the jobs stop at once, without a traceback
+        return stop_jobs_at_once(backend, pending, code)
     if left:
         ids = ", ".join(str(job.job_id) for job in left)
         say(f"job(s) {ids} still ending; follow: cqk status RUN", file=sys.stderr)
     else:
         say("cancelled; run the same command again to resume")
+    return code
+
+
+STOP_NOW_WAIT_S = 60.0  # the controller kills what is left 10 s after its second signal
+
+
+def stop_jobs_at_once(backend: Backend, pending: list, code: int) -> int:
+    """A second Ctrl-C while the jobs save: a second cancel, which the local job's
+    controller passes on as "now" (``launch.local_job``), and a bounded wait for the jobs
+    to end. Their ranks abandon the save in progress: each run's newest complete checkpoint
+    stays the one it resumes from. Returns ``code``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a third one must not cut this short
+    say(
+        f"interrupted again: stopping the {backend.name} jobs at once, without their saves "
+        "(each run resumes from its newest complete checkpoint)"
+    )
+    left = cancel_jobs(backend, pending, wait_s=STOP_NOW_WAIT_S)
+    if left:
+        ids = ", ".join(str(job.job_id) for job in left)
+        say(f"job(s) {ids} still ending; follow: cqk status RUN", file=sys.stderr)
     return code
 
 

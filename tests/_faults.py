@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from _multiproc import free_port
+from _overrides import replaced
 
 from cqk_megatron.errors import EXIT_WATCHDOG
 
@@ -174,8 +175,7 @@ class Ranks:
                     *RUN[:2],
                     f"log.root={self.root}",
                     f"name={self.name}",
-                    *RUN[2:],
-                    *self.overrides,
+                    *replaced(RUN[2:], *self.overrides),
                 ],
                 cwd=REPO,
                 env=env,

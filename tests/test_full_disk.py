@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from _faults import FAST, REPO, events, faults_records, kill_group
+from _tmpfs import mounted_tmpfs
 
 from cqk_megatron.errors import EXIT_REFUSED
 from cqk_megatron.run import checkpoint_files
@@ -44,18 +45,8 @@ SUBMIT = [
 @pytest.fixture
 def small_disk(tmp_path):
     """A 5 MiB tmpfs (root only), unmounted after."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    out = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(mount)],
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 0, f"mounting a tmpfs needs root: {out.stderr}"
-    try:
+    with mounted_tmpfs(tmp_path / "disk", "5m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
 def _submit(root: Path, timeout_s: float = 400) -> subprocess.CompletedProcess:

@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from _overrides import replaced
 
 from cqk_megatron.errors import EXIT_REFUSED, EXIT_REQUEUE
 from cqk_megatron.run import checkpoint_files
@@ -351,8 +352,8 @@ def test_a_bad_config_is_refused_and_nothing_is_written(
     copy_run(prepared_run, tmp_path)
     watch = Watch(tmp_path)
     overrides = [o.replace("{tmp}", str(tmp_path)) for o in case.overrides]
-    argv = ["--config", CONFIG, f"log.root={tmp_path / 'runs'}", f"name={RUN}", *SETTINGS]
-    outcome = ENTRY_POINTS[entry]([*argv, *overrides], capsys, monkeypatch)
+    settings = replaced([f"log.root={tmp_path / 'runs'}", f"name={RUN}", *SETTINGS], *overrides)
+    outcome = ENTRY_POINTS[entry](["--config", CONFIG, *settings], capsys, monkeypatch)
     first, names = (s.replace("{tmp}", str(tmp_path)) for s in (case.first, case.names))
     check(outcome, EXIT_REFUSED, first, names)
     watch.assert_unchanged()
@@ -403,6 +404,90 @@ def test_a_key_given_twice_in_a_run_file_is_refused(
     check(outcome, EXIT_REFUSED, f"{run_file}: {first}", "merge them into one")
     watch.assert_unchanged()
     watch.assert_no_process_left()
+
+
+# (overrides, first line): a key given twice on the command line, where the later would
+# silently replace the earlier
+REPEAT_CASES = {
+    "key twice": (
+        ("train.lr=1e-3", "train.save_interval=3", "train.lr=2e-3"),
+        "command line: key 'train.lr' is given twice, by override 1 'train.lr=1e-3' and "
+        "override 3 'train.lr=2e-3'",
+    ),
+    "section, then a key it holds": (
+        ("train={lr: 1e-3}", "train.lr=2e-3"),
+        "command line: key 'train.lr' is given twice (the section 'train' holds it), by "
+        "override 1 'train={lr: 1e-3}' and override 2 'train.lr=2e-3'",
+    ),
+    "old and new name": (
+        ("backend=local", "transformer_impl=local"),
+        "command line: key 'transformer_impl' is given twice, by override 1 'backend=local' "
+        "and override 2 'transformer_impl=local'",
+    ),
+}
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+@pytest.mark.parametrize(
+    ("overrides", "first"), list(REPEAT_CASES.values()), ids=list(REPEAT_CASES)
+)
+def test_a_key_given_twice_on_the_command_line_is_refused(
+    overrides, first, entry, tmp_path, capsys, monkeypatch
+):
+    watch = Watch(tmp_path)
+    argv = ["--config", CONFIG, *overrides, f"log.root={tmp_path / 'runs'}"]
+    outcome = ENTRY_POINTS[entry](argv, capsys, monkeypatch)
+    check(outcome, EXIT_REFUSED, first, "give each key once")
+    assert len(outcome.err.strip().splitlines()) == 1, outcome.err
+    watch.assert_unchanged()
+    watch.assert_no_process_left()
+
+
+def test_a_key_given_twice_to_cqk_torchrun_is_refused_before_any_rank_starts(tmp_path):
+    """torchrun ends rank 0 as soon as another rank exits: the refusal is said once, by
+    ``cqk torchrun`` itself, before it starts the ranks."""
+    watch = Watch(tmp_path)
+    command = [sys.executable, "-m", "cqk_megatron", "torchrun", "--nproc-per-node", "2"]
+    training = ["-m", "cqk_megatron.train", "--config", CONFIG, f"log.root={tmp_path / 'runs'}"]
+    out = subprocess.run(
+        [*command, *training, "train.lr=1e-3", "train.lr=2e-3"],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    said = f"exit {out.returncode}\nstderr:\n{out.stderr}\nstdout:\n{out.stdout}"
+    assert out.returncode == EXIT_REFUSED, said
+    assert out.stderr.splitlines() == [
+        "error: command line: key 'train.lr' is given twice, by override 2 'train.lr=1e-3' "
+        "and override 3 'train.lr=2e-3'; the later would silently replace the earlier: give "
+        "each key once"
+    ], said
+    watch.assert_unchanged()
+    watch.assert_no_process_left()
+
+
+SWEEP = str(REPO / "configs" / "sweeps" / "ladder_smoke.yaml")
+
+
+def test_a_key_given_twice_after_a_sweep_is_refused(tmp_path, capsys, monkeypatch):
+    watch = Watch(tmp_path)
+    argv = ["--sweep", SWEEP, "--tasks", "2", f"log.root={tmp_path}"]  # its TP=2 size
+    outcome = launcher([*argv, "train.lr=1e-3", "train.lr=2e-3"], capsys, monkeypatch)
+    check(outcome, EXIT_REFUSED, "command line: key 'train.lr' is given twice, by override 2")
+    watch.assert_unchanged()
+
+
+def test_the_command_line_may_set_once_what_a_sweep_sets(tmp_path, capsys, monkeypatch):
+    """The sweep's own overrides (its common keys, each size's) and the profile's are the
+    launcher's composition: a key that the command line sets once wins over them."""
+    from launch import submit
+
+    argv = ["--sweep", SWEEP, "--profile", PROFILE, "--cluster", "local", f"log.root={tmp_path}"]
+    assert submit.main([*argv, "model.seq_length=64", "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("seq_length: 64  # command line") == 4, printed
 
 
 # -- bad data ------------------------------------------------------------------------------
@@ -958,10 +1043,7 @@ def _train_process(
                 "cqk_megatron.train",
                 "--config",
                 CONFIG,
-                f"log.root={run_dir.parent}",
-                f"name={RUN}",
-                *SETTINGS,
-                *overrides,
+                *replaced([f"log.root={run_dir.parent}", f"name={RUN}", *SETTINGS], *overrides),
             ],
             cwd=REPO,
             env={**ENV, **(env or {})},
@@ -1177,23 +1259,132 @@ def test_a_second_ctrl_c_during_the_save_stops_at_once_keeping_the_previous_chec
     watch.assert_no_process_left()
 
 
-def test_a_second_ctrl_c_while_the_launcher_cancels_its_jobs_says_one_line(capsys, monkeypatch):
-    """The launcher's first Ctrl-C cancels its local jobs (each saves); a second one while
-    it waits for them ends the wait with one line and the same exit code, no traceback.
-    (The jobs are stand-ins: what is tested is the launcher's handling of the signal.)"""
-    import types
+STOP_NOW_BOUND_S = 90  # the launcher's wait after a second Ctrl-C, with slack
 
-    from launch import submit
 
-    def interrupted_wait(backend, jobs):
-        raise KeyboardInterrupt
+def _wait_for(ready: Callable[[], bool], process: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ready():
+        assert process.poll() is None, f"ended ({process.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.2)
 
-    monkeypatch.setattr(submit, "cancel_jobs", interrupted_wait)
-    monkeypatch.setattr(submit.STOPS, "ignore", lambda: None)  # leave this process's handlers
-    backend = types.SimpleNamespace(name="local", launcher_owns_jobs=True)
-    assert submit.stop_jobs(backend, [], "interrupted", 130) == 130
-    said = capsys.readouterr()
-    assert "interrupted again: not waiting for the jobs to end" in said.out + said.err
+
+def _job_logs(run_dir: Path) -> str:
+    logs = sorted((run_dir / "submitit").glob("*_log.*"))
+    return "\n".join(path.read_text(errors="replace") for path in logs)
+
+
+def _kill_tree(process: subprocess.Popen) -> None:
+    """A process that outlived its test, with its children (ranks start sessions of
+    their own)."""
+    if process.poll() is not None:
+        return
+    for child in psutil.Process(process.pid).children(recursive=True):
+        child.kill()
+    process.kill()
+    process.wait()
+
+
+def _gone(watch: Watch, bound_s: float) -> None:
+    """Every process under the watched folder has ended within ``bound_s``."""
+    deadline = time.monotonic() + bound_s
+    while processes_left(watch.children, str(watch.folder)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    watch.assert_no_process_left()
+
+
+def test_a_second_ctrl_c_to_the_launcher_stops_its_local_job_at_once(prepared_run, tmp_path):
+    """``cqk submit --cluster local``: the first Ctrl-C cancels the job, whose rank starts
+    its save (which hangs: a fault drill, a slow filesystem's stand-in); the second stops
+    the job at once (its rank used to finish the save first): exit 130, one line, no
+    traceback, every process gone within a bound, the previous complete checkpoint still
+    the newest and nothing half-written taken for one."""
+    run_dir = copy_run(prepared_run, tmp_path)
+    checkpoints = run_dir / "checkpoints"
+    before = sorted(path.name for path in checkpoints.iterdir())
+    watch = Watch(tmp_path)
+    settings = replaced([f"log.root={run_dir.parent}", f"name={RUN}", *SETTINGS], *NO_SAVES)
+    command = [sys.executable, "-m", "cqk_megatron", "submit", "--profile", PROFILE]
+    command += ["--cluster", "local", "--tasks", "1", "--config", CONFIG, *settings]
+    log = tmp_path / "submit.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env={**ENV, "CQK_FAULT": "rank=0,phase=save,action=hang"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own group: the terminal's foreground group
+        )
+    try:
+        _wait_for(lambda: len(_steps(run_dir)) >= 6, process, "the resumed steps")
+        os.killpg(process.pid, signal.SIGINT)
+        _wait_for(lambda: "CQK_FAULT: hang at" in _job_logs(run_dir), process, "the save")
+        os.killpg(process.pid, signal.SIGINT)
+        code = process.wait(timeout=STOP_NOW_BOUND_S)
+    finally:
+        _kill_tree(process)
+    text = log.read_text()
+    assert code == 130, text[-3000:]
+    _gone(watch, 15)
+    assert "Traceback" not in text, text[-3000:]
+    (said,) = [line for line in text.splitlines() if line.startswith("interrupted again")]
+    assert said == (
+        "interrupted again: stopping the local jobs at once, without their saves (each run "
+        "resumes from its newest complete checkpoint)"
+    ), said
+    assert "interrupted: stopped at once, without saving" in _job_logs(run_dir)
+    assert sorted(path.name for path in checkpoints.iterdir()) == before
+    assert checkpoint_files.latest_name(checkpoints) == "iter_0000004"
+    choice = checkpoint_files.choose_resume(checkpoints, "auto", hashes=True)
+    assert choice.folder.name == "iter_0000004" and not choice.refused
+
+
+def test_a_second_ctrl_c_to_cqk_torchrun_stops_its_ranks_at_once(prepared_run, tmp_path):
+    """``cqk torchrun`` with 2 ranks, Ctrl-C'd twice (SIGINT to its group, as a terminal
+    sends it): the first asks for a save, which hangs on rank 0 (a fault drill); the
+    second stops both ranks at once (torchrun's agent sends them SIGINT, then SIGTERM):
+    exit 130, one line, no traceback, the previous complete checkpoint still the newest."""
+    from _multiproc import free_port
+
+    run_dir = copy_run(prepared_run, tmp_path)
+    checkpoints = run_dir / "checkpoints"
+    before = sorted(path.name for path in checkpoints.iterdir())
+    watch = Watch(tmp_path)
+    settings = replaced([f"log.root={run_dir.parent}", f"name={RUN}", *SETTINGS], *NO_SAVES)
+    command = [sys.executable, "-m", "cqk_megatron", "torchrun", "--nproc-per-node", "2"]
+    command += ["--master-port", str(free_port()), "-m", "cqk_megatron.train"]
+    log = tmp_path / "torchrun.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [*command, "--config", CONFIG, *settings],
+            cwd=REPO,
+            env={**ENV, "CQK_FAULT": "rank=0,phase=save,action=hang"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own group: the terminal's foreground group
+        )
+    try:
+        _wait_for(lambda: len(_steps(run_dir)) >= 6, process, "the resumed steps")
+        os.killpg(process.pid, signal.SIGINT)
+        _wait_for(lambda: "CQK_FAULT: hang at" in log.read_text(), process, "the save")
+        os.killpg(process.pid, signal.SIGINT)
+        code = process.wait(timeout=STOP_NOW_BOUND_S)
+    finally:
+        _kill_tree(process)
+    text = log.read_text()
+    assert code == 130, text[-3000:]
+    _gone(watch, 15)
+    assert "Traceback" not in text, text[-3000:]
+    (said,) = [line for line in text.splitlines() if line.startswith("interrupted")]
+    newest = checkpoints / "iter_0000004"
+    assert said == (
+        f"interrupted: stopped at once, without saving; the newest complete checkpoint is "
+        f"still {newest}"
+    ), said
+    assert sorted(path.name for path in checkpoints.iterdir()) == before
+    assert checkpoint_files.latest_name(checkpoints) == "iter_0000004"
 
 
 LONG = "x" * 300  # a path component over the 255 bytes a filesystem allows
@@ -1214,9 +1405,9 @@ def test_a_name_too_long_is_refused_in_one_line(
     """An uncaught ``OSError [Errno 36]`` traceback, exit 1, before."""
     data = copy_data(prepared_data, tmp_path)
     watch = Watch(tmp_path)
-    argv = ["--config", CONFIG, f"log.root={tmp_path / 'runs'}", *data_overrides(data)]
-    argv += [o.replace("{tmp}", str(tmp_path)) for o in overrides]
-    outcome = cqk_train(argv, capsys, monkeypatch)
+    settings = [f"log.root={tmp_path / 'runs'}", *data_overrides(data)]
+    changes = [o.replace("{tmp}", str(tmp_path)) for o in overrides]
+    outcome = cqk_train(["--config", CONFIG, *replaced(settings, *changes)], capsys, monkeypatch)
     check(outcome, EXIT_REFUSED, f"error: file name too long: {tmp_path}/", "shorten the name")
     watch.assert_unchanged()
     watch.assert_no_process_left()

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _tmpfs import mounted_tmpfs, remount_read_only
 from test_fuzz import TIMEOUT_S, Watch, _ended
 
 from cqk_megatron.errors import EXIT_REFUSED
@@ -34,18 +35,8 @@ SMALL_DISK = "4m"
 def disk(tmp_path):
     """A small tmpfs (root only), unmounted after; a file beside it shows that nothing
     outside the run folder changes."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    out = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK}", "tmpfs", str(mount)],
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 0, f"mounting a tmpfs needs root: {out.stderr}"
-    try:
+    with mounted_tmpfs(tmp_path / "disk", SMALL_DISK) as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
 def _train(root: Path, *overrides: str, log: Path) -> subprocess.Popen:
@@ -193,3 +184,60 @@ def test_a_record_line_is_appended_whole_or_not_at_all(tmp_path, monkeypatch):
     said = str(caught.value)
     assert said.startswith(f"no space left on device writing {tmp_path / 'jobs.jsonl'} (")
     assert "free on the filesystem of" in said and "point log.root at a larger" in said
+
+
+# -- a read-only log.root or run folder ------------------------------------------------------
+
+READ_ONLY_FIX = "point log.root at a writable folder"
+TRAIN = [sys.executable, "-m", "cqk_megatron", "train"]
+SUBMIT = [sys.executable, "-m", "cqk_megatron", "submit", "--cluster", "local", "--tasks", "1"]
+
+
+def _refused(command: list[str], root: Path, *options: str) -> str:
+    """``command`` on the tiny run under ``root``, refused (exit 2) before it trains: its
+    one error line."""
+    config = str(REPO / "configs" / "runs" / "tiny_cpu.yaml")
+    out = subprocess.run(
+        [*command, *options, "--config", config, f"log.root={root}", "name=ro"],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    text = f"{out.stdout}\n{out.stderr}"
+    assert out.returncode == EXIT_REFUSED, text[-4000:]
+    return _error_line(text)
+
+
+@pytest.mark.parametrize(
+    ("command", "options"),
+    [(TRAIN, ()), (SUBMIT, ()), (TRAIN, ("--skip-preflight",))],
+    ids=["cqk train", "cqk submit", "cqk train --skip-preflight"],
+)
+def test_a_read_only_log_root_is_refused_as_a_full_disk_is(command, options, tmp_path):
+    """Refused by the pre-flight (or, without it, at the lease: the run's first write)
+    with the line a full disk gets: the folder, the free space and the fix (a bare
+    ``[Errno 30] Read-only file system``, exit 1 for the launcher, before)."""
+    (tmp_path / "ro").mkdir()  # the mount point
+    watch = Watch(tmp_path)
+    with mounted_tmpfs(tmp_path / "ro", SMALL_DISK, read_only=True) as root:
+        said = _refused(command, root, *options)
+    where = root / "ro" / ("lease.json" if options else "")
+    assert f"read-only filesystem writing {str(where).rstrip('/')} (" in said, said
+    assert f"free on the filesystem of {root}); {READ_ONLY_FIX}" in said, said
+    watch.assert_unchanged()
+    watch.assert_no_process_left()
+
+
+def test_a_read_only_run_folder_is_refused_as_a_full_disk_is(tmp_path):
+    """A run folder whose filesystem turned read-only (what it holds stays as it was)."""
+    with mounted_tmpfs(tmp_path / "disk", SMALL_DISK) as root:
+        (root / "ro").mkdir()
+        (root / "ro" / "notes.txt").write_text("kept\n")
+        remount_read_only(root)
+        watch = Watch(tmp_path)
+        said = _refused(TRAIN, root)
+        watch.assert_unchanged()
+    assert f"read-only filesystem writing {root / 'ro'} (" in said, said
+    assert f"free on the filesystem of {root}); {READ_ONLY_FIX}" in said, said

@@ -33,6 +33,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from _overrides import replaced
 from _slurm_bed import skip_or_fail, slurm_problem
 
 REPO = Path(__file__).resolve().parent.parent
@@ -532,9 +533,8 @@ def test_a_run_with_a_queued_job_is_not_submitted_twice(slurm, root):
 
 
 def test_cancel_ends_a_slurm_job_after_its_ranks_save_and_frees_the_run(slurm, root):
-    out = submit(
-        *RUN, "--cluster", "slurm", f"log.root={root}", "name=cancelled", "train.train_steps=100000"
-    )
+    run = replaced(RUN, "train.train_steps=100000")
+    out = submit(*run, "--cluster", "slurm", f"log.root={root}", "name=cancelled")
     job_id = job_id_of(out)
     OUR_JOBS.append(job_id)
     run_dir = root / "cancelled"

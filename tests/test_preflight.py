@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _overrides import replaced
 
 from cqk_megatron.config import load_config
 from cqk_megatron.data import DataError
@@ -92,7 +93,7 @@ def test_the_launcher_refuses_bad_data_in_one_line_each(tmp_path, demo):
         ),
     }
     for name, (overrides, expected) in cases.items():
-        out = submit(*RUN, f"log.root={root}", *_data(demo), *overrides)
+        out = submit(*RUN, f"log.root={root}", *replaced(_data(demo), *overrides))
         assert out.returncode == 2, (name, out.stdout, out.stderr)
         assert expected in out.stderr, (name, out.stderr)
         assert len(out.stderr.strip().splitlines()) == 1, (name, out.stderr)

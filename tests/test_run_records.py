@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 from _multiproc import free_port
+from _overrides import replaced
 
 from cqk_megatron.analysis.ingest import ingest, run_summary
 
@@ -129,8 +130,8 @@ def test_a_finished_run_resubmitted_with_changes_trains_nothing_and_changes_noth
 def test_a_resume_that_changes_the_model_is_refused_and_writes_nothing(first_run):
     run_dir = first_run / "tiny-cpu"
     before = snapshot(run_dir)
-    longer = [f"train.train_steps={STEPS + 3}"]
-    result = cqk_train(first_run, *CHANGED_MODEL, *SHORT, *longer)
+    longer = replaced(SHORT, f"train.train_steps={STEPS + 3}")
+    result = cqk_train(first_run, *CHANGED_MODEL, *longer)
     assert result.returncode == 2, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, result.stderr
@@ -142,8 +143,8 @@ def test_a_resume_that_changes_the_model_is_refused_and_writes_nothing(first_run
 def test_a_layout_change_on_resume_is_recorded_with_its_step(tmp_path):
     name = "tiny-cpu-relaid"
     assert_ok(cqk_train(tmp_path, *ONE_PROCESS, *SHORT, f"name={name}"))
-    longer = [f"train.train_steps={STEPS + 3}", f"name={name}"]
-    result = torchrun(tmp_path, 2, *ONE_PROCESS, *SHORT, *longer, "parallel.tensor_parallel=2")
+    longer = replaced(SHORT, f"train.train_steps={STEPS + 3}", f"name={name}")
+    result = torchrun(tmp_path, 2, *ONE_PROCESS, *longer, "parallel.tensor_parallel=2")
     assert_ok(result)
     attempts = history(tmp_path / name)
     assert [a["start_step"] for a in attempts] == [0, STEPS]

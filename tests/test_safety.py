@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from _multiproc import free_port, run_ranks
+from _tmpfs import mounted_tmpfs
 from _training import FILL, attempts, folder_listing, train_attempts
 
 from cqk_megatron.training import checkpoint
@@ -335,18 +336,8 @@ def test_retention_keeps_the_fresh_save_and_counts_only_verified_folders(tmp_pat
 @pytest.fixture
 def tmpfs(tmp_path):
     """A 12 MiB tmpfs mounted here (root only), unmounted after."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    out = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mount)],
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 0, f"mounting a tmpfs needs root: {out.stderr}"
-    try:
+    with mounted_tmpfs(tmp_path / "small", "12m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
 def test_a_full_disk_says_no_space_and_keeps_the_previous_checkpoint(tmpfs):

@@ -29,6 +29,8 @@ from cqk_megatron.config.schema import (
 )
 from cqk_megatron.variants import VARIANTS
 
+COMMAND_LINE = "command line"  # the overrides a user typed (``load_config_traced``'s label)
+
 # ---------------------------------------------------------------------------------------
 # YAML files, includes and overrides
 # ---------------------------------------------------------------------------------------
@@ -126,6 +128,48 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def _override_path(override: str) -> tuple[str, ...] | None:
+    """The keys ``key.sub=value`` sets, old names as their new ones (None: not an override,
+    which ``apply_overrides`` refuses)."""
+    if "=" not in override:
+        return None
+    keys = tuple(override.split("=", 1)[0].strip().split("."))
+    renamed = getattr(RunConfig, "RENAMED_KEYS", {})
+    return (renamed.get(keys[0], keys[0]), *keys[1:]) if len(keys) == 1 else keys
+
+
+_Given = tuple[tuple[str, ...], int, str]  # an override's keys, its position, its text
+
+
+def refuse_repeated_overrides(overrides: Sequence[str], where: str = COMMAND_LINE) -> None:
+    """Raise ``ConfigError`` when two of ``overrides`` set one key (``train.lr=1``, then
+    ``train.lr=2``), or one sets a section that holds the other's key (``train={...}`` and
+    ``train.lr=2``), naming the key and both arguments. Applied in order, the later would
+    silently replace the earlier, as a duplicate YAML key would (``config.duplicates``)."""
+    seen: list[_Given] = []
+    for position, override in enumerate(overrides, 1):
+        keys = _override_path(override)
+        if keys is None:
+            continue
+        given = (keys, position, override)
+        for earlier in seen:
+            common = min(len(keys), len(earlier[0]))
+            if keys[:common] == earlier[0][:common]:
+                raise ConfigError(_repeat_message(where, earlier, given))
+        seen.append(given)
+
+
+def _repeat_message(where: str, earlier: _Given, later: _Given) -> str:
+    longer, shorter = sorted((earlier[0], later[0]), key=len, reverse=True)
+    key = ".".join(longer)
+    held = "" if longer == shorter else f" (the section '{'.'.join(shorter)}' holds it)"
+    return (
+        f"{where}: key '{key}' is given twice{held}, by override {earlier[1]} {earlier[2]!r} "
+        f"and override {later[1]} {later[2]!r}; the later would silently replace the "
+        "earlier: give each key once"
+    )
+
+
 def _override_value(override: str, raw: str) -> Any:
     """The value of ``key=raw`` as YAML reads it (empty: null)."""
     if not raw.strip():
@@ -167,8 +211,6 @@ def save_config(config: RunConfig, path: str | Path) -> None:
 # ---------------------------------------------------------------------------------------
 # where each value came from (--print-config)
 # ---------------------------------------------------------------------------------------
-
-COMMAND_LINE = "command line"
 
 
 @dataclass(frozen=True)
@@ -217,6 +259,9 @@ def load_config_traced(
     ``overrides`` are groups ``(where, ["key=value", ...])``, applied in order (a later
     group wins), e.g. ``[("cluster profile p.yaml", [...]), (COMMAND_LINE, argv)]``.
     """
+    for where, group in overrides:
+        if where == COMMAND_LINE:  # what a user typed; a sweep's or a profile's are composed
+            refuse_repeated_overrides(group)
     config = load_config(path, [o for _, group in overrides for o in group])
     sources = _file_sources(Path(path)) if path is not None else {}
     for where, group in overrides:

@@ -45,6 +45,7 @@ from cqk_megatron.run.folder import (
     human_bytes,
     run_dir_of,
     run_status,
+    unwritable_folder,
 )
 
 OPTIMIZER_BYTES_PER_PARAMETER = 12  # fp32 master weights + Adam's two fp32 moments
@@ -64,7 +65,12 @@ def checkpoint_bytes(config: RunConfig) -> int:
 
 
 def check_disk(config: RunConfig) -> None:
+    """The run folder's filesystem takes writes (it is not read-only) and holds one
+    checkpoint."""
     run_dir = run_dir_of(config)
+    unwritable = unwritable_folder(run_dir)
+    if unwritable is not None:  # the message a write there would meet (``run.folder``)
+        raise PreflightError(str(unwritable))
     need = checkpoint_bytes(config)
     free = free_bytes(run_dir)
     if free < need:

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cqk_megatron.errors import Refusal
+from cqk_megatron.run.unwritable import no_space_error
 
 LEASE = "lease.json"  # in the run folder (run/folder.py lists the folder's files)
 TAKEOVER_STALE_S = 60.0  # a takeover file older than this was left by a dead contender
@@ -229,13 +230,18 @@ class Lease:
 
 
 def acquire(run_dir: Path) -> Lease:
-    """Take the run's lease, or raise ``LeaseHeld`` naming its live holder."""
+    """Take the run's lease, or raise ``LeaseHeld`` naming its live holder (or
+    ``NoSpaceError`` where the filesystem refuses the lease's file: full, read-only)."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LEASE
     me = Holder.me()
     temporary = run_dir / f".{LEASE}.{me.token}.new"
-    _write_record(temporary, me)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_record(temporary, me)
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        raise no_space_error(path, error) from error
     try:
         for _ in range(5):
             try:

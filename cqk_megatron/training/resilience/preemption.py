@@ -7,10 +7,10 @@ requeue the job.
 
 Ctrl-C (SIGINT) is a stop signal too: a person at a terminal presses it, not ``kill
 -TERM``, and a ``KeyboardInterrupt`` mid-step lost the steps since the last checkpoint. A
-second Ctrl-C means "now": it raises ``KeyboardInterrupt`` at once, the save in progress
-is abandoned (its staging folder removed) and the previous complete checkpoint stays the
-newest. A SIGINT that was ignored when training started (a job started in the background
-by a shell) stays ignored.
+second Ctrl-C (or a SIGTERM after a Ctrl-C) means "now": it raises ``KeyboardInterrupt``
+at once, the save in progress is abandoned (its staging folder removed) and the previous
+complete checkpoint stays the newest. A SIGINT that was ignored when training started (a
+job started in the background by a shell) stays ignored.
 """
 
 from __future__ import annotations
@@ -26,6 +26,14 @@ from cqk_megatron.training.resilience.writer_queue import WriterResultsManager
 
 __all__ = ["STOP_SIGNALS", "StopRequest", "protect_checkpoint_writer"]
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# A second stop signal that means "now": SIGINT after any stop signal (a second Ctrl-C;
+# the local job's controller passes the launcher's second Ctrl-C on so, after the
+# SIGTERM of its cancel), and SIGTERM after SIGINT (torchrun's agent, Ctrl-C'd twice,
+# sends its workers SIGINT, then SIGTERM).
+_NOW_AFTER = {
+    signal.SIGINT: STOP_SIGNALS,
+    signal.SIGTERM: (signal.SIGINT,),
+}
 
 
 class StopRequest:
@@ -40,7 +48,7 @@ class StopRequest:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, _frame) -> None:
-        if signum == signal.SIGINT and self.signalled == signal.SIGINT:
+        if self.signalled in _NOW_AFTER.get(signum, ()):
             raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the save
         self.signalled = signum
 
