@@ -34,8 +34,8 @@ from cqk_megatron.config import (
 from cqk_megatron.data.errors import DataError
 from cqk_megatron.errors import EXIT_INTERRUPTED, EXIT_REFUSED, is_refusal
 from cqk_megatron.run.checkpoint_files import RESUME_HELP, CheckpointSaveError
-from cqk_megatron.run.folder import no_space_error
 from cqk_megatron.run.lease import LeaseLost
+from cqk_megatron.run.unwritable import no_space_error
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -19,7 +19,8 @@ from pathlib import Path
 from cqk_megatron.cli.args import plain, subcommand_program
 from cqk_megatron.errors import EXIT_REFUSED
 from cqk_megatron.run import lease as run_lease
-from cqk_megatron.run.folder import free_bytes, human_bytes, run_status
+from cqk_megatron.run.folder import run_status
+from cqk_megatron.run.unwritable import free_bytes, human_bytes
 from launch import attempts
 from launch import run_dir as runs
 from launch.backends import is_active

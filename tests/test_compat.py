@@ -26,7 +26,10 @@ def _resolve(target: str):
     value = importlib.import_module(module_name)
     for part in attribute.split("."):
         value = getattr(value, part)
-    # an installed CPU bridge wraps some functions: the original is the one patched
+    # an installed CPU bridge wraps some functions and replaces others: the original is
+    # the one patched
+    if module_name == cpu_bridge._RNG_MODULE and attribute in cpu_bridge._RNG_ORIGINALS:
+        return cpu_bridge._RNG_ORIGINALS[attribute]
     return getattr(value, "_cpu_bridge_original", value)
 
 

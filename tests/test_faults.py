@@ -537,8 +537,8 @@ def test_refusals_are_one_list_that_a_failed_save_is_not_on():
     from cqk_megatron.data.errors import DataError
     from cqk_megatron.errors import is_refusal
     from cqk_megatron.run.checkpoint_files import CheckpointError, CheckpointSaveError
-    from cqk_megatron.run.folder import NoSpaceError
     from cqk_megatron.run.lease import LeaseHeld, LeaseLost
+    from cqk_megatron.run.unwritable import NoSpaceError
 
     # a write the filesystem refuses (full, read-only, a name too long) refuses the run:
     # a relaunch would meet the same filesystem

@@ -161,7 +161,8 @@ def test_a_record_line_is_appended_whole_or_not_at_all(tmp_path, monkeypatch):
     import errno
 
     from cqk_megatron.run import atomic
-    from cqk_megatron.run.folder import NoSpaceError, append_event, events
+    from cqk_megatron.run.folder import append_event, events
+    from cqk_megatron.run.unwritable import NoSpaceError
 
     append_event(tmp_path, "started", step=0)
     before = (tmp_path / "jobs.jsonl").read_bytes()

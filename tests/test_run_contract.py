@@ -355,7 +355,7 @@ NAMES = {
     "history.jsonl": "cqk_megatron/run/folder.py",
     "jobs.jsonl": "cqk_megatron/run/folder.py",
     "faults.jsonl": "cqk_megatron/run/folder.py",
-    "lease.json": "cqk_megatron/run/folder.py",
+    "lease.json": "cqk_megatron/run/lease.py",  # the lease's own; run/folder.py imports it
     "checkpoints": "cqk_megatron/run/folder.py",
     "superseded": "cqk_megatron/run/folder.py",
     "submitit": "cqk_megatron/run/folder.py",
@@ -363,7 +363,10 @@ NAMES = {
     "latest": "cqk_megatron/run/checkpoint_files.py",
 }
 # Same string, another file: the demo corpus's own record of what it built (no checkpoint).
-OTHER_FILES = {("manifest.json", "data_tools/demo_corpus.py")}
+OTHER_FILES = {
+    ("manifest.json", "data_tools/demo_corpus.py"),
+    ("checkpoints", "cqk_megatron/__main__.py"),  # a command's name: cqk bench checkpoints
+}
 RECORD_KINDS = {"train", "valid", "summary"}
 # wandb's own record types (its run files), not our metrics records.
 OTHER_KINDS = {("summary", "cqk_megatron/analysis/wandb_runs.py")}

@@ -65,7 +65,8 @@ def megatron_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 
 def plain_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     logits = model(batch["tokens"])
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32
+    half = logits.dtype in (torch.bfloat16, torch.float16)
+    logits = logits.float() if half else logits  # bf16 -> fp32; fp64 stays
     per_token = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
     return masked_mean(per_token.view_as(batch["labels"]), batch["loss_mask"])
 

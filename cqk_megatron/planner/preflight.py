@@ -41,12 +41,10 @@ from cqk_megatron.run.folder import (
     CONFIG,
     HISTORY,
     SUPERSEDED,
-    free_bytes,
-    human_bytes,
     run_dir_of,
     run_status,
-    unwritable_folder,
 )
+from cqk_megatron.run.unwritable import free_bytes, human_bytes, unwritable_folder
 
 OPTIMIZER_BYTES_PER_PARAMETER = 12  # fp32 master weights + Adam's two fp32 moments
 

@@ -78,16 +78,7 @@ import yaml
 from cqk_megatron.config import RunConfig, to_dict
 from cqk_megatron.run.atomic import append_line, write_text_atomically
 from cqk_megatron.run.lease import LEASE, live_holder
-from cqk_megatron.run.unwritable import (  # noqa: F401  (the run folder's contract names them)
-    NoSpaceError,
-    free_bytes,
-    human_bytes,
-    is_no_space,
-    is_unwritable,
-    names_unwritable,
-    no_space_error,
-    unwritable_folder,
-)
+from cqk_megatron.run.unwritable import no_space_error
 
 CONFIG = "config.yaml"
 HISTORY = "history.jsonl"

@@ -30,7 +30,8 @@ from typing import Any
 from cqk_megatron.config import ConfigError, RunConfig, from_dict, to_dict
 from cqk_megatron.config.changes import LOCATION_KEYS, Change, changes
 from cqk_megatron.run.atomic import write_text_atomically
-from cqk_megatron.run.folder import HISTORY, no_space_error, read_jsonl, write_config
+from cqk_megatron.run.folder import HISTORY, read_jsonl, write_config
+from cqk_megatron.run.unwritable import no_space_error
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ import torch
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
-from cqk_megatron.run.folder import is_unwritable
+from cqk_megatron.run.unwritable import is_unwritable
 from cqk_megatron.training import checkpoint
 from cqk_megatron.training.checkpoint import FAILURES, WriteLog
 from cqk_megatron.training.resilience import orphans

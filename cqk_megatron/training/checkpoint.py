@@ -77,7 +77,8 @@ from cqk_megatron.run.checkpoint_files import (
     verify,
     write_manifest,
 )
-from cqk_megatron.run.folder import CONFIG, is_unwritable, names_unwritable, no_space_error
+from cqk_megatron.run.folder import CONFIG
+from cqk_megatron.run.unwritable import is_unwritable, names_unwritable, no_space_error
 from cqk_megatron.training.collectives import (
     from_rank0,
     gather_objects,

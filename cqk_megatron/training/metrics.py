@@ -30,11 +30,11 @@ from cqk_megatron.run.folder import (
     METRICS,
     TRAIN,
     VALID,
-    no_space_error,
     read_metrics,
     records_up_to,
     wandb_run_id,
 )
+from cqk_megatron.run.unwritable import no_space_error
 
 
 def wandb_credentials_found() -> bool:
