@@ -94,11 +94,7 @@ def main(argv: list[str]) -> int:
         prog=subcommand_program("launch/submit.py", "cancel"),
         description=plain(__doc__.split("\n\n")[0]),
     )
-    parser.add_argument(
-        "runs",
-        nargs="+",
-        help="run folders (log.root/name), or names of runs submitted from this account",
-    )
+    runs.add_runs_argument(parser)
     parser.add_argument(
         "--wait-s",
         type=float,

@@ -15,6 +15,7 @@ are read through its ``read_metrics``, the one reader that analysis and repro us
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -142,6 +143,15 @@ def remember_run(name: str, run_dir: Path) -> None:
 
 class AmbiguousRun(ValueError):
     """A run name that names several run folders submitted from this account."""
+
+
+def add_runs_argument(parser: argparse.ArgumentParser) -> None:
+    """The ``runs`` of ``status`` and ``cancel``: folders, or names ``find_run`` finds."""
+    parser.add_argument(
+        "runs",
+        nargs="+",
+        help="run folders (log.root/name), or names of runs submitted from this account",
+    )
 
 
 def find_run(name_or_folder: str) -> Path:

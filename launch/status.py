@@ -148,11 +148,7 @@ def main(argv: list[str]) -> int:
         prog=subcommand_program("launch/submit.py", "status"),
         description=plain(__doc__.split("\n\n")[0]),
     )
-    parser.add_argument(
-        "runs",
-        nargs="+",
-        help="run folders (log.root/name), or names of runs submitted from this account",
-    )
+    runs.add_runs_argument(parser)
     parser.add_argument(
         "--lines", type=int, default=10, help="log lines to show per stream (default: %(default)s)"
     )
