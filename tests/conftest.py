@@ -26,7 +26,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The launcher notes every run it submits in an index of the account
 # ($XDG_STATE_HOME/cqk-megatron/runs.jsonl, launch/run_dir.py), which ``status NAME`` reads:
 # the suite's runs go to an index of this test process, so that they never land in the
-# user's own, and a run name a test submits is not made ambiguous by an earlier session's.
+# user's own, and a run name a test submits is not made ambiguous by an earlier test run's.
 _STATE_HOME = tempfile.mkdtemp(prefix="cqk-test-state-")
 os.environ["XDG_STATE_HOME"] = _STATE_HOME
 
