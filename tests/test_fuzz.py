@@ -1031,6 +1031,13 @@ def test_a_damaged_checkpoint_at_export(
     watch.assert_no_process_left()
 
 
+def _ctrl_c_as_on_a_terminal() -> None:  # in the child, before it starts
+    # A process started in the background of a non-interactive shell (a CI script's
+    # `... &`, nohup) inherits SIGINT ignored, and cqk keeps an ignored SIGINT ignored, as a
+    # background job's: Ctrl-C then does nothing. A terminal's foreground job has the default.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _train_process(
     run_dir: Path, *overrides: str, log: Path, env: dict | None = None
 ) -> subprocess.Popen:
@@ -1049,6 +1056,7 @@ def _train_process(
             env={**ENV, **(env or {})},
             stdout=out,
             stderr=subprocess.STDOUT,
+            preexec_fn=_ctrl_c_as_on_a_terminal,
         )
 
 
@@ -1228,10 +1236,15 @@ def test_a_second_ctrl_c_during_the_save_stops_at_once_keeping_the_previous_chec
     hang = {"CQK_FAULT": "rank=0,phase=save,action=hang"}
     process = _train_process(run_dir, *NO_SAVES, log=log, env=hang)
     _signal_when_resumed(process, run_dir, signal.SIGINT)
-    deadline = time.monotonic() + TIMEOUT_S
-    while "CQK_FAULT: hang at" not in log.read_text() and process.poll() is None:
-        assert time.monotonic() < deadline, "gave up waiting for the save"
-        time.sleep(0.1)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while "CQK_FAULT: hang at" not in log.read_text() and process.poll() is None:
+            assert time.monotonic() < deadline, "gave up waiting for the save"
+            time.sleep(0.1)
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
     process.send_signal(signal.SIGINT)
     code = _ended(process)
     text = log.read_text()
@@ -1316,6 +1329,7 @@ def test_a_second_ctrl_c_to_the_launcher_stops_its_local_job_at_once(prepared_ru
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own group: the terminal's foreground group
+            preexec_fn=_ctrl_c_as_on_a_terminal,
         )
     try:
         _wait_for(lambda: len(_steps(run_dir)) >= 6, process, "the resumed steps")
@@ -1364,6 +1378,7 @@ def test_a_second_ctrl_c_to_cqk_torchrun_stops_its_ranks_at_once(prepared_run, t
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own group: the terminal's foreground group
+            preexec_fn=_ctrl_c_as_on_a_terminal,
         )
     try:
         _wait_for(lambda: len(_steps(run_dir)) >= 6, process, "the resumed steps")
@@ -1432,6 +1447,7 @@ def test_ctrl_c_on_cqk_torchrun_saves_and_exits_75(tmp_path):
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own group: the terminal's foreground group
+            preexec_fn=_ctrl_c_as_on_a_terminal,
         )
     run_dir = tmp_path / "interrupted"
     try:
