@@ -345,12 +345,15 @@ def stop_jobs_at_once(backend: Backend, pending: list, code: int) -> int:
     controller passes on as "now" (``launch.local_job``), and a bounded wait for the jobs
     to end. Their ranks abandon the save in progress: each run's newest complete checkpoint
     stays the one it resumes from. Returns ``code``."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a third one must not cut this short
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a third one must not cut it
     say(
         f"interrupted again: stopping the {backend.name} jobs at once, without their saves "
         "(each run resumes from its newest complete checkpoint)"
     )
-    left = cancel_jobs(backend, pending, wait_s=STOP_NOW_WAIT_S)
+    try:
+        left = cancel_jobs(backend, pending, wait_s=STOP_NOW_WAIT_S)
+    finally:  # the launcher called from Python: its caller's Ctrl-C works again
+        signal.signal(signal.SIGINT, previous)
     if left:
         ids = ", ".join(str(job.job_id) for job in left)
         say(f"job(s) {ids} still ending; follow: cqk status RUN", file=sys.stderr)

@@ -230,3 +230,21 @@ def test_a_toy_backend_runs_a_job_through_submit_status_and_cancel(
     report = capsys.readouterr().out
     assert f"job        {job_id} (toy): CANCELLED" in report  # ended by cancel
     assert re.search(rf"cancelled\s+job {job_id}: toy cancel", report), report
+
+
+def test_a_second_ctrl_c_gives_the_caller_its_ctrl_c_back(capsys):
+    """``stop_jobs_at_once`` ignores a third Ctrl-C while it cancels, then restores the
+    handler it found: the launcher called from Python leaves its caller's Ctrl-C working.
+    (No job to cancel: what is checked is the handler, around the real function.)"""
+    import signal
+
+    def callers_handler(signum, frame):  # pragma: no cover - never called
+        raise AssertionError
+
+    previous = signal.signal(signal.SIGINT, callers_handler)
+    try:
+        assert submit.stop_jobs_at_once(get_backend("local"), [], 130) == 130
+        assert signal.getsignal(signal.SIGINT) is callers_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert "interrupted again: stopping the local jobs at once" in capsys.readouterr().out
