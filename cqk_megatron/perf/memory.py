@@ -153,6 +153,9 @@ def zero3_persistent_parameters(
     return sum(n for n in tensors if n <= ZERO3_PERSISTENCE_THRESHOLD)
 
 
+ZERO3_REUSE_DISTANCE = 1_000_000_000  # DeepSpeed 0.19.8's stage3_max_reuse_distance default
+
+
 def zero3_buffer_bytes(
     parameters: int,
     precision: str,
@@ -170,9 +173,10 @@ def zero3_buffer_bytes(
       into one fp32 buffer; a parameter larger than the bucket is reduced alone, its bf16
       gradient copied to fp32 (``__avg_scatter_grads``).
     - ``gathered_parameters``: the whole bf16 copies that the parameter coordinator holds
-      while the model computes: up to ``stage3_max_live_parameters`` (the bucket:
-      ``zero3_gather_settings``), which the prefetch can pass by one parameter
-      (``partitioned_param_coordinator.py``: it stops once the limit is crossed).
+      while the model computes. With DeepSpeed's defaults (``stage3_max_reuse_distance``
+      and ``stage3_max_live_parameters`` 1e9 elements), which the engine keeps, a parameter
+      stays gathered from its forward to its backward whenever less than 1e9 elements of
+      the trace lie between them: every partitioned parameter of a rank holding fewer.
     - ``persistent_parameters``: the whole copies of the parameters under
       ``ZERO3_PERSISTENCE_THRESHOLD``, never released (their partitions are in the
       ``parameters``).
@@ -183,7 +187,7 @@ def zero3_buffer_bytes(
     return {
         "reduce_buckets": float(bucket_elements * comm),
         "reduction_copy": float(min(max(bucket_elements, largest_parameter), parameters) * comm),
-        "gathered_parameters": float(min(bucket_elements + largest_parameter, partitioned) * low),
+        "gathered_parameters": float(min(ZERO3_REUSE_DISTANCE, partitioned) * low),
         "persistent_parameters": float(persistent_parameters * low),
     }
 

@@ -87,8 +87,6 @@ def deepspeed_config(
         # the last go while autograd still computes (docs/engines.md, "Communication").
         ds["zero_optimization"]["reduce_bucket_size"] = bucket_elements
         ds["zero_optimization"]["allgather_bucket_size"] = bucket_elements
-        if t.zero_stage == 3:
-            ds["zero_optimization"].update(zero3_gather_settings(bucket_elements))
     if t.offload_optimizer:
         on_gpu = device().type == "cuda"
         ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
@@ -96,28 +94,6 @@ def deepspeed_config(
     # where DeepSpeed's CPU Adam is not built), so DeepSpeed must not insist on its own.
     ds["zero_force_ds_cpu_optimizer"] = False
     return ds
-
-
-def zero3_gather_settings(bucket_elements: int) -> dict:
-    """How many gathered (whole) parameters ZeRO-3 keeps: one gradient bucket's worth.
-
-    DeepSpeed 0.19.8's defaults (``stage3_prefetch_bucket_size`` 5e7,
-    ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` 1e9 elements) fit
-    models far larger than a rank of the ladder holds: a parameter is kept gathered after
-    its forward when the trace reuses it within 1e9 elements, as its own backward does
-    on a rank of under 500M parameters (the whole bf16 model then stays gathered from the
-    forward to the backward: ZeRO-3 saves no parameter memory) and for about half of a
-    1B TP=1 rank. With the bucket (max(40M, 1M x DP) elements, at most 1/8 of the rank's
-    parameters: ``perf.traffic.reduce_bucket_elements``) the gathers run one bucket ahead
-    of the compute, as the reductions run one bucket behind it, and
-    ``perf.memory.engine_buffer_bytes`` counts what stays gathered.
-    ``stage3_param_persistence_threshold`` keeps its default (1e5 elements): only norms,
-    step sizes and the coupling's small MLPs stay whole on every rank."""
-    return {
-        "stage3_prefetch_bucket_size": bucket_elements,
-        "stage3_max_live_parameters": bucket_elements,
-        "stage3_max_reuse_distance": bucket_elements,
-    }
 
 
 def bf16_settings() -> dict:
@@ -643,18 +619,13 @@ class DeepSpeedEngine(Engine):
         """Under ZeRO-3 each parameter above ``stage3_param_persistence_threshold`` holds
         only an empty tensor between forwards (this rank's slice lives in DeepSpeed's
         partition): gathered here for reading, and released again on exit
-        (``modifier_rank=None``: nothing is written back). Other stages: nothing to do.
-
-        Gathers that ZeRO-3 prefetched for the next module of its trace may still be in
-        flight (after an evaluation's forward, the trace's next modules are the backward's),
-        and DeepSpeed refuses to release a parameter in flight on exit: they are waited
-        for and released first (``empty_partition_cache``)."""
+        (``modifier_rank=None``: nothing is written back). Other stages: nothing to do."""
         import deepspeed
 
-        partitioned = self.engine.zero_optimization_partition_weights()
-        if partitioned:
-            self.engine.empty_partition_cache()
-        return deepspeed.zero.GatheredParameters(list(self.model.parameters()), enabled=partitioned)
+        return deepspeed.zero.GatheredParameters(
+            list(self.model.parameters()),
+            enabled=self.engine.zero_optimization_partition_weights(),
+        )
 
     # -- exact resume ------------------------------------------------------------------
 
