@@ -38,6 +38,8 @@ from _training import TINY, exits, records, train_runs
 from cqk_megatron.config import load_config
 from cqk_megatron.errors import EXIT_REQUEUE
 
+LINEAR = torch.nn.functional.linear  # torch's own, before any engine ran in this process
+
 STEPS = 10
 # 16 sequences a step, one a micro-batch: 8 micro-batches on each of 2 data-parallel ranks
 # (16 on one), the sums that bf16 accumulation rounds.
@@ -231,6 +233,9 @@ def test_bf16_deepspeed_accumulates_and_reduces_in_fp32(stage, optimizer, monkey
     assert engine.engine.communication_data_type == torch.float32
     accumulation = wrapped.grad_acc_dtype if stage == 1 else wrapped.gradient_accumulation_dtype
     assert accumulation == torch.float32
+    # ZeRO-3 leaves torch's F.linear to the rest of the process (the coupling's fused form
+    # and forward-mode AD use it); DeepSpeed's default replaced it for good.
+    assert torch.nn.functional.linear is LINEAR, torch.nn.functional.linear
 
 
 # -- ZeRO-3: loads and mid-run saves ---------------------------------------------------

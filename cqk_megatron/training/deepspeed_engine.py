@@ -80,6 +80,15 @@ def deepspeed_config(
     }
     if t.precision == "bf16":
         ds.update(bf16_settings())
+    if t.zero_stage == 3:
+        # DeepSpeed's default swaps torch.nn.functional.linear for its own autograd Function
+        # in the whole process, for good ("This will persist unless manually reset"). No
+        # Megatron layer calls F.linear; the coupling's fused form does, and under it loses
+        # forward-mode AD and meets a Function inductor must trace. What DeepSpeed's version
+        # saves (a weight gathered for the forward, not kept for the backward) is nothing
+        # here: f's weights (head_dim x coupling_hidden, 33k elements at 1B) are under
+        # stage3_param_persistence_threshold (1e5), so ZeRO-3 keeps them whole anyway.
+        ds["zero_optimization"]["memory_efficient_linear"] = False
     if t.overlap_grad_reduce:  # reduce in buckets during the backward (PP=1: validate)
         ds["zero_optimization"]["overlap_comm"] = True
     if bucket_elements is not None:
