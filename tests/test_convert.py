@@ -178,6 +178,7 @@ LOGIT_CASES = [(variant, kv) for variant in VARIANTS for kv in KV_LAYOUTS] + [
     ("differential", "mha", "attention.differential_norm=none"),
     ("coupled_differential", "gqa", "attention.differential_norm=small_start"),
     ("invertible_differential", "gqa", "attention.differential_norm=none"),
+    ("differential", "gqa", "attention.differential_lambda_init=0.5"),
 ]
 
 
@@ -250,7 +251,7 @@ def test_differential_norm_survives_an_import_without_the_run_config(exports, tm
         "coupled_differential", "gqa", "attention.differential_norm=small_start"
     )
     recorded = json.loads((folder / "config.json").read_text())["scoring_options"]
-    assert recorded == {"kernel": "paired", "norm": "small_start"}
+    assert recorded == {"kernel": "paired", "norm": "small_start", "lambda_init": None}
     bare = tmp_path / "bare"
     bare.mkdir()
     for item in folder.iterdir():

@@ -467,6 +467,43 @@ def test_megatron_differential_model_equals_the_plain_model(coupling, kv_heads, 
     assert any(".differential.subln.weight" in name for name in grad_errors) == (norm != "none")
 
 
+@pytest.mark.parametrize("norm", ["paper", "none"])
+def test_a_constant_lambda_init_equals_the_plain_model(norm):
+    """``attention.differential_lambda_init``: one lambda_init in every layer (lambda's
+    constant term and the paper's ``1 - lambda_init`` factor), in both implementations."""
+    from test_plain_reference import VOCAB, compare
+
+    config = validate(
+        tiny_config(
+            "coupled_differential",
+            "model.make_vocab_size_divisible_by=8",
+            f"attention.differential_norm={norm}",
+            "attention.differential_lambda_init=0.5",
+            vocab=VOCAB,
+            hidden=32,
+            heads=4,
+            kv_heads=2,
+            seq=12,
+            precision="fp64",
+        )
+    )
+    model = build_model(config)
+    assert {m.lambda_init for m in scorings_of(model)} == {0.5}
+    logit_error, grad_errors, _ = compare(config)
+    assert logit_error < 1e-9
+    assert max(grad_errors.values()) < 1e-9
+
+
+def test_lambda_init_out_of_range_is_refused_naming_the_field():
+    with pytest.raises(ConfigError, match=r"attention.differential_lambda_init=1.0 must lie in"):
+        validate(tiny("none", 4, "auto", "attention.differential_lambda_init=1.0"))
+    with pytest.raises(ValueError, match="lambda_init must lie in"):
+        DifferentialScoring(8, 0, lambda_init=-0.1)
+    config = tiny_config("coupled", "attention.differential_lambda_init=0.5")
+    with pytest.raises(ConfigError, match="applies to scoring 'differential' only"):
+        validate(config)
+
+
 # --- attention.differential_norm ------------------------------------------------------------
 
 

@@ -161,6 +161,11 @@ class AttentionConfig:
     # differential's 24% gap to standard, docs/results.md) | small_start (the paper's norm,
     # its weight starting at 0.1, about standard attention's output scale at initialisation)
     differential_norm: str = "paper"
+    # differential scoring, lambda_init (lambda's constant term, and the paper's norm's
+    # 1 - lambda_init factor): null for the paper's 0.8 - 0.6 exp(-0.3 layer) (0-based
+    # layer index: 0.2 in the first layer, towards 0.8 deeper) | a number in [0, 1), the
+    # same in every layer (the paper's ablation used 0.8 and 0.5)
+    differential_lambda_init: float | None = None
 
     @property
     def variant(self) -> str:

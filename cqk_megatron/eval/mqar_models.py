@@ -133,6 +133,7 @@ def plain_config_for(config: RunConfig) -> PlainConfig:
         invertible_bound=a.invertible_scale_bound,
         scoring=a.scoring,
         differential_norm=a.differential_norm,
+        differential_lambda_init=a.differential_lambda_init,
     )
 
 

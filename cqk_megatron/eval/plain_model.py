@@ -104,6 +104,8 @@ class PlainConfig:
     scoring: str = "standard"  # standard | differential (maps always written out)
     lambda_std: float = 0.1  # differential: lambda vectors start N(0, lambda_std)
     differential_norm: str = "paper"  # paper | none | small_start (DIFFERENTIAL_NORMS)
+    # differential: lambda_init in every layer; None: the paper's 0.8 - 0.6 exp(-0.3 l)
+    differential_lambda_init: float | None = None
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -254,7 +256,9 @@ class PlainDifferential(nn.Module):
     def __init__(self, config: PlainConfig, layer_index: int) -> None:
         super().__init__()
         d = config.head_dim
-        self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer_index)
+        self.lambda_init = config.differential_lambda_init
+        if self.lambda_init is None:
+            self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer_index)
         self.scale = 1 / math.sqrt(d)
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
             vector = torch.empty(d, device=None).normal_(0, config.lambda_std)

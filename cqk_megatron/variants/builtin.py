@@ -193,6 +193,12 @@ def _differential_checks(config: Any) -> Iterable[str]:
             f"attention.differential_norm={norm!r} is unknown; choose one of "
             f"{list(DIFFERENTIAL_NORMS)}"
         )
+    lambda_init = config.attention.differential_lambda_init
+    if lambda_init is not None and not 0 <= lambda_init < 1:
+        yield (
+            f"attention.differential_lambda_init={lambda_init!r} must lie in [0, 1) (the "
+            "paper's norm scales by 1 - lambda_init); null keeps the paper's depth schedule"
+        )
     m, tp = config.model, config.parallel.tensor_parallel
     heads, kv_heads = m.num_attention_heads, m.kv_heads
     if heads % tp or kv_heads % tp:
@@ -271,7 +277,7 @@ register_scoring(
         math_attribute="differential",
         # each map once, two SDPA calls with values 2 head_dim wide (any kernel serves it)
         export_options={"kernel": "paired"},
-        options={"norm": "differential_norm"},
+        options={"norm": "differential_norm", "lambda_init": "differential_lambda_init"},
         checks=_differential_checks,
         calls=_differential_calls,
         memory=_differential_memory,

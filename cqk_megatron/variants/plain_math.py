@@ -306,6 +306,8 @@ class DifferentialScoring(nn.Module):
     ``norm`` (one of ``DIFFERENTIAL_NORMS``) says what follows ``(A1 - lambda A2) v``: the
     paper's ``(1 - lambda_init) RMSNorm``, nothing (``none``: no ``subln`` either), or the
     paper's norm with its weight starting at ``SMALL_START_WEIGHT`` (``small_start``).
+    ``lambda_init``: the same constant in every layer instead of the paper's depth schedule
+    (``differential_lambda_init``; None keeps it).
 
     ``kernel`` says how the two maps meet the value (same function either way):
     ``paired`` (two attention calls, each with the ``2 head_dim`` value) or ``split``
@@ -320,6 +322,7 @@ class DifferentialScoring(nn.Module):
         eps: float = 1e-5,
         kernel: str = "paired",
         norm: str = "paper",
+        lambda_init: float | None = None,
     ) -> None:
         super().__init__()
         if kernel not in DIFFERENTIAL_KERNELS:
@@ -329,7 +332,11 @@ class DifferentialScoring(nn.Module):
         self.kernel = kernel
         self.norm = norm
         self.head_dim = head_dim
-        self.lambda_init = differential_lambda_init(layer_index)
+        if lambda_init is None:
+            lambda_init = differential_lambda_init(layer_index)
+        elif not 0 <= lambda_init < 1:
+            raise ValueError(f"lambda_init must lie in [0, 1), got {lambda_init!r}")
+        self.lambda_init = lambda_init
         self.lambda_q1 = nn.Parameter(torch.zeros(head_dim).normal_(0, 0.1))
         self.lambda_k1 = nn.Parameter(torch.zeros(head_dim).normal_(0, 0.1))
         self.lambda_q2 = nn.Parameter(torch.zeros(head_dim).normal_(0, 0.1))

@@ -250,6 +250,7 @@ class DifferentialCoreAttention(SDPACoreAttention):
         *args,
         differential_kernel: str = "auto",
         differential_norm: str = "paper",
+        differential_lambda_init: float | None = None,
         transformer_impl: str = "local",
         reference: bool = False,
         **kwargs,
@@ -277,6 +278,7 @@ class DifferentialCoreAttention(SDPACoreAttention):
             eps=config.layernorm_epsilon,
             kernel=self.kernel,
             norm=differential_norm,
+            lambda_init=differential_lambda_init,
         ).to(dtype=config.params_dtype)
         # lambda and subln are whole on every TP rank but each rank uses them on its heads
         sum_partial_grads_across_tp(self.differential, self.tp_group)
@@ -298,6 +300,7 @@ class DifferentialCoreAttention(SDPACoreAttention):
         return {
             "differential_kernel": attention.differential_kernel,
             "differential_norm": attention.differential_norm,
+            "differential_lambda_init": attention.differential_lambda_init,
             "transformer_impl": transformer_impl,
             # cqk bench's @reference (set past validation): plain_math.py's modules as they are
             "reference": attention.coupling_impl == "reference",
