@@ -79,10 +79,10 @@ def _entry_point_configs(tmp_path: Path, capsys) -> dict[str, RunConfig]:
     from cqk_megatron.cli.analyze import main as analyze
     from cqk_megatron.cli.plan import load_plan_config
     from cqk_megatron.planner.sweep import expand_sweep
-    from cqk_megatron.repro.configs import build_plan
+    from cqk_megatron.repro.configs import build_reproduction
     from cqk_megatron.repro.data import DataChoice
     from cqk_megatron.repro.presets import PRESETS
-    from launch.resolve import plan_sweep, resolve
+    from launch.resolve import resolve, resolve_sweep
     from launch.resources import ClusterProfile, Resources
 
     configs = {}
@@ -90,7 +90,7 @@ def _entry_point_configs(tmp_path: Path, capsys) -> dict[str, RunConfig]:
     sweep.write_text(SWEEP)
     [run] = expand_sweep(sweep)
     configs["sweep"] = load_config(run["config"], run["overrides"])
-    [launched] = plan_sweep(sweep, [], ClusterProfile(), {"tasks_per_node": 1}, "local")
+    [launched] = resolve_sweep(sweep, [], ClusterProfile(), {"tasks_per_node": 1}, "local")
     configs["launch_sweep"] = launched.config
     capsys.readouterr()
     analyze(["ladder", str(sweep)])
@@ -99,8 +99,10 @@ def _entry_point_configs(tmp_path: Path, capsys) -> dict[str, RunConfig]:
 
     preset = dataclasses.replace(PRESETS["cpu-tiny"], config=SIZE)
     data = DataChoice(tmp_path / "corpus", tmp_path / "tok.model", 8192, "a stand-in")
-    plan = build_plan(preset, [VARIANT], [SEED], TOKENS, data, tmp_path, 1, [], cuda=False)
-    [planned] = plan.runs
+    reproduction = build_reproduction(
+        preset, [VARIANT], [SEED], TOKENS, data, tmp_path, 1, [], cuda=False
+    )
+    [planned] = reproduction.runs
     configs["repro"] = planned.config
     configs["launch"] = resolve(planned.config, Resources(tasks_per_node=1), "local").config
     assert configs["launch"] == planned.config
