@@ -22,7 +22,7 @@ import pytest
 from cqk_megatron.config import CONFIGS_DIR, RunConfig, load_config, to_dict
 from cqk_megatron.config.changes import flatten
 from cqk_megatron.planner import runs as planner_runs
-from cqk_megatron.planner.parameters import count_parameters
+from cqk_megatron.planner.parameters import config_parameters
 from cqk_megatron.planner.runs import plan_config
 
 SIZE = CONFIGS_DIR / "repro" / "cpu-tiny.yaml"  # 4 x 256, 16 x 128 tokens a step
@@ -131,13 +131,13 @@ def test_every_entry_point_plans_the_same_run(tmp_path, capsys, monkeypatch, rew
     assert (reference.attention.coupling, reference.attention.scoring) == expected
     configs = _entry_point_configs(tmp_path, capsys)
     assert set(configs) == set(OWNED)
-    count = count_parameters(reference)
+    count = config_parameters(reference)
     for entry, config in configs.items():
         attention = (config.attention.coupling, config.attention.scoring)
         assert attention == expected, f"{entry} built its own variant config: {attention}"
         extra = _differences(config, reference) - set(OWNED[entry])
         assert not extra, f"{entry}: {sorted(extra)} differ from the planner's config"
-        assert count_parameters(config) == count, entry
+        assert config_parameters(config) == count, entry
     [row] = overhead_table(load_config(SIZE, [f"seed={SEED}"]), [VARIANT])
     assert row["parameters"] == count
 

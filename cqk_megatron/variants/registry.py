@@ -196,7 +196,7 @@ class CouplingVariant:
         cls = self.module_class()
         if cls is None:
             return 0
-        return _count_parameters(cls, (), (("head_dim", head_dim), *sorted(options.items())))
+        return _parameters_of_class(cls, (), (("head_dim", head_dim), *sorted(options.items())))
 
     def cost(self, heads: Heads, options: Mapping[str, Any]) -> CouplingCost:
         return cast(
@@ -265,7 +265,7 @@ class ScoringVariant:
         if cls is None:
             return 0
         kwargs = (("layer_index", 0), *sorted((options or {}).items()))
-        return _count_parameters(cls, (head_dim,), kwargs)
+        return _parameters_of_class(cls, (head_dim,), kwargs)
 
     def attention_calls(self, heads: Heads) -> AttentionCalls:
         return cast(AttentionCalls, _declared(self, "calls", "FLOPs and memory estimates")(heads))
@@ -291,7 +291,7 @@ def _declared(variant: Variant, term: str, needed_by: str) -> Callable[..., Any]
 
 
 @lru_cache(maxsize=256)
-def _count_parameters(cls: type, args: tuple[Any, ...], kwargs: tuple[Any, ...]) -> int:
+def _parameters_of_class(cls: type, args: tuple[Any, ...], kwargs: tuple[Any, ...]) -> int:
     import torch  # only here: the registry itself stays importable without torch
 
     with torch.device("meta"):
