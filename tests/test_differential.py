@@ -4,7 +4,7 @@
 or on CPU ``differential.paired_maps``) and ``split`` (four SDPA calls) must give the
 same layer, for every coupling, with and without grouped-query attention: outputs and
 gradients of every parameter and of the input equal each other and a plain reference
-written here (coupling.py's modules called as themselves, the differential formula with
+written here (plain_math.py's modules called as themselves, the differential formula with
 explicit per-head loops), to 1e-6 in float64. TP=2 against TP=1 for both forms is in
 ``test_parallel_equivalence.py``; the Hugging Face export in ``test_convert.py``.
 """
@@ -85,7 +85,7 @@ def causal_softmax(q, k, scale):
 
 def reference_layer(attention, hidden, freqs):
     """The layer's output from its weights: projections, the coupling module of
-    coupling.py run as itself, RoPE, then differential attention head by head."""
+    plain_math.py run as itself, RoPE, then differential attention head by head."""
     heads, groups = (
         attention.num_attention_heads_per_partition,
         attention.num_query_groups_per_partition,

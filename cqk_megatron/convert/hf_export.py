@@ -40,7 +40,7 @@ from cqk_megatron.convert.names import (
 )
 from cqk_megatron.convert.options import EXPORT_DTYPE_NAMES
 from cqk_megatron.convert.output_dir import check_target, staged_folder
-from cqk_megatron.convert.remote_source import MATH_FILE, VARIANT_FILE, variant_source
+from cqk_megatron.convert.remote_source import EXPORTED_MATH_FILE, VARIANT_FILE, variant_source
 from cqk_megatron.convert.safetensors_io import DEFAULT_MAX_SHARD, parse_size, save_weights
 from cqk_megatron.convert.tokenizer import check_tokenizer, save_tokenizer, special_token_ids
 from cqk_megatron.run.checkpoint_files import (
@@ -53,10 +53,9 @@ from cqk_megatron.run.checkpoint_files import (
     verify,
 )
 from cqk_megatron.run.folder import CHECKPOINTS, CONFIG
-from cqk_megatron.variants import plain_math as coupling_module
+from cqk_megatron.variants import plain_math
 
 RUN_CONFIG_FILE = "cqk_run_config.yaml"
-COUPLING_FILE = MATH_FILE
 EXPORT_DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPE_NAMES}
 
 
@@ -186,7 +185,7 @@ def _copy_remote_code(folder: Path, config: RunConfig) -> None:
     for name in REMOTE_CODE_FILES:
         shutil.copyfile(REMOTE_CODE_DIR / name, folder / name)
     # verbatim: the exported model and the Megatron layers share this one file
-    shutil.copyfile(Path(coupling_module.__file__), folder / COUPLING_FILE)
+    shutil.copyfile(Path(plain_math.__file__), folder / EXPORTED_MATH_FILE)
     (folder / VARIANT_FILE).write_text(variant_source(config))
 
 

@@ -3,7 +3,7 @@
 The Megatron side is the full model (TP=1, PP=1) as ``GPTModel.named_parameters()``
 names it with the local layer spec. The Hugging Face side uses Llama's names, plus
 ``self_attn.coupling.*`` and ``self_attn.differential.*`` for the custom architecture,
-whose module trees are the very classes of ``coupling.py``, so their names carry over.
+whose module trees are the very classes of ``plain_math.py``, so their names carry over.
 
 Two fused Megatron tensors are split (and fused back):
 
@@ -258,7 +258,7 @@ def megatron_param_shapes(config: RunConfig) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the full model's parameters, from the config alone.
 
     The coupling and differential entries come from instantiating the very modules of
-    ``coupling.py`` with the options the layer spec gives them, so a new coupling class
+    ``plain_math.py`` with the options the layer spec gives them, so a new coupling class
     needs no change here.
     """
     m, layout = config.model, ModelLayout.from_run_config(config)

@@ -28,7 +28,7 @@ from types import MappingProxyType
 from typing import Any, TypeVar, cast
 
 ModuleRef = type | tuple[str, str]  # a class, or (module path, class name) as in ModuleSpec
-MATH_FILE = Path(__file__).resolve().parent / "plain_math.py"
+PLAIN_MATH_SOURCE = Path(__file__).resolve().parent / "plain_math.py"
 ADDING = "register one with cqk_megatron.variants (docs/variants.md, Adding a variant)"
 
 
@@ -46,20 +46,20 @@ def resolve(ref: Any) -> Any:
 
 @cache
 def math_constant(name: str) -> Any:
-    """A literal constant of ``coupling.py``, read from its source rather than imported.
+    """A literal constant of ``plain_math.py``, read from its source rather than imported.
 
     The math checks its own arguments (its module is the one the exported models run), and
     the config checks must give the same bounds without importing torch: the constant lives
-    in ``coupling.py`` once, and this reads it.
+    in ``plain_math.py`` once, and this reads it.
     """
-    for node in ast.parse(MATH_FILE.read_text()).body:
+    for node in ast.parse(PLAIN_MATH_SOURCE.read_text()).body:
         targets = node.targets if isinstance(node, ast.Assign) else []
         if isinstance(node, ast.AnnAssign):
             targets = [node.target]
         if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
             if any(isinstance(t, ast.Name) and t.id == name for t in targets):
                 return ast.literal_eval(node.value)
-    raise LookupError(f"{MATH_FILE} defines no literal constant {name}")
+    raise LookupError(f"{PLAIN_MATH_SOURCE} defines no literal constant {name}")
 
 
 # --- what the perf terms are functions of ---------------------------------------------------
@@ -214,7 +214,7 @@ class ScoringVariant:
 
     ``core_attention``: the Megatron core attention class (its ``spec_params(attention,
     transformer_impl)`` gives its options). ``math``: the module of its own parameters and rule in
-    ``coupling.py`` style, which the core attention holds as ``math_attribute`` and the
+    ``plain_math.py`` style, which the core attention holds as ``math_attribute`` and the
     exported model builds as ``math(head_dim, layer_index=..., eps=..., **export_options,
     **options)`` and calls as ``math(q, k, v, attend)``; None: plain softmax attention.
     ``options``: ``math``'s constructor keyword -> the ``AttentionConfig`` field it comes
