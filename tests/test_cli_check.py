@@ -37,7 +37,7 @@ def test_a_process_group_that_cannot_start_fails_the_check(monkeypatch):
 
 
 def test_nccl_without_a_gpu_is_named():
-    facts = check.gather(backend="nccl", timeout_s=10)
+    facts = check.gather(library="nccl", timeout_s=10)
     code, lines = check.verdict(facts)
     assert code == 1
     assert any("NCCL needs a GPU" in line for line in lines), lines
