@@ -28,12 +28,12 @@ import torch
 from cqk_megatron.config import ConfigError, RunConfig, load_config, save_config, validate
 from cqk_megatron.convert.checkpoint_io import read_full_state_dict
 from cqk_megatron.convert.errors import ConversionError
-from cqk_megatron.convert.gpt2_layout import megatron_to_gpt2
+from cqk_megatron.convert.gpt2_names import megatron_to_gpt2
 from cqk_megatron.convert.hf_config import GPT2, check_exportable, hf_config_dict, native_model_type
 from cqk_megatron.convert.hf_remote import REMOTE_CODE_DIR, REMOTE_CODE_FILES
 from cqk_megatron.convert.model_card import model_card
 from cqk_megatron.convert.names import (
-    ModelLayout,
+    ModelShape,
     canonical_megatron_names,
     check_megatron_state,
     megatron_to_hf,
@@ -106,9 +106,9 @@ def export_state_dict(
     check_megatron_state(state, config, "the state dict")
     target_dtype = _export_dtype(state, dtype)
     state = {name: tensor.detach().to("cpu", target_dtype) for name, tensor in state.items()}
-    layout = ModelLayout.from_run_config(config)
+    shape = ModelShape.from_run_config(config)
     native = native_model_type(config)
-    hf_tensors = (megatron_to_gpt2 if native == GPT2 else megatron_to_hf)(state, layout)
+    hf_tensors = (megatron_to_gpt2 if native == GPT2 else megatron_to_hf)(state, shape)
     num_parameters = sum(t.numel() for t in state.values())
 
     with staged_folder(out_dir, overwrite, inputs) as staging:

@@ -1,6 +1,6 @@
 """Checkpoints that are complete or ignored, never half-read.
 
-Layout of ``RUN/checkpoints/iter_0000100/``:
+Files of ``RUN/checkpoints/iter_0000100/``:
 
 - ``model/``: the weights in Megatron's distributed format (``torch_dist``), loadable
   under any TP/PP layout;

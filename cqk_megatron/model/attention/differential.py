@@ -346,7 +346,7 @@ class DifferentialCoreAttention(SDPACoreAttention):
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d]
         mask_type = attn_mask_type or self.attn_mask_type
 
-        def attend_te(q_, k_, v_):  # SDPA layout in and out, TE's sbhd in between
+        def attend_te(q_, k_, v_):  # SDPA's [b, heads, s, d] in and out, TE's sbhd in between
             sbhd = [x.permute(2, 0, 1, 3).contiguous() for x in (q_, k_, v_)]
             out = self.te_attention(*sbhd, attention_mask, attn_mask_type=mask_type)
             seq, batch = out.shape[:2]
