@@ -43,6 +43,15 @@ def test_nccl_without_a_gpu_is_named():
     assert any("NCCL needs a GPU" in line for line in lines), lines
 
 
+def test_collectives_chooses_the_library_and_the_old_backend_flag_still_does(capsys):
+    parser = check.build_parser()
+    assert parser.parse_args([]).collectives == "auto"
+    assert parser.parse_args(["--collectives", "nccl"]).collectives == "nccl"
+    assert parser.parse_args(["--backend", "gloo"]).collectives == "gloo"
+    parser.print_help()
+    assert "--backend" not in capsys.readouterr().out
+
+
 def _facts(**changes) -> check.Facts:
     """A CPU install that can train; each test changes one fact."""
     base = dict(

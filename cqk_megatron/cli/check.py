@@ -29,6 +29,8 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
+from cqk_megatron.cli.args import add_renamed
+
 # torch >= 2.5 for scaled_dot_product_attention(enable_gqa=...) (setup.py says the same).
 MIN_TORCH = (2, 5)
 # The megatron-core minor this stack is written and tested against (compat/ and the
@@ -319,16 +321,14 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument(
+    add_renamed(
+        parser,
         "--collectives",
+        ("--backend",),
         choices=("auto", "gloo", "nccl"),
         default="auto",
         help="collective library of the process group to start: auto is nccl where CUDA is "
         "available, else gloo (what training uses)",
-    )
-    # the option's name before --collectives, still read
-    parser.add_argument(
-        "--backend", dest="collectives", choices=("auto", "gloo", "nccl"), help=argparse.SUPPRESS
     )
     parser.add_argument(
         "--timeout",
