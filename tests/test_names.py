@@ -34,6 +34,7 @@ RENAMED = {
     "plan_sweep": "launch.resolve.resolve_sweep",
     "PlannedRun": "repro.configs.ReproRun",
     "build_plan": "repro.configs.build_reproduction",
+    "planned_runs": "cli.mqar.requested_runs",
     "ResumePlan": "training.checkpoint.ResumeMode",
     "resume_plan": "training.checkpoint.resume_mode",
     "MATH_FILE": "convert.remote_source.EXPORTED_MATH_FILE / variants.registry.PLAIN_MATH_SOURCE",
