@@ -35,7 +35,7 @@ from launch.backends import Backend, get_backend
 from launch.backends.registry import LOCAL
 from launch.jobs import Progress, cancel_jobs, held_by, submit_group
 from launch.local_job import CANCEL_GRACE_S
-from launch.resolve import RunPlan, resolve
+from launch.resolve import RunSpec, resolve
 from launch.resources import ClusterProfile, Resources, time_minutes
 
 POLL_S = 0.5  # how often the wait reads the job's state and rank 0's new output
@@ -47,7 +47,7 @@ ENDINGS = ("finished", "stopped", "failed", "refused")  # a job's last record in
 
 @dataclass
 class LocalSubmission:
-    plan: RunPlan
+    spec: RunSpec
     job: object  # submitit's LocalJob: job_id is the controller's PID
     deadline_s: float  # seconds from submission the wait allows the job
     backend: Backend = field(default_factory=lambda: get_backend(LOCAL))
@@ -55,7 +55,7 @@ class LocalSubmission:
 
     @property
     def run_dir(self) -> Path:
-        return self.plan.run_dir
+        return self.spec.run_dir
 
     def task_logs(self, task: int = 0) -> tuple[Path, Path]:
         paths = JobPaths(self.job.paths.folder, self.job.job_id, task)
@@ -90,15 +90,15 @@ def submit_local(
     )
     time_minutes(resources.time, "time_limit")  # a bad limit: ConfigError naming it
     backend = get_backend(LOCAL)
-    plan = resolve(config, resources, backend.name)
-    holder = held_by(plan)
+    spec = resolve(config, resources, backend.name)
+    holder = held_by(spec)
     if holder is not None:
-        raise ConfigError(f"run folder {plan.run_dir} is {holder}; wait for it or end it")
+        raise ConfigError(f"run folder {spec.run_dir} is {holder}; wait for it or end it")
     profile = ClusterProfile(cluster=backend.name, env=dict(env or {}))
     progress = Progress(backend, "lines")  # submit_group registers the job; no polling here
-    [job] = submit_group([plan], profile, backend, None, list(argv or []), progress, resume)
+    [job] = submit_group([spec], profile, backend, None, list(argv or []), progress, resume)
     deadline = 60 * time_minutes(resources.time) + DEADLINE_SLACK_S
-    return LocalSubmission(plan, job, deadline, backend)
+    return LocalSubmission(spec, job, deadline, backend)
 
 
 class _Follower:
@@ -134,7 +134,7 @@ def outcome(submission: LocalSubmission) -> tuple[str, int | None]:
         for e in runs.events(submission.run_dir)
         if e.get("event") in ENDINGS and str(e.get("job_id")) == job_id
     ]
-    if runs.is_finished(submission.run_dir, submission.plan.config.train.train_steps):
+    if runs.is_finished(submission.run_dir, submission.spec.config.train.train_steps):
         return "finished", 0
     if not ends:
         return "failed", None
@@ -164,7 +164,7 @@ def wait_local(
             if time.monotonic() > deadline:
                 cancel_jobs(submission.backend, [job])
                 raise TimeoutError(
-                    f"run {submission.plan.name}: job {job.job_id} still running after "
+                    f"run {submission.spec.name}: job {job.job_id} still running after "
                     f"{limit:.0f} s; cancelled (it saved a checkpoint if it could)"
                 )
             time.sleep(POLL_S)

@@ -25,7 +25,7 @@ from cqk_megatron.errors import EXIT_REFUSED
 from launch import run_dir as runs
 from launch.backends import Backend
 from launch.jobs import held_by, job_name, submitit_folder
-from launch.resolve import RunPlan
+from launch.resolve import RunSpec
 
 
 @dataclass(frozen=True)
@@ -42,26 +42,26 @@ class Verdict:
         return f"{'would be refused' if self.action == 'refuse' else 'skipped'}: {self.why}"
 
 
-def verdict(plan: RunPlan, resume: str) -> Verdict:
-    """The submission's decision for ``plan``, from files only."""
+def verdict(spec: RunSpec, resume: str) -> Verdict:
+    """The submission's decision for ``spec``, from files only."""
     from cqk_megatron.planner.preflight import PreflightError, preflight
 
-    if runs.is_finished(plan.run_dir, plan.config.train.train_steps):
+    if runs.is_finished(spec.run_dir, spec.config.train.train_steps):
         return Verdict("skip", "finished")
-    held = held_by(plan)
+    held = held_by(spec)
     if held is not None:
         return Verdict("skip", held)
     try:
-        notes = preflight(plan.config, resume, hash_checkpoints=True)
+        notes = preflight(spec.config, resume, hash_checkpoints=True)
     except PreflightError as error:
         return Verdict("refuse", str(error))
     return Verdict("start", notes=tuple(notes))
 
 
-def refusal_pattern(plan: RunPlan, why: str) -> str:
+def refusal_pattern(spec: RunSpec, why: str) -> str:
     """A refusal's words with the run's own name and folder taken out, so that the same
     cause in many runs of a sweep reads as one."""
-    return why.replace(str(plan.run_dir), "<run folder>").replace(plan.name, "<run>")
+    return why.replace(str(spec.run_dir), "<run folder>").replace(spec.name, "<run>")
 
 
 def headline(verdicts: list[Verdict]) -> str:
@@ -73,32 +73,32 @@ def headline(verdicts: list[Verdict]) -> str:
     return f"pre-flight: {len(verdicts)} runs: {told}"
 
 
-def single_run(plan: RunPlan, found: Verdict, details: list[str]) -> list[str]:
+def single_run(spec: RunSpec, found: Verdict, details: list[str]) -> list[str]:
     lines = [headline([found])]
-    lines += [f"==> run {plan.name}: {plan.folder_line()}", f"==> layout: {plan.layout()}"]
-    lines += ["==> resolved config", yaml.safe_dump(to_dict(plan.config), sort_keys=False)]
+    lines += [f"==> run {spec.name}: {spec.folder_line()}", f"==> layout: {spec.layout()}"]
+    lines += ["==> resolved config", yaml.safe_dump(to_dict(spec.config), sort_keys=False)]
     return [*(line.rstrip() for line in lines), *details]
 
 
-def sweep_runs(plans: list[RunPlan], verdicts: list[Verdict], jobs: int) -> list[str]:
+def sweep_runs(specs: list[RunSpec], verdicts: list[Verdict], jobs: int) -> list[str]:
     """The headline, each refusal once (numbered), then one line per run."""
     lines = [headline(verdicts)]
     causes: dict[str, int] = {}
     counts: Counter[str] = Counter()
-    for plan, found in zip(plans, verdicts, strict=True):
+    for spec, found in zip(specs, verdicts, strict=True):
         if found.action == "refuse":
-            cause = refusal_pattern(plan, found.why)
+            cause = refusal_pattern(spec, found.why)
             causes.setdefault(cause, len(causes) + 1)
             counts[cause] += 1
     for cause, number in causes.items():
         lines.append(f"refusal [{number}] ({counts[cause]} runs): {cause}")
-    width = max(len(p.name) for p in plans)
-    for plan, found in zip(plans, verdicts, strict=True):
+    width = max(len(p.name) for p in specs)
+    for spec, found in zip(specs, verdicts, strict=True):
         if found.action == "refuse":
-            said = f"refused [{causes[refusal_pattern(plan, found.why)]}]"
+            said = f"refused [{causes[refusal_pattern(spec, found.why)]}]"
         else:
             said = found.describe()
-        lines.append(f"{plan.name:<{width}}  {plan.layout()}  {said}")
+        lines.append(f"{spec.name:<{width}}  {spec.layout()}  {said}")
     lines.append(
         f"==> {jobs} job(s) by resources; write their sbatch scripts with --emit-sbatch DIR"
     )
@@ -106,24 +106,24 @@ def sweep_runs(plans: list[RunPlan], verdicts: list[Verdict], jobs: int) -> list
 
 
 def dry_run(
-    plans: list[RunPlan],
-    groups: list[list[RunPlan]],
+    specs: list[RunSpec],
+    groups: list[list[RunSpec]],
     profile,
     backend: Backend,
     sweep,
     resume: str,
 ) -> int:
     """Print the dry run; the exit code the submission would end with."""
-    verdicts = [verdict(plan, resume) for plan in plans]
-    for plan, found in zip(plans, verdicts, strict=True):
+    verdicts = [verdict(spec, resume) for spec in specs]
+    for spec, found in zip(specs, verdicts, strict=True):
         for note in found.notes:  # as the submission prints them
-            print(f"{plan.name}: {note}", file=sys.stderr)
-    if sweep is None and len(plans) == 1:
+            print(f"{spec.name}: {note}", file=sys.stderr)
+    if sweep is None and len(specs) == 1:
         where = [(g, submitit_folder(g, sweep), job_name(g, sweep)) for g in groups]
         details = backend.dry_run(where, profile, array=False)
-        lines = single_run(plans[0], verdicts[0], details)
+        lines = single_run(specs[0], verdicts[0], details)
     else:
-        lines = sweep_runs(plans, verdicts, len(groups))
+        lines = sweep_runs(specs, verdicts, len(groups))
     sys.stdout.write("\n".join(lines) + "\n")
     refused = any(v.action == "refuse" for v in verdicts)
     return EXIT_REFUSED if refused else 0

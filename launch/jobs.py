@@ -26,32 +26,32 @@ from launch import run_dir as runs
 from launch.backends import Backend, get_backend, is_active
 from launch.executors import REPO
 from launch.job import TrainingJob
-from launch.resolve import RunPlan
+from launch.resolve import RunSpec
 from launch.resources import ClusterProfile, sbatch_parameters
 
 # -- where a group's jobs go --------------------------------------------------------------
 
 
-def submitit_folder(group: list[RunPlan], sweep) -> Path:
+def submitit_folder(group: list[RunSpec], sweep) -> Path:
     if sweep is None:
         return group[0].run_dir / SUBMITIT
     return Path(group[0].config.log.root) / SUBMITIT
 
 
-def job_name(group: list[RunPlan], sweep) -> str:
+def job_name(group: list[RunSpec], sweep) -> str:
     """A single run's name, or the sweep's ``name`` (which prefixes its runs' names)."""
     if sweep is None:
         return group[0].name
     return (yaml.safe_load(Path(sweep).read_text()) or {}).get("name") or Path(sweep).stem
 
 
-def group_by_resources(plans: list[RunPlan], profile, sweep) -> list[list[RunPlan]]:
+def group_by_resources(specs: list[RunSpec], profile, sweep) -> list[list[RunSpec]]:
     """Runs with identical sbatch settings share one job array."""
-    groups: dict[str, list[RunPlan]] = {}
-    for plan in plans:
-        key = repr(sorted(sbatch_parameters(profile, plan.resources, REPO, "").items()))
-        key += str(plan.config.log.root)
-        groups.setdefault(key, []).append(plan)
+    groups: dict[str, list[RunSpec]] = {}
+    for spec in specs:
+        key = repr(sorted(sbatch_parameters(profile, spec.resources, REPO, "").items()))
+        key += str(spec.config.log.root)
+        groups.setdefault(key, []).append(spec)
     return list(groups.values())
 
 
@@ -68,51 +68,51 @@ def recorded_state(submission: dict) -> str:
     return backend.job_state(str(submission["job_id"]))
 
 
-def held_by(plan: RunPlan) -> str | None:
+def held_by(spec: RunSpec) -> str | None:
     """Why not now, if a live process holds the run's lease (a job the launcher does not
     know of, a plain cqk train, or a cancelled job's ranks still saving)."""
-    holder = run_lease.live_holder(plan.run_dir)
+    holder = run_lease.live_holder(spec.run_dir)
     return None if holder is None else f"in use by {holder.describe()}"
 
 
-def triage(plan: RunPlan) -> str | None:
-    """Why ``plan`` must not be submitted now (finished, or a job of it is active)."""
-    if runs.is_finished(plan.run_dir, plan.config.train.train_steps):
+def triage(spec: RunSpec) -> str | None:
+    """Why ``spec`` must not be submitted now (finished, or a job of it is active)."""
+    if runs.is_finished(spec.run_dir, spec.config.train.train_steps):
         return "finished"
-    last = runs.last_submission(plan.run_dir)
+    last = runs.last_submission(spec.run_dir)
     if last is not None:
         state = recorded_state(last)
         if is_active(state):
             return f"job {last['job_id']} is {state}"
-    return held_by(plan)
+    return held_by(spec)
 
 
 # -- submission ---------------------------------------------------------------------------
 
 
-def record_submission(plan: RunPlan, job, backend: Backend, array: bool, argv: list[str]) -> None:
+def record_submission(spec: RunSpec, job, backend: Backend, array: bool, argv: list[str]) -> None:
     runs.append_event(
-        plan.run_dir,
+        spec.run_dir,
         "submitted",
         job_id=job.job_id,
         cluster=backend.name,
         array=array,
         submitit_folder=str(job.paths.folder),
-        resources=vars(plan.resources),
+        resources=vars(spec.resources),
         command=[*program("launch/submit.py").split(), *argv],  # as typed: cqk submit or the script
     )
-    runs.remember_run(plan.name, plan.run_dir)  # for status NAME
+    runs.remember_run(spec.name, spec.run_dir)  # for status NAME
     print(
-        f"submitted {plan.name}: job {job.job_id} ({backend.name}) -> {plan.folder_line()}",
+        f"submitted {spec.name}: job {job.job_id} ({backend.name}) -> {spec.folder_line()}",
         flush=True,
     )
 
 
-def _training_jobs(group: list[RunPlan], backend: Backend, resume: str) -> list[TrainingJob]:
+def _training_jobs(group: list[RunSpec], backend: Backend, resume: str) -> list[TrainingJob]:
     resources = group[0].resources
     return [
         TrainingJob(
-            to_dict(plan.config),
+            to_dict(spec.config),
             resources.max_requeues,
             master_port=backend.master_port(),
             max_restarts=resources.max_restarts,
@@ -120,12 +120,12 @@ def _training_jobs(group: list[RunPlan], backend: Backend, resume: str) -> list[
             resume=resume,
             backend=backend,
         )
-        for plan in group
+        for spec in group
     ]
 
 
 def submit_group(
-    group: list[RunPlan],
+    group: list[RunSpec],
     profile: ClusterProfile,
     backend: Backend,
     sweep,
@@ -153,9 +153,9 @@ def submit_group(
         else:
             with executor.batch():
                 jobs = [executor.submit(c) for c in callables]
-        for plan, job in zip(group, jobs, strict=True):
-            record_submission(plan, job, backend, len(group) > 1, argv)
-            progress.add(plan, job)
+        for spec, job in zip(group, jobs, strict=True):
+            record_submission(spec, job, backend, len(group) > 1, argv)
+            progress.add(spec, job)
     return jobs
 
 
@@ -163,16 +163,16 @@ def _submit_one_by_one(group, callables, profile, backend, argv, progress, guard
     """One job a run, at most ``array_parallelism`` at once; the group's progress is
     shown while a run waits for its turn."""
     jobs = []
-    for plan, job_callable in zip(group, callables, strict=True):
-        while sum(not job.done() for job in jobs) >= plan.resources.array_parallelism:
+    for spec, job_callable in zip(group, callables, strict=True):
+        while sum(not job.done() for job in jobs) >= spec.resources.array_parallelism:
             progress.poll()
             progress.pause()
-        folder = plan.run_dir / SUBMITIT
-        executor = backend.executor(folder, profile, plan.resources, plan.name, plan.run_dir)
+        folder = spec.run_dir / SUBMITIT
+        executor = backend.executor(folder, profile, spec.resources, spec.name, spec.run_dir)
         with guard():
             jobs.append(executor.submit(job_callable))
-            record_submission(plan, jobs[-1], backend, False, argv)
-            progress.add(plan, jobs[-1])
+            record_submission(spec, jobs[-1], backend, False, argv)
+            progress.add(spec, jobs[-1])
     return jobs
 
 
@@ -214,13 +214,13 @@ class Progress:
         self.backend, self.total = backend, total  # total: runs to submit
         self.poll_s = POLL_S if poll_s is None else poll_s
         self.mode = ("bar" if sys.stdout.isatty() else "lines") if mode == "auto" else mode
-        self.pending: dict[str, tuple[RunPlan, object]] = {}
+        self.pending: dict[str, tuple[RunSpec, object]] = {}
         self.bars: dict = {}
         self.ended = 0
         self._last_print = 0.0
 
-    def add(self, plan: RunPlan, job) -> None:
-        self.pending[plan.name] = (plan, job)
+    def add(self, spec: RunSpec, job) -> None:
+        self.pending[spec.name] = (spec, job)
 
     def jobs(self) -> list:
         """The jobs that have not ended yet."""
@@ -230,41 +230,41 @@ class Progress:
         # Opened at the first poll, not at submission: --no-wait draws none.
         from tqdm import tqdm
 
-        for name, (plan, _) in self.pending.items():
+        for name, (spec, _) in self.pending.items():
             if name not in self.bars:
-                self.bars[name] = tqdm(total=plan.config.train.train_steps, desc=name, unit="step")
+                self.bars[name] = tqdm(total=spec.config.train.train_steps, desc=name, unit="step")
 
     def poll(self) -> None:
         """One look at every pending job: report those that ended, show the others."""
         if self.mode == "bar":
             self._open_bars()
-        for name, (plan, job) in list(self.pending.items()):
+        for name, (spec, job) in list(self.pending.items()):
             state = self.backend.live_state(job)
             if not is_active(state):
-                self._ended(name, plan, job, state)
-        for plan, _ in self.pending.values():
-            self._update_bar(plan)
+                self._ended(name, spec, job, state)
+        for spec, _ in self.pending.values():
+            self._update_bar(spec)
         if self.mode != "bar" and self.pending and time.monotonic() - self._last_print > 30:
             self._last_print = time.monotonic()
             self._print_lines()
 
-    def _ended(self, name: str, plan: RunPlan, job, state: str) -> None:
-        self._update_bar(plan)
+    def _ended(self, name: str, spec: RunSpec, job, state: str) -> None:
+        self._update_bar(spec)
         if name in self.bars:
             self.bars.pop(name).close()
         self.ended += 1
         count = f" [{self.ended}/{self.total} ended]" if self.total > 1 else ""
-        done = runs.is_finished(plan.run_dir, plan.config.train.train_steps)
+        done = runs.is_finished(spec.run_dir, spec.config.train.train_steps)
         outcome = "the run finished" if done else "the run did not finish"
-        if runs.job_cancelled(plan.run_dir, job.job_id):  # its ranks saved and exited
+        if runs.job_cancelled(spec.run_dir, job.job_id):  # its ranks saved and exited
             state, outcome = "CANCELLED", "run the same command again to resume"
         print(f"{name}: job {job.job_id} ended ({state}): {outcome}{count}", flush=True)
         del self.pending[name]
 
     def _print_lines(self) -> None:
-        for name, (plan, _) in self.pending.items():
-            record = runs.latest_train_record(plan.run_dir)
-            steps = plan.config.train.train_steps
+        for name, (spec, _) in self.pending.items():
+            record = runs.latest_train_record(spec.run_dir)
+            steps = spec.config.train.train_steps
             text = (
                 f"step {record['step']}/{steps}, loss {record['loss']:.4f}"
                 if record
@@ -287,9 +287,9 @@ class Progress:
                 return
             time.sleep(min(LOCAL_CHECK_S, left))
 
-    def _update_bar(self, plan: RunPlan) -> None:
-        bar = self.bars.get(plan.name)
-        record = runs.latest_train_record(plan.run_dir) if bar is not None else None
+    def _update_bar(self, spec: RunSpec) -> None:
+        bar = self.bars.get(spec.name)
+        record = runs.latest_train_record(spec.run_dir) if bar is not None else None
         if record is None:
             return
         bar.n = record["step"]

@@ -1,6 +1,6 @@
 """From a run config (or a sweep) and the command line to validated runs with resources.
 
-Nothing here submits or writes: a plan that does not validate fails before any job exists.
+Nothing here submits or writes: a run that does not validate fails before any job exists.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ from launch.resources import (
 
 
 @dataclass
-class RunPlan:
+class RunSpec:
+    """One run as the launcher submits it: its validated config and its job's resources."""
+
     config: RunConfig  # validated for resources.world_size, log.root absolute
     resources: Resources  # nodes resolved
     # where each value that is not the default was set (config.load_config_traced), with
@@ -64,11 +66,11 @@ class RunPlan:
         )
 
 
-def explained_configs(plans: list[RunPlan]) -> str:
+def explained_configs(specs: list[RunSpec]) -> str:
     """``--print-config``: each run's config, every value that is not the default with
     where it was set (``config.explain_config``), under a line naming its folder."""
     return "\n".join(
-        explain_config(p.traced, f"run {p.name}: run folder {p.folder_line()}") for p in plans
+        explain_config(p.traced, f"run {p.name}: run folder {p.folder_line()}") for p in specs
     )
 
 
@@ -104,7 +106,7 @@ def resolve(
     resources: Resources,
     cluster: str,
     sources: dict[str, str] | None = None,
-) -> RunPlan:
+) -> RunSpec:
     """Fill in the node count, check it against the config and the launch backend called
     ``cluster``, and validate the layout."""
     tasks = resources.tasks
@@ -128,16 +130,16 @@ def resolve(
             f"run '{config.name}' with {nodes} node(s) x {tasks} task(s) = world size {world}: "
             f"{error}"
         ) from error
-    return RunPlan(config=config, resources=resources, sources=sources or {})
+    return RunSpec(config=config, resources=resources, sources=sources or {})
 
 
-def plan_run(
+def resolve_run(
     config_path: str | Path,
     overrides: list[str],
     profile: ClusterProfile,
     cli_resources: dict[str, Any],
     cluster: str,
-) -> RunPlan:
+) -> RunSpec:
     traced = _load(config_path, [(COMMAND_LINE, overrides)], profile)
     resources = merge_resources(profile.resources, cli_resources, COMMAND_LINE)
     return resolve(traced.config, resources, cluster, traced.sources)
@@ -153,24 +155,24 @@ def _sweep_resources(run: dict, profile: ClusterProfile, where: str) -> dict[str
     return values
 
 
-def plan_sweep(
+def resolve_sweep(
     sweep_path: str | Path,
     overrides: list[str],
     profile: ClusterProfile,
     cli_resources: dict[str, Any],
     cluster: str,
-) -> list[RunPlan]:
+) -> list[RunSpec]:
     from cqk_megatron.planner.sweep import expand_sweep
 
-    plans = []
+    specs = []
     for run in expand_sweep(sweep_path):
         where = f"{sweep_path} run '{run['name']}'"
         groups = [(where, run["overrides"]), (COMMAND_LINE, overrides)]
         traced = _load(run["config"], groups, profile)
         resources = merge_resources(profile.resources, _sweep_resources(run, profile, where), where)
         resources = merge_resources(resources, cli_resources, COMMAND_LINE)
-        plans.append(resolve(traced.config, resources, cluster, traced.sources))
-    names = [p.name for p in plans]
+        specs.append(resolve(traced.config, resources, cluster, traced.sources))
+    names = [p.name for p in specs]
     if len(set(names)) != len(names):
         raise ConfigError(f"{sweep_path}: run names repeat after the overrides ({names})")
-    return plans
+    return specs

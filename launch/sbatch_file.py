@@ -24,7 +24,7 @@ from cqk_megatron.config import to_dict
 from cqk_megatron.errors import EXIT_REQUEUE
 from launch.container import task_python
 from launch.executors import REPO, job_python
-from launch.resolve import RunPlan
+from launch.resolve import RunSpec
 from launch.resources import ClusterProfile, sbatch_parameters
 
 # submitit's parameter names -> sbatch's options, in the order a reader expects them.
@@ -54,17 +54,17 @@ def sbatch_options(params: dict, time: str, output: Path) -> list[str]:
     return lines
 
 
-def script_text(plan: RunPlan, profile: ClusterProfile, config_path: Path) -> str:
-    """The sbatch script of ``plan``, training the config written at ``config_path``."""
-    r = plan.resources
-    params = sbatch_parameters(profile, r, REPO, plan.name)
+def script_text(spec: RunSpec, profile: ClusterProfile, config_path: Path) -> str:
+    """The sbatch script of ``spec``, training the config written at ``config_path``."""
+    r = spec.resources
+    params = sbatch_parameters(profile, r, REPO, spec.name)
     python = task_python(profile.container, job_python(profile), r.gpus_per_node > 0)
     srun = ["srun", *params["srun_args"]]
     train = f"{python} -u -m cqk_megatron.train --config {shlex.quote(str(config_path))}"
-    output = config_path.parent / f"{plan.name}-%j.out"
+    output = config_path.parent / f"{spec.name}-%j.out"
     lines = [
         "#!/bin/bash",
-        f"# Run '{plan.name}' ({plan.layout()}) in {plan.run_dir}.",
+        f"# Run '{spec.name}' ({spec.layout()}) in {spec.run_dir}.",
         "# Written by cqk submit --emit-sbatch; submit it with: sbatch "
         + shlex.quote(str(config_path.with_suffix(".sbatch"))),
         "# A failed attempt is not relaunched here: submit this script again and the run",
@@ -85,15 +85,15 @@ def script_text(plan: RunPlan, profile: ClusterProfile, config_path: Path) -> st
     return "\n".join(lines) + "\n"
 
 
-def emit(plans: list[RunPlan], profile: ClusterProfile, folder: Path) -> list[Path]:
-    """Write ``RUN.yaml`` and ``RUN.sbatch`` in ``folder`` for each plan; the scripts."""
+def emit(specs: list[RunSpec], profile: ClusterProfile, folder: Path) -> list[Path]:
+    """Write ``RUN.yaml`` and ``RUN.sbatch`` in ``folder`` for each spec; the scripts."""
     folder = Path(folder).expanduser().resolve()
     folder.mkdir(parents=True, exist_ok=True)
     written = []
-    for plan in plans:
-        config_path = folder / f"{plan.name}.yaml"
-        config_path.write_text(yaml.safe_dump(to_dict(plan.config), sort_keys=False))
-        script = folder / f"{plan.name}.sbatch"
-        script.write_text(script_text(plan, profile, config_path))
+    for spec in specs:
+        config_path = folder / f"{spec.name}.yaml"
+        config_path.write_text(yaml.safe_dump(to_dict(spec.config), sort_keys=False))
+        script = folder / f"{spec.name}.sbatch"
+        script.write_text(script_text(spec, profile, config_path))
         written.append(script)
     return written

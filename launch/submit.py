@@ -65,7 +65,7 @@ from launch.jobs import (  # noqa: E402, F401 (the launcher's names, as before t
     submitit_folder,
     triage,
 )
-from launch.resolve import RunPlan, explained_configs, plan_run, plan_sweep  # noqa: E402
+from launch.resolve import RunSpec, explained_configs, resolve_run, resolve_sweep  # noqa: E402
 from launch.resources import load_profile, parse_key_values  # noqa: E402
 from launch.status import describe  # noqa: E402
 from launch.status import main as status_main  # noqa: E402
@@ -216,18 +216,18 @@ def cli_resources(args: argparse.Namespace, gpu_profile: bool) -> dict:
 # -- submission ------------------------------------------------------------------------------
 
 
-def preflight_refusal(plans: list[RunPlan], resume: str) -> str | None:
+def preflight_refusal(specs: list[RunSpec], resume: str) -> str | None:
     """The first run that would fail, as one line (``None``: all can start); notes are
     printed. Reads only: nothing is written or queued before this passes."""
     from cqk_megatron.planner.preflight import PreflightError, preflight
 
-    for plan in plans:
+    for spec in specs:
         try:
-            notes = preflight(plan.config, resume, hash_checkpoints=True)
+            notes = preflight(spec.config, resume, hash_checkpoints=True)
         except PreflightError as error:
-            return f"{plan.name}: {error}"
+            return f"{spec.name}: {error}"
         for note in notes:
-            print(f"{plan.name}: {note}", file=sys.stderr)
+            print(f"{spec.name}: {note}", file=sys.stderr)
     return None
 
 
@@ -360,12 +360,12 @@ def stop_jobs_at_once(backend: Backend, pending: list, code: int) -> int:
     return code
 
 
-def unfinished_exit(plans: list[RunPlan], unfinished: list[str], job_ids: dict[str, str]) -> int:
+def unfinished_exit(specs: list[RunSpec], unfinished: list[str], job_ids: dict[str, str]) -> int:
     """The launcher's exit code when runs it waited for did not finish: ``EXIT_REFUSED`` (2)
     when every one of them was refused by its job after it was queued (its folder held by
     another job, checkpoints that do not verify, bad data: what the pre-flight refuses with
     2 too, and what a resubmission as it is cannot change), else 1. Says which and why."""
-    run_dirs = {p.name: p.run_dir for p in plans}
+    run_dirs = {p.name: p.run_dir for p in specs}
     refused = {}
     for name in unfinished:
         job_id = job_ids.get(name)
@@ -380,7 +380,7 @@ def unfinished_exit(plans: list[RunPlan], unfinished: list[str], job_ids: dict[s
     return 1
 
 
-def _plan(args: argparse.Namespace) -> tuple[Backend, object, list[RunPlan]]:
+def _resolve(args: argparse.Namespace) -> tuple[Backend, object, list[RunSpec]]:
     """The backend, the cluster profile and the validated runs (``ConfigError``)."""
     profile = load_profile(args.profile)
     cluster = args.cluster or profile.cluster
@@ -393,23 +393,23 @@ def _plan(args: argparse.Namespace) -> tuple[Backend, object, list[RunPlan]]:
     backend = get_backend(cluster)
     resources = cli_resources(args, profile.gpus)
     if args.sweep:
-        plans = plan_sweep(args.sweep, args.overrides, profile, resources, cluster)
+        specs = resolve_sweep(args.sweep, args.overrides, profile, resources, cluster)
     else:
-        plans = [plan_run(args.config, args.overrides, profile, resources, cluster)]
-    return backend, profile, plans
+        specs = [resolve_run(args.config, args.overrides, profile, resources, cluster)]
+    return backend, profile, specs
 
 
-def _triage_groups(groups: list[list[RunPlan]]) -> list[list[RunPlan]]:
+def _triage_groups(groups: list[list[RunSpec]]) -> list[list[RunSpec]]:
     """Each group's runs that may be submitted now; the others are said and skipped."""
     todos = []
     for group in groups:
         todo = []
-        for plan in group:
-            reason = triage(plan)
+        for spec in group:
+            reason = triage(spec)
             if reason is None:
-                todo.append(plan)
+                todo.append(spec)
             else:
-                print(f"skipped {plan.name}: {reason} ({plan.run_dir})", flush=True)
+                print(f"skipped {spec.name}: {reason} ({spec.run_dir})", flush=True)
         todos.append(todo)
     return todos
 
@@ -435,32 +435,32 @@ def _submit_all(todos, profile, backend: Backend, args, argv, progress) -> dict[
     return job_ids
 
 
-def _all_finished(plans: list[RunPlan]) -> bool:
-    return all(runs.is_finished(p.run_dir, p.config.train.train_steps) for p in plans)
+def _all_finished(specs: list[RunSpec]) -> bool:
+    return all(runs.is_finished(p.run_dir, p.config.train.train_steps) for p in specs)
 
 
-def _report_unfinished(plans: list[RunPlan], job_ids: dict[str, str]) -> int:
+def _report_unfinished(specs: list[RunSpec], job_ids: dict[str, str]) -> int:
     """After the wait: 0 when every run finished, else what ``unfinished_exit`` says."""
     unfinished = [
-        p.name for p in plans if not runs.is_finished(p.run_dir, p.config.train.train_steps)
+        p.name for p in specs if not runs.is_finished(p.run_dir, p.config.train.train_steps)
     ]
     if not unfinished:
         print("all runs finished")
         return 0
-    for plan in plans:
-        if plan.name in unfinished:
-            print(describe(plan.run_dir), file=sys.stderr)
-    return unfinished_exit(plans, unfinished, job_ids)
+    for spec in specs:
+        if spec.name in unfinished:
+            print(describe(spec.run_dir), file=sys.stderr)
+    return unfinished_exit(specs, unfinished, job_ids)
 
 
-def emit_scripts(plans: list[RunPlan], profile, backend: Backend, folder: str) -> None:
+def emit_scripts(specs: list[RunSpec], profile, backend: Backend, folder: str) -> None:
     """``--emit-sbatch``: the plain sbatch scripts, one per run (Slurm only)."""
     if not backend.sbatch_scripts:
         raise ConfigError(
             f"--emit-sbatch writes Slurm scripts, and --cluster is {backend.name}: "
             "use --cluster slurm (or a profile with cluster: slurm)"
         )
-    for script in sbatch_file.emit(plans, profile, Path(folder)):
+    for script in sbatch_file.emit(specs, profile, Path(folder)):
         print(f"wrote {script} (submit it with: sbatch {script})")
 
 
@@ -472,15 +472,15 @@ def main(argv: list[str] | None = None) -> int:
         return cancel_main(argv[1:])
     args = parse_args(argv)
     try:
-        backend, profile, plans = _plan(args)
-        groups = group_by_resources(plans, profile, args.sweep)
+        backend, profile, specs = _resolve(args)
+        groups = group_by_resources(specs, profile, args.sweep)
         if args.print_config:
-            print(explained_configs(plans), end="")
+            print(explained_configs(specs), end="")
             return 0
         if args.dry_run or args.emit_sbatch:
-            code = dry_run(plans, groups, profile, backend, args.sweep, args.resume)
+            code = dry_run(specs, groups, profile, backend, args.sweep, args.resume)
             if args.emit_sbatch:
-                emit_scripts(plans, profile, backend, args.emit_sbatch)
+                emit_scripts(specs, profile, backend, args.emit_sbatch)
             return code
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -499,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
             job_ids = _submit_all(todos, profile, backend, args, argv, progress)
             if not job_ids:
                 print("nothing submitted")
-                return 0 if _all_finished(plans) else 1
+                return 0 if _all_finished(specs) else 1
             if wait:
                 if backend.launcher_owns_jobs:
                     print(
@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
             return stop_jobs(backend, progress.jobs(), "interrupted", 130)
         except StopSignal as stop:
             return stop_jobs(backend, progress.jobs(), stop.name, 128 + stop.signum)
-    return _report_unfinished(plans, job_ids) if wait else 0
+    return _report_unfinished(specs, job_ids) if wait else 0
 
 
 if __name__ == "__main__":

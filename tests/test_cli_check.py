@@ -37,10 +37,19 @@ def test_a_process_group_that_cannot_start_fails_the_check(monkeypatch):
 
 
 def test_nccl_without_a_gpu_is_named():
-    facts = check.gather(backend="nccl", timeout_s=10)
+    facts = check.gather(library="nccl", timeout_s=10)
     code, lines = check.verdict(facts)
     assert code == 1
     assert any("NCCL needs a GPU" in line for line in lines), lines
+
+
+def test_collectives_chooses_the_library_and_the_old_backend_flag_still_does(capsys):
+    parser = check.build_parser()
+    assert parser.parse_args([]).collectives == "auto"
+    assert parser.parse_args(["--collectives", "nccl"]).collectives == "nccl"
+    assert parser.parse_args(["--backend", "gloo"]).collectives == "gloo"
+    parser.print_help()
+    assert "--backend" not in capsys.readouterr().out
 
 
 def _facts(**changes) -> check.Facts:

@@ -34,7 +34,7 @@ from cqk_megatron.convert import (
 from cqk_megatron.convert import hf_config as hf_config_module
 from cqk_megatron.convert.hf_import import import_checkpoint
 from cqk_megatron.convert.names import (
-    ModelLayout,
+    ModelShape,
     fuse_qkv,
     megatron_param_shapes,
     split_qkv,
@@ -296,13 +296,13 @@ def test_coupling_file_is_copied_verbatim(exports):
         )
 
 
-# --- QKV layout ---------------------------------------------------------------------------
+# --- QKV rows ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (6, 3), (4, 1)])
 def test_qkv_split_follows_megatron_grouping(heads, kv_heads):
     d, hidden = 3, 5
-    layout = ModelLayout(2, hidden, heads, kv_heads, d, 7, 16, True, False, False)
+    shape = ModelShape(2, hidden, heads, kv_heads, d, 7, 16, True, False, False)
     group = heads // kv_heads
     # every row tagged by (query group, slot in [q_1 .. q_g, k, v], row within the head)
     tags = torch.tensor(
@@ -314,7 +314,7 @@ def test_qkv_split_follows_megatron_grouping(heads, kv_heads):
         ],
         dtype=torch.float32,
     )
-    q, k, v = split_qkv(tags, layout)
+    q, k, v = split_qkv(tags, shape)
     for h in range(heads):
         expected = [(h // group) * 1000 + (h % group) * 10 + r for r in range(d)]
         assert q[h * d : (h + 1) * d, 0].tolist() == expected
@@ -323,7 +323,7 @@ def test_qkv_split_follows_megatron_grouping(heads, kv_heads):
         assert v[j * d : (j + 1) * d, 0].tolist() == [
             j * 1000 + (group + 1) * 10 + r for r in range(d)
         ]
-    assert torch.equal(fuse_qkv(q, k, v, layout), tags)
+    assert torch.equal(fuse_qkv(q, k, v, shape), tags)
 
 
 # --- generation ---------------------------------------------------------------------------

@@ -4,7 +4,7 @@
 or on CPU ``differential.paired_maps``) and ``split`` (four SDPA calls) must give the
 same layer, for every coupling, with and without grouped-query attention: outputs and
 gradients of every parameter and of the input equal each other and a plain reference
-written here (coupling.py's modules called as themselves, the differential formula with
+written here (plain_math.py's modules called as themselves, the differential formula with
 explicit per-head loops), to 1e-6 in float64. TP=2 against TP=1 for both forms is in
 ``test_parallel_equivalence.py``; the Hugging Face export in ``test_convert.py``.
 """
@@ -28,7 +28,7 @@ from cqk_megatron.model.attention.differential import (
     fused_normalize,
     paired_maps,
 )
-from cqk_megatron.model.attention.sdpa import sdpa_backend
+from cqk_megatron.model.attention.sdpa import chosen_sdpa_kernel
 from cqk_megatron.model.gpt import build_model
 from cqk_megatron.parallel.process_groups import init_single_process
 from cqk_megatron.variants import DIFFERENTIAL_NORMS
@@ -85,7 +85,7 @@ def causal_softmax(q, k, scale):
 
 def reference_layer(attention, hidden, freqs):
     """The layer's output from its weights: projections, the coupling module of
-    coupling.py run as itself, RoPE, then differential attention head by head."""
+    plain_math.py run as itself, RoPE, then differential attention head by head."""
     heads, groups = (
         attention.num_attention_heads_per_partition,
         attention.num_query_groups_per_partition,
@@ -316,7 +316,7 @@ CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
 
 @pytest.mark.parametrize(
-    "setting,backend,device,probe,cpu_maps,expected",
+    "setting,transformer_impl,device,probe,cpu_maps,expected",
     [
         ("paired", "local", CUDA, never_asked, True, "paired"),
         ("split", "transformer_engine", CUDA, never_asked, True, "split"),
@@ -329,8 +329,8 @@ CUDA, CPU = torch.device("cuda"), torch.device("cpu")
         ("auto", "local", CUDA, lambda: "math", True, "split"),
     ],
 )
-def test_choose_kernel(setting, backend, device, probe, cpu_maps, expected):
-    kernel, reason = choose_kernel(setting, backend, device, probe, cpu_maps=cpu_maps)
+def test_choose_kernel(setting, transformer_impl, device, probe, cpu_maps, expected):
+    kernel, reason = choose_kernel(setting, transformer_impl, device, probe, cpu_maps=cpu_maps)
     assert kernel == expected
     assert reason
 
@@ -342,14 +342,14 @@ def test_unknown_kernel_setting_is_refused_naming_the_field():
         validate(tiny("none", 4, "fast"))
 
 
-def test_sdpa_backend_asks_torchs_dispatcher_on_cpu():
+def test_chosen_sdpa_kernel_asks_torchs_dispatcher_on_cpu():
     """PyTorch's CPU flash kernel takes only values as wide as queries
     (sdp_utils_cpp.cpp, check_head_dim_size_cpp); anything else is the math path."""
     q = torch.zeros(1, 4, 16, 8, requires_grad=True)
     narrow, wide = torch.zeros(1, 2, 16, 8), torch.zeros(1, 2, 16, 16)
-    assert sdpa_backend(q, narrow, narrow) == "flash"  # GQA 4 / 2
-    assert sdpa_backend(q, narrow, wide) == "math"
-    assert sdpa_backend(q, narrow, narrow, dropout_p=0.1) == "math"
+    assert chosen_sdpa_kernel(q, narrow, narrow) == "flash"  # GQA 4 / 2
+    assert chosen_sdpa_kernel(q, narrow, wide) == "math"
+    assert chosen_sdpa_kernel(q, narrow, narrow, dropout_p=0.1) == "math"
 
 
 def test_layers_report_their_form_once(capsys, monkeypatch):

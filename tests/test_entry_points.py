@@ -22,7 +22,7 @@ import pytest
 from cqk_megatron.config import CONFIGS_DIR, RunConfig, load_config, to_dict
 from cqk_megatron.config.changes import flatten
 from cqk_megatron.planner import runs as planner_runs
-from cqk_megatron.planner.parameters import count_parameters
+from cqk_megatron.planner.parameters import config_parameters
 from cqk_megatron.planner.runs import plan_config
 
 SIZE = CONFIGS_DIR / "repro" / "cpu-tiny.yaml"  # 4 x 256, 16 x 128 tokens a step
@@ -79,10 +79,10 @@ def _entry_point_configs(tmp_path: Path, capsys) -> dict[str, RunConfig]:
     from cqk_megatron.cli.analyze import main as analyze
     from cqk_megatron.cli.plan import load_plan_config
     from cqk_megatron.planner.sweep import expand_sweep
-    from cqk_megatron.repro.configs import build_plan
+    from cqk_megatron.repro.configs import build_reproduction
     from cqk_megatron.repro.data import DataChoice
     from cqk_megatron.repro.presets import PRESETS
-    from launch.resolve import plan_sweep, resolve
+    from launch.resolve import resolve, resolve_sweep
     from launch.resources import ClusterProfile, Resources
 
     configs = {}
@@ -90,7 +90,7 @@ def _entry_point_configs(tmp_path: Path, capsys) -> dict[str, RunConfig]:
     sweep.write_text(SWEEP)
     [run] = expand_sweep(sweep)
     configs["sweep"] = load_config(run["config"], run["overrides"])
-    [launched] = plan_sweep(sweep, [], ClusterProfile(), {"tasks_per_node": 1}, "local")
+    [launched] = resolve_sweep(sweep, [], ClusterProfile(), {"tasks_per_node": 1}, "local")
     configs["launch_sweep"] = launched.config
     capsys.readouterr()
     analyze(["ladder", str(sweep)])
@@ -99,8 +99,10 @@ def _entry_point_configs(tmp_path: Path, capsys) -> dict[str, RunConfig]:
 
     preset = dataclasses.replace(PRESETS["cpu-tiny"], config=SIZE)
     data = DataChoice(tmp_path / "corpus", tmp_path / "tok.model", 8192, "a stand-in")
-    plan = build_plan(preset, [VARIANT], [SEED], TOKENS, data, tmp_path, 1, [], cuda=False)
-    [planned] = plan.runs
+    reproduction = build_reproduction(
+        preset, [VARIANT], [SEED], TOKENS, data, tmp_path, 1, [], cuda=False
+    )
+    [planned] = reproduction.runs
     configs["repro"] = planned.config
     configs["launch"] = resolve(planned.config, Resources(tasks_per_node=1), "local").config
     assert configs["launch"] == planned.config
@@ -129,13 +131,13 @@ def test_every_entry_point_plans_the_same_run(tmp_path, capsys, monkeypatch, rew
     assert (reference.attention.coupling, reference.attention.scoring) == expected
     configs = _entry_point_configs(tmp_path, capsys)
     assert set(configs) == set(OWNED)
-    count = count_parameters(reference)
+    count = config_parameters(reference)
     for entry, config in configs.items():
         attention = (config.attention.coupling, config.attention.scoring)
         assert attention == expected, f"{entry} built its own variant config: {attention}"
         extra = _differences(config, reference) - set(OWNED[entry])
         assert not extra, f"{entry}: {sorted(extra)} differ from the planner's config"
-        assert count_parameters(config) == count, entry
+        assert config_parameters(config) == count, entry
     [row] = overhead_table(load_config(SIZE, [f"seed={SEED}"]), [VARIANT])
     assert row["parameters"] == count
 

@@ -1,4 +1,4 @@
-"""The fused, compiled and recomputed couplings against the reference of ``coupling.py``.
+"""The fused, compiled and recomputed couplings against the reference of ``plain_math.py``.
 
 ``cqk_megatron.model.attention.fast_coupling`` rearranges the math (group means before the
 output layer, shared leapfrog kicks, broadcasts instead of copies); every path must give

@@ -12,7 +12,7 @@ from cqk_megatron.config import ConfigError, load_config
 from cqk_megatron.errors import EXIT_REQUEUE
 from cqk_megatron.run.folder import append_event
 from launch.api import LocalSubmission, outcome, submit_local
-from launch.resolve import RunPlan
+from launch.resolve import RunSpec
 from launch.resources import Resources
 
 TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4"]
@@ -20,9 +20,9 @@ TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads
 
 def _submission(tmp_path, job_id: str = "4242") -> LocalSubmission:
     config = load_config(None, [*TINY, "name=r", f"log.root={tmp_path}"])
-    plan = RunPlan(config, Resources(nodes=1))
+    spec = RunSpec(config, Resources(nodes=1))
     job = LocalJob(folder=tmp_path / "r" / "submitit", job_id=job_id, tasks=[0])  # no process
-    return LocalSubmission(plan, job, deadline_s=60)
+    return LocalSubmission(spec, job, deadline_s=60)
 
 
 @pytest.mark.parametrize(

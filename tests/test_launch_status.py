@@ -38,7 +38,7 @@ HOST = socket.gethostname()
 RACING_LAUNCHER = """
 import sys
 from launch import submit
-submit.triage = lambda plan: None
+submit.triage = lambda spec: None
 sys.exit(submit.main(sys.argv[1:]))
 """
 

@@ -206,24 +206,26 @@ def test_gpt2_flops_and_stage_parameters_match_the_built_model(variant):
 # --- cqk-repro in the GPT-2 family --------------------------------------------------------
 
 
-def test_repro_plan_in_the_gpt2_family(tmp_path):
-    from cqk_megatron.repro.configs import build_plan
+def test_repro_runs_in_the_gpt2_family(tmp_path):
+    from cqk_megatron.repro.configs import build_reproduction
     from cqk_megatron.repro.data import DataChoice
     from cqk_megatron.repro.presets import PRESETS, ReproError
 
     data = DataChoice(tmp_path / "d_text_document", tmp_path / "t.model", 700, "test data")
     preset = PRESETS["cpu-tiny"]
-    plan = build_plan(
+    reproduction = build_reproduction(
         preset, ["standard", "coupled"], [0], 4096, data, tmp_path, 1, [], False, "gpt2"
     )
-    for run in plan.runs:
+    for run in reproduction.runs:
         m = run.config.model
         assert m.architecture_family == "gpt2" and m.ffn_size == 4 * m.hidden_size
         assert run.name == f"cpu-tiny-gpt2-{run.variant}-s0"
-    llama = build_plan(preset, ["coupled"], [0], 4096, data, tmp_path, 1, [], False)
+    llama = build_reproduction(preset, ["coupled"], [0], 4096, data, tmp_path, 1, [], False)
     assert llama.runs[0].config.model.architecture_family == "llama"
     with pytest.raises(ReproError, match="model.family is set by the command; use --family"):
-        build_plan(preset, ["coupled"], [0], 4096, data, tmp_path, 1, ["model.family=gpt2"], False)
+        build_reproduction(
+            preset, ["coupled"], [0], 4096, data, tmp_path, 1, ["model.family=gpt2"], False
+        )
 
 
 def test_repro_trains_the_gpt2_family(tmp_path, capsys):

@@ -1,7 +1,7 @@
 """The Megatron model's coupled attention against an independent plain-PyTorch model.
 
 ``cqk_megatron/eval/plain_model.py`` writes the transformer and every coupling out from
-their formulas, importing nothing from this package (not ``coupling.py``, not Megatron).
+their formulas, importing nothing from this package (not ``plain_math.py``, not Megatron).
 Here a Megatron ``GPTModel`` and a ``PlainLM`` hold identical weights (copied by name)
 and see identical tokens, in fp64: logits and the gradient of every parameter must agree
 to 1e-9, for every coupling, before and after RoPE, with and without grouped-query

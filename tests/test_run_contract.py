@@ -160,11 +160,11 @@ def _launch_status(run_dir: Path) -> str:
 
 
 def _repro_status(run_dir: Path) -> str:
-    from cqk_megatron.repro.configs import PlannedRun
+    from cqk_megatron.repro.configs import ReproRun
     from cqk_megatron.repro.runner import status
 
     config = _config(run_dir.parent, run_dir.name)
-    return status(PlannedRun(run_dir.name, "standard", 0, config))
+    return status(ReproRun(run_dir.name, "standard", 0, config))
 
 
 def test_launch_repro_and_analysis_classify_a_run_the_same_way(folders):

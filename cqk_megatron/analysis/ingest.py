@@ -34,7 +34,7 @@ from cqk_megatron.analysis import wandb_runs
 from cqk_megatron.analysis.step_time import run_step_time
 from cqk_megatron.config import ConfigError, RunConfig, from_dict, load_config
 from cqk_megatron.model.params import vocabulary_parameters
-from cqk_megatron.planner.parameters import count_parameters
+from cqk_megatron.planner.parameters import config_parameters
 from cqk_megatron.run.folder import (
     CONFIG,
     METRICS,
@@ -112,14 +112,14 @@ _PARAM_CACHE: dict[str, int] = {}
 
 def count_total_parameters(config: RunConfig) -> int:
     """Total parameters of the run's model (TP=PP=1), counted without building it or
-    starting a process group (``planner.parameters.count_parameters``)."""
+    starting a process group (``planner.parameters.config_parameters``)."""
     key = repr((config.model, config.attention))
     if key not in _PARAM_CACHE:
         # Only the model and attention sections decide the count; the run's layout,
         # engine (GPU-only ones fail validation here) and batch sizes must not get in
         # the way on an analysis machine.
         config = RunConfig(name=config.name, model=config.model, attention=config.attention)
-        _PARAM_CACHE[key] = count_parameters(config)
+        _PARAM_CACHE[key] = config_parameters(config)
     return _PARAM_CACHE[key]
 
 

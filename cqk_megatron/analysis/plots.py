@@ -1,4 +1,4 @@
-"""PNG figures of the report (matplotlib, Agg backend: no display needed).
+"""PNG figures of the report (matplotlib's Agg renderer: no display needed).
 
 Every figure has labelled axes with units: tokens and FLOPs on log axes, loss in nats
 per token, sizes in parameters. One colour per attention variant across all figures.

@@ -23,7 +23,7 @@ per-round ratio), model FLOPs per token and MFU (GPU), and memory:
 A variant name may carry tags that choose how its coupling runs, so that the ways
 of running one coupling are timed side by side: ``coupled@compiled`` sets
 ``attention.coupling_impl=compiled``, ``coupled@eager`` the default fused eager form,
-``coupled@reference`` the plain modules of ``coupling.py`` (a benchmark-only choice;
+``coupled@reference`` the plain modules of ``plain_math.py`` (a benchmark-only choice;
 for differential scoring too: ``differential@split@reference`` is the four calls and
 the plain combination of ``DifferentialScoring``, the form that ran before the paired one),
 and ``@recompute`` sets ``attention.recompute_coupling=true`` (e.g.
@@ -76,7 +76,7 @@ def load_bench_config(spec: str, overrides: list[str] | None = None) -> RunConfi
     return load_config(spec, overrides)
 
 
-IMPL_TAGS = RUN_IMPLS  # attention.coupling_impl (+ reference: the coupling.py module)
+IMPL_TAGS = RUN_IMPLS  # attention.coupling_impl (+ reference: the plain_math.py module)
 KERNEL_TAGS = DIFFERENTIAL_KERNELS  # attention.differential_kernel
 VARIANT_TAGS = (*IMPL_TAGS, *KERNEL_TAGS, "recompute")
 

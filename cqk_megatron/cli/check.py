@@ -4,10 +4,10 @@ a cluster node.
 It prints the versions that matter (Python, torch, megatron-core, DeepSpeed), whether
 CUDA and NCCL are there and how many GPUs this process sees, whether the optional
 Transformer Engine and Apex are installed, and whether a one-rank process group starts:
-gloo on a CPU machine, NCCL on a GPU one, the backend training would use
-(``cqk_megatron.parallel.process_groups.backend``). It exits 0 when the install can train and 1
-otherwise, with one line per missing piece and the command that installs it
-(docs/install.md has the full install).
+gloo on a CPU machine, NCCL on a GPU one, the collective library training would use
+(``cqk_megatron.parallel.process_groups.collective_library``). It exits 0 when the install
+can train and 1 otherwise, with one line per missing piece and the command that installs
+it (docs/install.md has the full install).
 
 The process group is started in a child process with a time limit, so a network setup that
 hangs (a hostname that does not resolve for gloo, an NCCL that waits forever) ends the
@@ -29,6 +29,8 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
+from cqk_megatron.cli.args import add_renamed
+
 # torch >= 2.5 for scaled_dot_product_attention(enable_gqa=...) (setup.py says the same).
 MIN_TORCH = (2, 5)
 # The megatron-core minor this stack is written and tested against (compat/ and the
@@ -37,18 +39,18 @@ TESTED_MEGATRON_MINOR = (0, 16)
 INSTALL_DOC = "docs/install.md"
 
 # Run in a child process: a one-rank process group on a TCP store of this host, one
-# all_reduce on the backend's device, then torn down. Imports only torch.
+# all_reduce on the library's device (gloo: CPU, NCCL: GPU 0), then torn down. Imports only torch.
 PROBE_SOURCE = """
 import datetime, sys
 import torch
 import torch.distributed as dist
-backend, timeout_s = sys.argv[1], float(sys.argv[2])
-device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+library, timeout_s = sys.argv[1], float(sys.argv[2])
+device = torch.device("cuda", 0) if library == "nccl" else torch.device("cpu")
 if device.type == "cuda":
     torch.cuda.set_device(device)
 timeout = datetime.timedelta(seconds=timeout_s)
 store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timeout)
-dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+dist.init_process_group(library, store=store, rank=0, world_size=1, timeout=timeout)
 value = torch.ones(1, device=device)
 dist.all_reduce(value)
 if device.type == "cuda":
@@ -74,9 +76,10 @@ class Package:
 
 @dataclass(frozen=True)
 class GroupProbe:
-    """Whether a one-rank process group of ``backend`` started (and why not)."""
+    """Whether a one-rank process group on ``library`` (gloo or NCCL) started (and why
+    not)."""
 
-    backend: str
+    library: str
     ok: bool
     detail: str
 
@@ -133,26 +136,27 @@ def installed_version(module: str, distributions: tuple[str, ...]) -> str | None
     return "installed"
 
 
-def probe_group(backend: str, timeout_s: float) -> GroupProbe:
-    """Start a one-rank ``backend`` process group in a child process, within ``timeout_s``."""
+def probe_group(library: str, timeout_s: float) -> GroupProbe:
+    """Start a one-rank process group on ``library`` (gloo or NCCL) in a child process,
+    within ``timeout_s``."""
     started = time.monotonic()
-    command = [sys.executable, "-c", PROBE_SOURCE, backend, str(timeout_s)]
+    command = [sys.executable, "-c", PROBE_SOURCE, library, str(timeout_s)]
     try:
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=timeout_s + 30, check=False
         )
     except subprocess.TimeoutExpired:
-        return GroupProbe(backend, False, f"did not start within {timeout_s + 30:g} s")
+        return GroupProbe(library, False, f"did not start within {timeout_s + 30:g} s")
     seconds = time.monotonic() - started
     if done.returncode == 0 and done.stdout.strip().endswith("ok"):
-        return GroupProbe(backend, True, f"started, all_reduce ok ({seconds:.1f} s)")
+        return GroupProbe(library, True, f"started, all_reduce ok ({seconds:.1f} s)")
     lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
     reason = lines[-1] if lines else f"exit code {done.returncode}"
-    return GroupProbe(backend, False, reason)
+    return GroupProbe(library, False, reason)
 
 
-def gather(backend: str = "auto", timeout_s: float = 60.0, start_group: bool = True) -> Facts:
-    """This machine's facts. ``backend='auto'`` probes what training would use."""
+def gather(library: str = "auto", timeout_s: float = 60.0, start_group: bool = True) -> Facts:
+    """This machine's facts. ``library='auto'`` probes what training would use."""
     facts = Facts(
         python=platform.python_version(),
         torch=import_package("torch", "torch", "torch"),
@@ -181,7 +185,7 @@ def gather(backend: str = "auto", timeout_s: float = 60.0, start_group: bool = T
     facts.megatron = import_package("megatron-core", "megatron.core", "megatron-core")
     facts.deepspeed = import_package("deepspeed", "deepspeed", "deepspeed")
     if start_group:
-        chosen = backend if backend != "auto" else ("nccl" if facts.cuda_available else "gloo")
+        chosen = library if library != "auto" else ("nccl" if facts.cuda_available else "gloo")
         if chosen == "nccl" and not facts.cuda_available:
             facts.group = GroupProbe("nccl", False, "NCCL needs a GPU and CUDA is not available")
         else:
@@ -238,11 +242,11 @@ def problems(facts: Facts) -> list[str]:
     if facts.group is not None and not facts.group.ok:
         hint = (
             "check that this host's name resolves (or set GLOO_SOCKET_IFNAME)"
-            if facts.group.backend == "gloo"
+            if facts.group.library == "gloo"
             else "check the driver, NCCL_* settings and CUDA_VISIBLE_DEVICES"
         )
         found.append(
-            f"a one-rank {facts.group.backend} process group did not start "
+            f"a one-rank {facts.group.library} process group did not start "
             f"({facts.group.detail}); {hint}"
         )
     return found
@@ -288,7 +292,7 @@ def report_lines(facts: Facts) -> list[str]:
     ]
     if facts.group is not None:
         state = facts.group.detail if facts.group.ok else f"FAILED: {facts.group.detail}"
-        rows.append((f"{facts.group.backend} group", f"one rank: {state}"))
+        rows.append((f"{facts.group.library} group", f"one rank: {state}"))
     return [f"  {name:<19} {value}" for name, value in rows]
 
 
@@ -317,12 +321,14 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument(
-        "--backend",
+    add_renamed(
+        parser,
+        "--collectives",
+        ("--backend",),
         choices=("auto", "gloo", "nccl"),
         default="auto",
-        help="process group to start: auto is nccl where CUDA is available, else gloo "
-        "(what training uses)",
+        help="collective library of the process group to start: auto is nccl where CUDA is "
+        "available, else gloo (what training uses)",
     )
     parser.add_argument(
         "--timeout",
@@ -340,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    facts = gather(args.backend, args.timeout, start_group=not args.no_group)
+    facts = gather(args.collectives, args.timeout, start_group=not args.no_group)
     print("cqk check: can this install train?")
     for line in report_lines(facts):
         print(line)

@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--shard",
         default=None,
-        help="K/N: train only every N-th planned run from the K-th (0-based), so N processes "
+        help="K/N: train only every N-th requested run from the K-th (0-based), so N processes "
         "can share one --out; the same command without --shard then writes the table",
     )
     add_out(
@@ -104,7 +104,7 @@ def csv(text: str) -> list[str]:
     return [part for part in text.split(",") if part]
 
 
-def planned_runs(args: argparse.Namespace, parser: argparse.ArgumentParser):
+def requested_runs(args: argparse.Namespace, parser: argparse.ArgumentParser):
     """The options and the runs the command line asks for (``parser.error`` on bad ones)."""
     from cqk_megatron.eval.mqar import BENCHMARK, benchmark_runs, grid
     from cqk_megatron.eval.mqar_data import MQARSetting
@@ -114,7 +114,7 @@ def planned_runs(args: argparse.Namespace, parser: argparse.ArgumentParser):
     if args.benchmark:
         options = TrainOptions(**{**BENCHMARK["options"], **given})
         seeds = [int(s) for s in csv(args.seeds)] if args.seeds else BENCHMARK["seeds"]
-        planned = benchmark_runs(seeds)
+        requested = benchmark_runs(seeds)
     else:
         options = TrainOptions(**given)
         variants, families = csv(args.variants), csv(args.families)
@@ -128,14 +128,14 @@ def planned_runs(args: argparse.Namespace, parser: argparse.ArgumentParser):
         if any(p not in POSITIONS for p in positions):
             parser.error(f"--positions takes {list(POSITIONS)}")
         seeds = [int(s) for s in csv(args.seeds or "0")]
-        planned = grid(variants, csv(args.settings), seeds, families, positions)
+        requested = grid(variants, csv(args.settings), seeds, families, positions)
     try:
         options.check()
-        for label in dict.fromkeys(p["setting"] for p in planned):
+        for label in dict.fromkeys(p["setting"] for p in requested):
             MQARSetting.parse(label).check(options.vocab_size)
     except ValueError as error:
         parser.error(str(error))
-    return options, planned
+    return options, requested
 
 
 def shard_of(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[int, int]:
@@ -153,7 +153,7 @@ def shard_of(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    options, planned = planned_runs(args, parser)
+    options, requested = requested_runs(args, parser)
     shard = shard_of(args, parser) if args.shard else None
 
     import os
@@ -171,18 +171,18 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     out = Path(args.out) if args.out else None
-    print(f"MQAR: {len(planned)} runs; options {asdict(options)}", flush=True)
+    print(f"MQAR: {len(requested)} runs; options {asdict(options)}", flush=True)
     started = time.perf_counter()
     if shard is not None:  # this process's share only: the table needs every run
         index, count = shard
-        share = planned[index::count]
+        share = requested[index::count]
         run_grid(share, options, out / f"runs.shard{index}.jsonl")
         wall = time.perf_counter() - started
         print(f"shard {args.shard}: {len(share)} runs, wall time {wall:.0f} s")
         return 0
     if out is not None:
         _gather_shards(out)
-    runs = run_grid(planned, options, out / "runs.jsonl" if out else None)
+    runs = run_grid(requested, options, out / "runs.jsonl" if out else None)
     wall = time.perf_counter() - started
     rows = summarize(runs)
     chance = runs[0]["chance"] if runs else float("nan")

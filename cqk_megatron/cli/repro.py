@@ -103,7 +103,7 @@ def _cuda() -> bool:
 
 
 def run(argv: list[str] | None = None) -> int:
-    from cqk_megatron.repro.configs import build_plan, check_overrides
+    from cqk_megatron.repro.configs import build_reproduction, check_overrides
     from cqk_megatron.repro.data import CorpusOptions, resolve_data
     from cqk_megatron.repro.runner import TIME_LIMIT, check_same_settings, status, train_run
 
@@ -129,31 +129,32 @@ def run(argv: list[str] | None = None) -> int:
         args.text_unit, args.text_field, args.input_format, args.max_invalid_utf8
     )
     data = resolve_data(args.data, args.tokenizer, preset, out, reading)
-    plan = build_plan(
+    reproduction = build_reproduction(
         preset, variants, seeds, tokens, data, out, args.nproc, args.overrides, cuda, args.family
     )
     print(f"preset {preset.name}: {preset.description}")
     print(f"data: {data.description}")
     print(
-        f"budget: {plan.steps:,} steps x {plan.tokens_per_step:,} tokens = {plan.tokens:,} "
-        f"tokens per run (asked {tokens:,}); {len(plan.runs)} runs on {args.nproc} process(es)"
+        f"budget: {reproduction.steps:,} steps x {reproduction.tokens_per_step:,} tokens = "
+        f"{reproduction.tokens:,} tokens per run (asked {tokens:,}); "
+        f"{len(reproduction.runs)} runs on {args.nproc} process(es)"
     )
-    for planned in plan.runs:
-        check_same_settings(planned)  # before training anything: refuse early
-    _check_data(plan.runs)
-    for index, planned in enumerate(plan.runs, start=1):
-        state = status(planned)
-        where = f"[{index}/{len(plan.runs)}] {planned.name}"
+    for repro_run in reproduction.runs:
+        check_same_settings(repro_run)  # before training anything: refuse early
+    _check_data(reproduction.runs)
+    for index, repro_run in enumerate(reproduction.runs, start=1):
+        state = status(repro_run)
+        where = f"[{index}/{len(reproduction.runs)}] {repro_run.name}"
         if state == "done":
-            print(f"{where}: done, skipped ({planned.run_dir})", flush=True)
+            print(f"{where}: done, skipped ({repro_run.run_dir})", flush=True)
             continue
         verb = "resuming from its last checkpoint" if state == "resume" else "training"
-        print(f"{where}: {verb} -> {planned.run_dir}", flush=True)
-        train_run(planned, plan, echo=not args.quiet, time_limit=args.time or TIME_LIMIT)
+        print(f"{where}: {verb} -> {repro_run.run_dir}", flush=True)
+        train_run(repro_run, reproduction, echo=not args.quiet, time_limit=args.time or TIME_LIMIT)
 
     from cqk_megatron.repro.table import variants_markdown, write_comparison
 
-    comparison = write_comparison(plan, ["python", "-m", "cqk_megatron.repro", *argv])
+    comparison = write_comparison(reproduction, ["python", "-m", "cqk_megatron.repro", *argv])
     print()
     print(variants_markdown(comparison.table))
     for seed, same in sorted(comparison.same_data.items()):
@@ -188,11 +189,11 @@ def _check_data(runs) -> None:
     from cqk_megatron.data.checks import check_run_data
     from cqk_megatron.data.errors import DataError
 
-    for planned in runs:
+    for repro_run in runs:
         try:
-            check_run_data(planned.config)
+            check_run_data(repro_run.config)
         except (ConfigError, DataError) as error:
-            raise ReproError(f"run {planned.name}: {error}") from error
+            raise ReproError(f"run {repro_run.name}: {error}") from error
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,8 +6,8 @@ attribute replaced, a function wrapped, a private global reset. Each one is list
 (an upstream fix, or the library's extension point once it serves). The code of each lives
 in this folder:
 
-- ``cpu_bridge``: Megatron-Core's CUDA assumptions answered on CPU, and DeepSpeed's CPU
-  backend kept from JIT-building an op training never uses (no-ops with CUDA);
+- ``cpu_bridge``: Megatron-Core's CUDA assumptions answered on CPU, and DeepSpeed's
+  communication layer on CPU kept from JIT-building an op training never uses (no-ops with CUDA);
 - ``save_writes``: the file writes inside Megatron's and DeepSpeed's collective saves,
   guarded while a checkpoint is written (``training/checkpoint.guarded_writes``);
 - ``megatron_state``: two private globals of megatron-core 0.16, and the view of ``torch``
@@ -153,9 +153,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "deepspeed.comm.torch:build_shm_op",
         "replaced by a no-op on CPU",
-        "DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce at every start under "
-        "a lock file that a killed rank leaves behind (every later start then waits on it); "
-        "training never uses the op",
+        "DeepSpeed's communication layer on CPU JIT-builds a shared-memory all-reduce at "
+        "every start under a lock file that a killed rank leaves behind (every later start "
+        "then waits on it); training never uses the op",
         DEEPSPEED,
         "a DeepSpeed setting that skips the build, or a lock with a timeout",
         "cpu_bridge",

@@ -215,7 +215,8 @@ def _bridged(function, bridge: Bridge):
 
 
 def skip_deepspeed_shm_op() -> None:
-    """Stop DeepSpeed's CPU backend from JIT-building its shared-memory all-reduce op.
+    """Stop DeepSpeed's communication layer on CPU from JIT-building its shared-memory
+    all-reduce op.
 
     ``deepspeed.comm.torch.TorchBackend`` loads ``deepspeed_shm_comm`` through
     ``torch.utils.cpp_extension`` at every start, and that load takes a lock file in
@@ -229,5 +230,5 @@ def skip_deepspeed_shm_op() -> None:
         return
     # importlib, not ``import deepspeed.comm.torch as ...``: deepspeed.comm's namespace has
     # an attribute ``torch`` (the real torch) that the import statement would resolve to.
-    backend = importlib.import_module("deepspeed.comm.torch")
-    backend.build_shm_op = lambda: None
+    comm_torch = importlib.import_module("deepspeed.comm.torch")
+    comm_torch.build_shm_op = lambda: None

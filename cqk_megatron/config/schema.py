@@ -153,7 +153,8 @@ class AttentionConfig:
     coupling_impl: str = "auto"
     recompute_coupling: bool = False  # recompute the coupling in backward, store only q, k
     # differential scoring: paired (2 attention calls, values 2 head_dim wide) | split (4
-    # calls, for kernels needing values as wide as queries) | auto (from backend and device)
+    # calls, for kernels needing values as wide as queries) | auto (from transformer_impl,
+    # the device and the SDPA kernel)
     differential_kernel: str = "auto"
     # differential scoring, what follows out1 - lambda out2 in each differential head:
     # paper (RMSNorm over 2 head_dim times 1 - lambda_init, Ye et al.; the ladder's sizes,

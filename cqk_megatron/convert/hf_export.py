@@ -28,19 +28,19 @@ import torch
 from cqk_megatron.config import ConfigError, RunConfig, load_config, save_config, validate
 from cqk_megatron.convert.checkpoint_io import read_full_state_dict
 from cqk_megatron.convert.errors import ConversionError
-from cqk_megatron.convert.gpt2_layout import megatron_to_gpt2
+from cqk_megatron.convert.gpt2_names import megatron_to_gpt2
 from cqk_megatron.convert.hf_config import GPT2, check_exportable, hf_config_dict, native_model_type
 from cqk_megatron.convert.hf_remote import REMOTE_CODE_DIR, REMOTE_CODE_FILES
 from cqk_megatron.convert.model_card import model_card
 from cqk_megatron.convert.names import (
-    ModelLayout,
+    ModelShape,
     canonical_megatron_names,
     check_megatron_state,
     megatron_to_hf,
 )
 from cqk_megatron.convert.options import EXPORT_DTYPE_NAMES
 from cqk_megatron.convert.output_dir import check_target, staged_folder
-from cqk_megatron.convert.remote_source import MATH_FILE, VARIANT_FILE, variant_source
+from cqk_megatron.convert.remote_source import EXPORTED_MATH_FILE, VARIANT_FILE, variant_source
 from cqk_megatron.convert.safetensors_io import DEFAULT_MAX_SHARD, parse_size, save_weights
 from cqk_megatron.convert.tokenizer import check_tokenizer, save_tokenizer, special_token_ids
 from cqk_megatron.run.checkpoint_files import (
@@ -53,10 +53,9 @@ from cqk_megatron.run.checkpoint_files import (
     verify,
 )
 from cqk_megatron.run.folder import CHECKPOINTS, CONFIG
-from cqk_megatron.variants import plain_math as coupling_module
+from cqk_megatron.variants import plain_math
 
 RUN_CONFIG_FILE = "cqk_run_config.yaml"
-COUPLING_FILE = MATH_FILE
 EXPORT_DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPE_NAMES}
 
 
@@ -107,9 +106,9 @@ def export_state_dict(
     check_megatron_state(state, config, "the state dict")
     target_dtype = _export_dtype(state, dtype)
     state = {name: tensor.detach().to("cpu", target_dtype) for name, tensor in state.items()}
-    layout = ModelLayout.from_run_config(config)
+    shape = ModelShape.from_run_config(config)
     native = native_model_type(config)
-    hf_tensors = (megatron_to_gpt2 if native == GPT2 else megatron_to_hf)(state, layout)
+    hf_tensors = (megatron_to_gpt2 if native == GPT2 else megatron_to_hf)(state, shape)
     num_parameters = sum(t.numel() for t in state.values())
 
     with staged_folder(out_dir, overwrite, inputs) as staging:
@@ -186,7 +185,7 @@ def _copy_remote_code(folder: Path, config: RunConfig) -> None:
     for name in REMOTE_CODE_FILES:
         shutil.copyfile(REMOTE_CODE_DIR / name, folder / name)
     # verbatim: the exported model and the Megatron layers share this one file
-    shutil.copyfile(Path(coupling_module.__file__), folder / COUPLING_FILE)
+    shutil.copyfile(Path(plain_math.__file__), folder / EXPORTED_MATH_FILE)
     (folder / VARIANT_FILE).write_text(variant_source(config))
 
 

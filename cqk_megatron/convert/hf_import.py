@@ -17,7 +17,7 @@ import torch
 from cqk_megatron.config import ConfigError, RunConfig, load_config, validate
 from cqk_megatron.convert.checkpoint_io import write_full_state_dict
 from cqk_megatron.convert.errors import ConversionError
-from cqk_megatron.convert.gpt2_layout import gpt2_to_megatron
+from cqk_megatron.convert.gpt2_names import gpt2_to_megatron
 from cqk_megatron.convert.hf_config import (
     CQK,
     GPT2,
@@ -28,7 +28,7 @@ from cqk_megatron.convert.hf_config import (
     run_config_from_llama,
 )
 from cqk_megatron.convert.hf_export import RUN_CONFIG_FILE
-from cqk_megatron.convert.names import ModelLayout, check_megatron_state, hf_to_megatron
+from cqk_megatron.convert.names import ModelShape, check_megatron_state, hf_to_megatron
 from cqk_megatron.convert.output_dir import check_target
 from cqk_megatron.convert.safetensors_io import has_weights, load_weights
 from cqk_megatron.convert.tokenizer import SENTENCEPIECE_FILE
@@ -104,7 +104,7 @@ def import_hf_folder(folder: str | Path) -> tuple[dict[str, torch.Tensor], RunCo
                 "model.embed_tokens.weight"
             )
     to_megatron = gpt2_to_megatron if gpt2 else hf_to_megatron
-    state = to_megatron(tensors, ModelLayout.from_run_config(config))
+    state = to_megatron(tensors, ModelShape.from_run_config(config))
     check_megatron_state(state, config, f"'{folder}'")
     return state, config
 

@@ -14,9 +14,9 @@ Coupled Query-Key Dynamics (arXiv:2604.01683) and Differential Attention, and co
 to Hugging Face format with `cqk convert export`; its logits equal the Megatron model's."""
 
 REMOTE_CODE_NOTE = """
-The modeling code (`modeling_cqk.py`, `configuration_cqk.py`) and the coupling math
-(`coupling.py`, copied verbatim from cqk-megatron) are in this folder; they import only
-torch and transformers.
+The modeling code (`modeling_cqk.py`, `configuration_cqk.py`) and the variants' math
+(`coupling.py`, a verbatim copy of cqk-megatron's `variants/plain_math.py`) are in this
+folder; they import only torch and transformers.
 """
 
 

@@ -1,9 +1,9 @@
-"""Parameter names and tensor layouts: full Megatron state dict <-> Hugging Face.
+"""Parameter names and fused-tensor splits: full Megatron state dict <-> Hugging Face.
 
 The Megatron side is the full model (TP=1, PP=1) as ``GPTModel.named_parameters()``
 names it with the local layer spec. The Hugging Face side uses Llama's names, plus
 ``self_attn.coupling.*`` and ``self_attn.differential.*`` for the custom architecture,
-whose module trees are the very classes of ``coupling.py``, so their names carry over.
+whose module trees are the very classes of ``plain_math.py``, so their names carry over.
 
 Two fused Megatron tensors are split (and fused back):
 
@@ -13,7 +13,7 @@ Two fused Megatron tensors are split (and fused back):
 
 Biases (``model.add_bias_linear``) follow their weights' rows; the learned position table
 (``model.position_embedding_type=learned_absolute``) is ``model.embed_positions``. The
-native GPT-2 layout of standard attention is ``gpt2_layout.py``'s.
+native GPT-2 names of standard attention are ``gpt2_names.py``'s.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ _TE_ALIASES = {
 
 
 @dataclass(frozen=True)
-class ModelLayout:
+class ModelShape:
     """The shape facts that name and split the tensors."""
 
     num_layers: int
@@ -81,7 +81,7 @@ class ModelLayout:
     max_positions: int = 0
 
     @classmethod
-    def from_run_config(cls, config: RunConfig) -> ModelLayout:
+    def from_run_config(cls, config: RunConfig) -> ModelShape:
         m = config.model
         return cls(
             num_layers=m.num_layers,
@@ -107,11 +107,11 @@ class ModelLayout:
 # --- QKV and fc1 ----------------------------------------------------------------------------
 
 
-def split_qkv(fused: torch.Tensor, layout: ModelLayout) -> tuple[torch.Tensor, ...]:
+def split_qkv(fused: torch.Tensor, shape: ModelShape) -> tuple[torch.Tensor, ...]:
     """Megatron's grouped ``linear_qkv`` weight -> ``(q_proj, k_proj, v_proj)`` weights."""
-    groups, g, d = layout.num_kv_heads, layout.group_size, layout.head_dim
+    groups, g, d = shape.num_kv_heads, shape.group_size, shape.head_dim
     rows = groups * (g + 2) * d
-    expected = (rows, layout.hidden_size) if fused.dim() == 2 else (rows,)  # weight, bias
+    expected = (rows, shape.hidden_size) if fused.dim() == 2 else (rows,)  # weight, bias
     if tuple(fused.shape) != expected:
         raise ConversionError(
             f"linear_qkv tensor has shape {tuple(fused.shape)}, expected {expected}"
@@ -124,11 +124,9 @@ def split_qkv(fused: torch.Tensor, layout: ModelLayout) -> tuple[torch.Tensor, .
     return q.contiguous(), k.contiguous(), v.contiguous()
 
 
-def fuse_qkv(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: ModelLayout
-) -> torch.Tensor:
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:
     """``(q_proj, k_proj, v_proj)`` weights -> Megatron's grouped ``linear_qkv`` weight."""
-    groups, g, d = layout.num_kv_heads, layout.group_size, layout.head_dim
+    groups, g, d = shape.num_kv_heads, shape.group_size, shape.head_dim
     tail = tuple(q.shape[1:])  # (hidden,) for weights, () for biases
     q = q.reshape(groups, g, d, *tail)
     k = k.reshape(groups, 1, d, *tail)
@@ -153,7 +151,7 @@ def canonical_megatron_names(state: dict[str, torch.Tensor]) -> dict[str, torch.
     return canonical
 
 
-def megatron_to_hf(state: dict[str, torch.Tensor], layout: ModelLayout) -> dict[str, torch.Tensor]:
+def megatron_to_hf(state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
     """Full Megatron state dict -> Hugging Face tensors (names checked by the caller)."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
@@ -166,12 +164,12 @@ def megatron_to_hf(state: dict[str, torch.Tensor], layout: ModelLayout) -> dict[
         hf = HF_LAYER.format(index)
         kind = suffix.rsplit(".", 1)[-1]  # weight | bias
         if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-            q, k, v = split_qkv(tensor, layout)
+            q, k, v = split_qkv(tensor, shape)
             out[hf + f"self_attn.q_proj.{kind}"] = q
             out[hf + f"self_attn.k_proj.{kind}"] = k
             out[hf + f"self_attn.v_proj.{kind}"] = v
         elif suffix in ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"):
-            if layout.gated_mlp:
+            if shape.gated_mlp:
                 gate, up = tensor.chunk(2, dim=0)
                 out[hf + f"mlp.gate_proj.{kind}"] = gate.contiguous()
                 out[hf + f"mlp.up_proj.{kind}"] = up.contiguous()
@@ -184,9 +182,7 @@ def megatron_to_hf(state: dict[str, torch.Tensor], layout: ModelLayout) -> dict[
     return out
 
 
-def hf_to_megatron(
-    tensors: dict[str, torch.Tensor], layout: ModelLayout
-) -> dict[str, torch.Tensor]:
+def hf_to_megatron(tensors: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
     """Hugging Face tensors -> full Megatron state dict (names checked by the caller)."""
     global_back = {hf: meg for meg, hf in _GLOBAL_RENAMES.items()}
     layer_back = {hf: meg for meg, hf in _LAYER_RENAMES.items()}
@@ -204,7 +200,7 @@ def hf_to_megatron(
         kind = suffix.rsplit(".", 1)[-1]  # weight | bias
         if suffix.rsplit(".", 1)[0] in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
             fused_parts.setdefault((index, f"qkv.{kind}"), {})[suffix.split(".")[1][0]] = tensor
-        elif suffix.rsplit(".", 1)[0] in ("mlp.gate_proj", "mlp.up_proj") and layout.gated_mlp:
+        elif suffix.rsplit(".", 1)[0] in ("mlp.gate_proj", "mlp.up_proj") and shape.gated_mlp:
             fused_parts.setdefault((index, f"fc1.{kind}"), {})[suffix.split(".")[1]] = tensor
         elif suffix in ("mlp.up_proj.weight", "mlp.up_proj.bias"):
             out[meg + f"mlp.linear_fc1.{kind}"] = tensor
@@ -218,7 +214,7 @@ def hf_to_megatron(
         if what == "qkv":
             _require_parts(parts, ("q", "k", "v"), f"{HF_LAYER.format(index)}self_attn.*_proj")
             out[meg + f"self_attention.linear_qkv.{kind}"] = fuse_qkv(
-                parts["q"], parts["k"], parts["v"], layout
+                parts["q"], parts["k"], parts["v"], shape
             )
         else:
             _require_parts(parts, ("gate_proj", "up_proj"), f"{HF_LAYER.format(index)}mlp")
@@ -258,33 +254,33 @@ def megatron_param_shapes(config: RunConfig) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the full model's parameters, from the config alone.
 
     The coupling and differential entries come from instantiating the very modules of
-    ``coupling.py`` with the options the layer spec gives them, so a new coupling class
+    ``plain_math.py`` with the options the layer spec gives them, so a new coupling class
     needs no change here.
     """
-    m, layout = config.model, ModelLayout.from_run_config(config)
-    hidden, d = layout.hidden_size, layout.head_dim
-    norm = {"weight": (hidden,), **({"bias": (hidden,)} if layout.norm_bias else {})}
+    m, shape = config.model, ModelShape.from_run_config(config)
+    hidden, d = shape.hidden_size, shape.head_dim
+    norm = {"weight": (hidden,), **({"bias": (hidden,)} if shape.norm_bias else {})}
     shapes: dict[str, tuple[int, ...]] = {
-        "embedding.word_embeddings.weight": (layout.vocab_size, hidden),
+        "embedding.word_embeddings.weight": (shape.vocab_size, hidden),
         **{f"decoder.final_layernorm.{k}": v for k, v in norm.items()},
     }
-    if not layout.tie_embeddings:
-        shapes["output_layer.weight"] = (layout.vocab_size, hidden)
-    if layout.learned_positions:
-        shapes["embedding.position_embeddings.weight"] = (layout.max_positions, hidden)
+    if not shape.tie_embeddings:
+        shapes["output_layer.weight"] = (shape.vocab_size, hidden)
+    if shape.learned_positions:
+        shapes["embedding.position_embeddings.weight"] = (shape.max_positions, hidden)
     extra = _attention_extras(config)
     for index in range(m.num_layers):
         layer = MEGATRON_LAYER.format(index)
         for k, v in norm.items():
             shapes[f"{layer}input_layernorm.{k}"] = v
             shapes[f"{layer}pre_mlp_layernorm.{k}"] = v
-        qkv_rows = (layout.num_heads + 2 * layout.num_kv_heads) * d
+        qkv_rows = (shape.num_heads + 2 * shape.num_kv_heads) * d
         shapes[f"{layer}self_attention.linear_qkv.weight"] = (qkv_rows, hidden)
-        shapes[f"{layer}self_attention.linear_proj.weight"] = (hidden, layout.num_heads * d)
-        fc1_rows = layout.ffn_size * (2 if layout.gated_mlp else 1)
+        shapes[f"{layer}self_attention.linear_proj.weight"] = (hidden, shape.num_heads * d)
+        fc1_rows = shape.ffn_size * (2 if shape.gated_mlp else 1)
         shapes[f"{layer}mlp.linear_fc1.weight"] = (fc1_rows, hidden)
-        shapes[f"{layer}mlp.linear_fc2.weight"] = (hidden, layout.ffn_size)
-        if layout.linear_bias:
+        shapes[f"{layer}mlp.linear_fc2.weight"] = (hidden, shape.ffn_size)
+        if shape.linear_bias:
             shapes[f"{layer}self_attention.linear_qkv.bias"] = (qkv_rows,)
             shapes[f"{layer}self_attention.linear_proj.bias"] = (hidden,)
             shapes[f"{layer}mlp.linear_fc1.bias"] = (fc1_rows,)

@@ -1,18 +1,19 @@
 """The source of the attention variant's classes that an exported folder ships.
 
-An export to the custom architecture carries ``coupling.py`` verbatim (the math of every
-variant that ships with cqk-megatron) and one generated file, ``cqk_variant.py``, which
+An export to the custom architecture carries ``variants/plain_math.py`` verbatim, as
+``coupling.py`` (``EXPORTED_MATH_FILE``: the math of every variant that ships with
+cqk-megatron), and one generated file, ``cqk_variant.py``, which
 ``modeling_cqk.py`` imports: its ``VARIANT_CLASSES`` maps class names to the classes
 registered in ``cqk_megatron.variants`` (couplings' modules, scorings' math), among them
 those that ``config.json`` records for the exported variant (``coupling_class``,
 ``scoring_class``, and ``coupling_source``: the shipped file that defines the coupling).
 
-A class of ``coupling.py`` is imported from the shipped copy. A class registered from
+A class of ``plain_math.py`` is imported from the shipped copy. A class registered from
 anywhere else (a researcher's module, a test) has its own source copied into
 ``cqk_variant.py``, so the folder runs without that module and without this package. Its
 free names must then be ones the generated file provides exactly as its home module sees
 them: ``math``, ``torch``, ``F`` (``torch.nn.functional``), ``nn``, builtins, and the
-names of ``coupling.py``; anything else (a helper function beside the class) is refused at
+names of ``plain_math.py``; anything else (a helper function beside the class) is refused at
 export time, naming it.
 """
 
@@ -31,10 +32,11 @@ from torch import nn
 
 from cqk_megatron.config import RunConfig
 from cqk_megatron.convert.errors import ConversionError
-from cqk_megatron.variants import COUPLINGS, SCORINGS, coupling, scoring
-from cqk_megatron.variants import plain_math as coupling_module
+from cqk_megatron.variants import COUPLINGS, SCORINGS, coupling, plain_math, scoring
 
-MATH_FILE = "coupling.py"
+# plain_math.py's name in an exported folder: modeling_cqk.py and every export made so far
+# import it as ``.coupling``, so the name stays
+EXPORTED_MATH_FILE = "coupling.py"
 VARIANT_FILE = "cqk_variant.py"
 # What the generated file's header binds, and to which objects
 HEADER_NAMES = {"math": math, "torch": torch, "F": F, "nn": nn}
@@ -55,8 +57,8 @@ def variant_classes(config: RunConfig) -> tuple[type | None, type | None]:
 
 
 def is_math_class(cls: type) -> bool:
-    """Whether ``cls`` is defined in ``coupling.py`` (shipped verbatim)."""
-    return getattr(coupling_module, cls.__name__, None) is cls
+    """Whether ``cls`` is defined in ``plain_math.py`` (shipped verbatim)."""
+    return getattr(plain_math, cls.__name__, None) is cls
 
 
 def _annotation_nodes(tree: ast.AST) -> set[int]:
@@ -91,7 +93,7 @@ def free_names(source: str) -> set[str]:
 
 
 def _class_source(cls: type) -> tuple[str, set[str]]:
-    """``cls``'s source and the names of ``coupling.py`` it needs; refused, naming the
+    """``cls``'s source and the names of ``plain_math.py`` it needs; refused, naming the
     problem, where the generated file could not define it as its home module does."""
     where = f"{cls.__module__}.{cls.__qualname__}"
     if "." in cls.__qualname__:
@@ -109,20 +111,21 @@ def _class_source(cls: type) -> tuple[str, set[str]]:
         value = home.get(name)
         if name in HEADER_NAMES and value is HEADER_NAMES[name]:
             continue
-        if value is not None and getattr(coupling_module, name, None) is value:
+        if value is not None and getattr(plain_math, name, None) is value:
             needed.add(name)
             continue
         raise ConversionError(
             f"{where} uses {name!r} from its module {cls.__module__}, which the export cannot "
-            f"ship: its source is copied into {VARIANT_FILE} beside a verbatim {MATH_FILE}, "
-            f"where only {sorted(HEADER_NAMES)}, builtins and {MATH_FILE}'s names exist; "
+            f"ship: its source is copied into {VARIANT_FILE} beside a verbatim "
+            f"{EXPORTED_MATH_FILE} (plain_math.py), where only {sorted(HEADER_NAMES)}, builtins "
+            f"and {EXPORTED_MATH_FILE}'s names exist; "
             "move it into the class or use those"
         )
     return source, needed
 
 
 def _registered_math_classes() -> set[str]:
-    """Every registered coupling's and scoring's class that ``coupling.py`` defines."""
+    """Every registered coupling's and scoring's class that ``plain_math.py`` defines."""
     classes = [v.module_class() for v in COUPLINGS.values()]
     classes += [v.math_class() for v in SCORINGS.values()]
     return {cls.__name__ for cls in classes if cls is not None and is_math_class(cls)}
@@ -131,7 +134,7 @@ def _registered_math_classes() -> set[str]:
 def variant_source(config: RunConfig) -> str:
     """The text of ``cqk_variant.py`` for ``config``'s variant (refused as above).
 
-    It names every registered class of ``coupling.py``, not only the variant's, so that it
+    It names every registered class of ``plain_math.py``, not only the variant's, so that it
     is the same file for every export of those: transformers re-runs ``modeling_cqk.py``
     for another folder of the same name in one process, but keeps the ``cqk_variant`` it
     imported first. Only a variant with a class from elsewhere makes it differ.
@@ -147,7 +150,8 @@ def variant_source(config: RunConfig) -> str:
             names.add(cls.__name__)
     parts = [
         '"""The classes that config.json names (coupling_class, scoring_class): those of '
-        "coupling.py,\nand the source of any other that the exported variant uses.\n\n"
+        "coupling.py\n(cqk-megatron's plain_math.py), and the source of any other that the "
+        "exported variant uses.\n\n"
         'Written by cqk-megatron\'s exporter."""\n\n' + HEADER
     ]
     parts.append(f"\nfrom .coupling import {', '.join(sorted(from_math))}\n")
@@ -170,7 +174,7 @@ def export_fields(config: RunConfig) -> dict:
     coupling_cls, scoring_cls = variant_classes(config)
     source = None
     if coupling_cls is not None:
-        source = MATH_FILE if is_math_class(coupling_cls) else VARIANT_FILE
+        source = EXPORTED_MATH_FILE if is_math_class(coupling_cls) else VARIANT_FILE
     return {
         "coupling_class": None if coupling_cls is None else coupling_cls.__name__,
         "coupling_source": source,

@@ -166,8 +166,8 @@ class HuggingFaceTokenizer(Tokenizer):
         return self._tok.decode([int(i) for i in ids])
 
     def normalize(self, text: str) -> str:
-        backend = getattr(self._tok, "backend_tokenizer", None)
-        normalizer = getattr(backend, "normalizer", None)
+        rust_tokenizer = getattr(self._tok, "backend_tokenizer", None)
+        normalizer = getattr(rust_tokenizer, "normalizer", None)
         return normalizer.normalize_str(text) if normalizer is not None else text
 
     def pieces(self, ids: Iterable[int]) -> list[str]:

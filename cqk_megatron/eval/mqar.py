@@ -115,36 +115,36 @@ def load_runs(path: Path) -> list[dict]:
 
 
 def run_grid(
-    planned: list[dict], options: TrainOptions, runs_file: Path | None, log=print
+    requested: list[dict], options: TrainOptions, runs_file: Path | None, log=print
 ) -> list[dict]:
-    """Train every planned run not yet in ``runs_file`` (appending each as it finishes);
-    return all of the plan's runs."""
+    """Train every requested run not yet in ``runs_file`` (appending each as it finishes);
+    return the results of all of them."""
     done = {_key(r): r for r in load_runs(runs_file)} if runs_file else {}
-    for index, plan in enumerate(planned, start=1):
-        if _key(plan) in done:
+    for index, run in enumerate(requested, start=1):
+        if _key(run) in done:
             continue
         run_options = TrainOptions(
             **{
                 **asdict(options),
-                "family": plan["family"],
-                "position": plan["position"],
-                "seed": plan["seed"],
+                "family": run["family"],
+                "position": run["position"],
+                "seed": run["seed"],
             }
         )
-        setting = MQARSetting.parse(plan["setting"])
-        result = train_run(plan["variant"], setting, run_options)
+        setting = MQARSetting.parse(run["setting"])
+        result = train_run(run["variant"], setting, run_options)
         if runs_file is not None:
             runs_file.parent.mkdir(parents=True, exist_ok=True)
             with runs_file.open("a") as handle:  # a line per run: an interruption loses one
                 handle.write(json.dumps(result) + "\n")
-        done[_key(plan)] = result
+        done[_key(run)] = result
         log(
-            f"[{index}/{len(planned)}] {plan['family']:<5} {plan['setting']:>6} "
-            f"{plan['variant']:<24} {plan['position']:<9} seed {plan['seed']}: accuracy "
+            f"[{index}/{len(requested)}] {run['family']:<5} {run['setting']:>6} "
+            f"{run['variant']:<24} {run['position']:<9} seed {run['seed']}: accuracy "
             f"{result['accuracy']:.3f} after {result['steps']} steps "
             f"({result['train_cpu_seconds']:.0f} CPU s)",
         )
-    return [done[_key(p)] for p in planned]
+    return [done[_key(p)] for p in requested]
 
 
 # --- the summary ----------------------------------------------------------------------------
@@ -284,12 +284,12 @@ def _gather_shards(out: Path) -> None:
 
 def benchmark_runs(seeds: list[int]) -> list[dict]:
     """Every run of ``BENCHMARK``'s grids with these seeds, each once."""
-    planned = [
+    requested = [
         run
         for variants, settings, families, positions in BENCHMARK["grids"]
         for run in grid(variants, settings, seeds, families, positions)
     ]
-    return [dict(t) for t in dict.fromkeys(tuple(sorted(p.items())) for p in planned)]
+    return [dict(t) for t in dict.fromkeys(tuple(sorted(p.items())) for p in requested)]
 
 
 def write_results(

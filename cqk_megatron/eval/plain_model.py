@@ -1,7 +1,7 @@
 """A small decoder-only transformer in plain PyTorch, with its own coupled attention.
 
 An implementation independent of this package's model: it imports nothing from
-``cqk_megatron`` (not ``coupling.py``, not Megatron) and writes every formula out. It
+``cqk_megatron`` (not ``plain_math.py``, not Megatron) and writes every formula out. It
 serves two purposes:
 
 - the "independent implementation" of the MQAR investigation (``mqar_gap.py``), whose
@@ -388,7 +388,7 @@ class PlainLM(nn.Module):
     def _gpt2_init(self) -> None:
         """GPT-2's (and Megatron's) scheme: N(0, 0.02) weights, zero biases, and the two
         projections into the residual stream at 0.02 / sqrt(2 layers). The coupling keeps
-        PyTorch's defaults, as the project's ``coupling.py`` does, and the differential
+        PyTorch's defaults, as the project's ``plain_math.py`` does, and the differential
         scoring its own (lambda vectors N(0, lambda_std), sub-layer norm ones)."""
         std = 0.02
         coupling = {

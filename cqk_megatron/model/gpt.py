@@ -98,7 +98,7 @@ def p2p_options(pipeline_parallel: int, virtual_pipeline: int | None, device_typ
     to it in both directions in one exchange; point-to-point messages carry no tag (NCCL
     has none), so in one batched call a gradient can land in an activation's buffer of the
     same shape, silently. Megatron's unbatched path sends each direction through its own
-    group, so it is safe on either backend.
+    group, so it is safe with gloo and with NCCL.
 
     - GPU: Megatron-LM's own defaults (``core_transformer_config_from_args``:
       ``batch_p2p_comm = not overlap_p2p_comm``, overlap on only for the interleaved

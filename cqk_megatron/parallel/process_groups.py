@@ -4,7 +4,7 @@ Works under torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/
 ``MASTER_PORT``), plain ``srun`` (``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``
 and the first node of ``SLURM_JOB_NODELIST``) and submitit (which sets the Slurm
 variables too). The default process group is NCCL on GPU and gloo on CPU (why not both
-backends at once: ``cqk_megatron.training.collectives``), and the rank's GPU is bound
+libraries at once: ``cqk_megatron.training.collectives``), and the rank's GPU is bound
 (``cqk_megatron.parallel.device.bind``) before it is created. A single process started without any
 of these (a plain ``cqk train``) rendezvouses on a port that is free now (the port rule:
 ``cqk_megatron.parallel.ports``), so two of them on
@@ -102,8 +102,9 @@ def _port_in_use_message(dist_env: DistEnv) -> str:
     )
 
 
-def backend() -> str:
-    """The default group's backend: ``nccl`` where CUDA is available, else ``gloo``."""
+def collective_library() -> str:
+    """The default group's collective library (torch's process-group "backend"): ``nccl``
+    where CUDA is available, else ``gloo``."""
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
@@ -126,13 +127,13 @@ def init_process_group(dist_env: DistEnv | None = None, timeout_s: float | None 
     bind()  # cuda:LOCAL_RANK, read from the variables just set (no-op on CPU)
     cpu_bridge.install()  # no-op with CUDA
     if not dist.is_initialized():
-        pg_backend = backend()
-        if pg_backend == "nccl":
+        library = collective_library()
+        if library == "nccl":
             nccl_error_handling(dist_env.rank)
         try:
             if timeout_s is None:
                 dist.init_process_group(
-                    backend=pg_backend,
+                    backend=library,
                     init_method=f"tcp://{dist_env.master_addr}:{dist_env.master_port}",
                     rank=dist_env.rank,
                     world_size=dist_env.world_size,
@@ -140,7 +141,7 @@ def init_process_group(dist_env: DistEnv | None = None, timeout_s: float | None 
             else:
                 store = rendezvous(dist_env, timeout_s)
                 dist.init_process_group(
-                    backend=pg_backend,
+                    backend=library,
                     store=store,
                     rank=dist_env.rank,
                     world_size=dist_env.world_size,
@@ -259,7 +260,7 @@ def set_collective_timeout(seconds: float) -> None:
         try:
             c10d._set_pg_timeout(timeout, group)
         except (ValueError, RuntimeError, AssertionError):
-            continue  # a group without a gloo or NCCL backend (none here); nothing to bound
+            continue  # a group on neither gloo nor NCCL (none here); nothing to bound
 
 
 def init_model_parallel(config: RunConfig) -> None:
@@ -311,14 +312,14 @@ def _destroy_megatron_groups() -> None:
 
 def init_single_process(config: RunConfig | None = None) -> None:
     """A world of one (no network) with TP=PP=1 groups, for the tools that build a model
-    in one process (parameter counter, conversion, MQAR, benchmark): the same backend,
-    device and seeded CUDA RNG tracker (which Megatron's layers initialise their weights
+    in one process (parameter counter, conversion, MQAR, benchmark): the same collective
+    library, device and seeded CUDA RNG tracker (which Megatron's layers initialise their weights
     under on GPU) as training."""
     config = config or RunConfig()
     if not dist.is_initialized():
         bind()
         cpu_bridge.install()
-        dist.init_process_group(backend(), store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(collective_library(), store=dist.HashStore(), rank=0, world_size=1)
     init_model_parallel(config)
 
 

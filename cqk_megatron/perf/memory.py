@@ -130,7 +130,7 @@ def zero3_persistent_parameters(
     config: RunConfig, tp: int = 1, pp: int = 1, first: bool = True, last: bool = True
 ) -> int:
     """Elements on one rank of a pipeline stage that ZeRO-3 keeps whole: each tensor of at
-    most ``ZERO3_PERSISTENCE_THRESHOLD`` elements (the layout of ``model.params``). A
+    most ``ZERO3_PERSISTENCE_THRESHOLD`` elements (the tensors as ``model.params`` lists them). A
     coupling's or scoring's tensors count when their layer's total is under it (they
     are not listed one by one; above it, they are left out)."""
     m = config.model

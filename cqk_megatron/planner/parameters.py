@@ -15,7 +15,7 @@ def variant_config(config: RunConfig, variant: str) -> RunConfig:
     return one_rank(with_variant(config, variant))
 
 
-def count_parameters(config: RunConfig, variant: str | None = None) -> int:
+def config_parameters(config: RunConfig, variant: str | None = None) -> int:
     """``params.total_parameters`` of ``config`` (TP=PP=1) with ``variant`` attention (by
     default the config's own), after ``validate``: a bad config raises ``ConfigError``
     naming the field (an unknown ``variant`` raises ``UnknownVariantError``)."""

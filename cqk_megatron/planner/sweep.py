@@ -47,7 +47,7 @@ from cqk_megatron.config import (
     load_config,
     read_yaml,
 )
-from cqk_megatron.planner.parameters import count_parameters
+from cqk_megatron.planner.parameters import config_parameters
 from cqk_megatron.planner.runs import plan_config, run_overrides
 
 # schedule key -> config field that the training engine reads
@@ -166,7 +166,7 @@ def standard_parameters(model_path: Path, overrides: list[str]) -> int:
     building it or starting a process group."""
     key = repr((str(model_path), overrides))
     if key not in _TOTALS:
-        _TOTALS[key] = count_parameters(load_config(model_path, overrides), "standard")
+        _TOTALS[key] = config_parameters(load_config(model_path, overrides), "standard")
     return _TOTALS[key]
 
 

@@ -42,7 +42,7 @@ OWNED_KEYS = {
 
 
 @dataclass
-class PlannedRun:
+class ReproRun:
     name: str
     variant: str
     seed: int
@@ -54,7 +54,7 @@ class PlannedRun:
 
 
 @dataclass
-class Plan:
+class Reproduction:
     preset: Preset
     variants: list[str]
     seeds: list[int]
@@ -65,7 +65,7 @@ class Plan:
     out: Path
     nproc: int
     cuda: bool
-    runs: list[PlannedRun]
+    runs: list[ReproRun]
 
     @property
     def tokens(self) -> int:
@@ -108,7 +108,7 @@ def _micro_batch(config: RunConfig, nproc: int) -> int:
     return max(m for m in range(1, min(t.micro_batch_size, per_rank) + 1) if per_rank % m == 0)
 
 
-def build_plan(
+def build_reproduction(
     preset: Preset,
     variants: list[str],
     seeds: list[int],
@@ -119,7 +119,7 @@ def build_plan(
     overrides: list[str],
     cuda: bool,
     family: str | None = None,
-) -> Plan:
+) -> Reproduction:
     """``family`` (``llama``, ``gpt2``): every run in that model family instead of the
     preset's architecture; its runs are named ``PRESET-FAMILY-VARIANT-sSEED``."""
     if nproc < 1:
@@ -168,7 +168,7 @@ def build_plan(
                 )
             except ConfigError as error:
                 raise ReproError(f"run {name}: {error}") from error
-            runs.append(PlannedRun(name, variant, seed, config))
-    return Plan(
+            runs.append(ReproRun(name, variant, seed, config))
+    return Reproduction(
         preset, variants, seeds, tokens, steps, tokens_per_step, data, out, nproc, cuda, runs
     )

@@ -1,4 +1,4 @@
-"""Train the planned runs one after the other, each as a local job of the launcher
+"""Train a reproduction's runs one after the other, each as a local job of the launcher
 (``launch.api.submit_local``: the path of ``cqk submit --cluster local``).
 
 A run that is finished (the run contract's ``run_status``: its ``metrics.jsonl`` holds a
@@ -17,7 +17,7 @@ import os
 from cqk_megatron.config import ConfigError, load_config, to_dict
 from cqk_megatron.config.changes import flatten
 from cqk_megatron.errors import EXIT_REQUEUE
-from cqk_megatron.repro.configs import Plan, PlannedRun
+from cqk_megatron.repro.configs import Reproduction, ReproRun
 from cqk_megatron.repro.presets import ReproError
 from cqk_megatron.run.folder import CHECKPOINTS, CONFIG, run_status
 
@@ -43,7 +43,7 @@ class RunStopped(ReproError):
     """A run stopped early with a checkpoint (signal, time budget, exit_after_steps)."""
 
 
-def status(run: PlannedRun) -> str:
+def status(run: ReproRun) -> str:
     """``done`` (the contract's ``finished``), ``resume`` (checkpoints exist) or ``new``."""
     if run_status(run.run_dir).finished:
         return "done"
@@ -53,17 +53,17 @@ def status(run: PlannedRun) -> str:
     return "new"
 
 
-def check_same_settings(run: PlannedRun) -> None:
-    """Refuse a run folder whose saved config differs from the planned one."""
+def check_same_settings(run: ReproRun) -> None:
+    """Refuse a run folder whose saved config differs from the one built now."""
     saved_path = run.run_dir / CONFIG
     if not saved_path.is_file():
         return
     saved = flatten(to_dict(load_config(saved_path)))
-    planned = flatten(to_dict(run.config))
+    expected = flatten(to_dict(run.config))
     changed = [
-        f"{key}: {saved.get(key)!r} -> {planned.get(key)!r}"
-        for key in sorted(set(saved) | set(planned))
-        if key not in RESUME_NEUTRAL and saved.get(key) != planned.get(key)
+        f"{key}: {saved.get(key)!r} -> {expected.get(key)!r}"
+        for key in sorted(set(saved) | set(expected))
+        if key not in RESUME_NEUTRAL and saved.get(key) != expected.get(key)
     ]
     if changed:
         raise ReproError(
@@ -74,7 +74,9 @@ def check_same_settings(run: PlannedRun) -> None:
         )
 
 
-def train_run(run: PlannedRun, plan: Plan, echo: bool, time_limit: str = TIME_LIMIT) -> None:
+def train_run(
+    run: ReproRun, reproduction: Reproduction, echo: bool, time_limit: str = TIME_LIMIT
+) -> None:
     """Train (or resume) one run as a local job of the launcher (``launch.api``, the path
     of ``cqk submit --cluster local``); rank 0's output goes to ``RUN/train.log``
     and, if ``echo``, here. A stop with a checkpoint (exit 75, ``EXIT_REQUEUE``) raises
@@ -97,10 +99,12 @@ def train_run(run: PlannedRun, plan: Plan, echo: bool, time_limit: str = TIME_LI
         try:
             submission = submit_local(
                 run.config,
-                plan.nproc,
-                gpus=plan.cuda,
+                reproduction.nproc,
+                gpus=reproduction.cuda,
                 time_limit=time_limit,
-                cpus_per_task=None if plan.cuda else default_cpus_per_task(plan.nproc),
+                cpus_per_task=None
+                if reproduction.cuda
+                else default_cpus_per_task(reproduction.nproc),
                 env=env,
                 argv=["python", "-m", "cqk_megatron.repro", f"(run {run.name})"],
             )

@@ -30,7 +30,7 @@ from cqk_megatron.analysis.ingest import ingest
 from cqk_megatron.analysis.plots import loss_curves
 from cqk_megatron.analysis.report import markdown_table
 from cqk_megatron.analysis.step_time import CPU_CLOCK, format_ratio, step_time_ratios
-from cqk_megatron.repro.configs import Plan
+from cqk_megatron.repro.configs import Reproduction
 from cqk_megatron.repro.presets import ReproError
 from cqk_megatron.run.atomic import write_text_atomically
 from cqk_megatron.run.folder import run_status
@@ -86,12 +86,13 @@ def hardware() -> str:
     return f"CPU: {model}, {cores} cores (torch {torch.__version__})"
 
 
-def per_run(plan: Plan) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(the analysis' tidy table of the plan's runs, one row per run with its fingerprint)."""
-    ingested = ingest([run.run_dir for run in plan.runs])
+def per_run(reproduction: Reproduction) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(the analysis' tidy table of the reproduction's runs, one row per run with its
+    fingerprint)."""
+    ingested = ingest([run.run_dir for run in reproduction.runs])
     runs = ingested.runs.set_index("run")
     rows = []
-    for run in plan.runs:
+    for run in reproduction.runs:
         summary = run_status(run.run_dir).summary or {}
         if run.name not in runs.index:
             reasons = "; ".join(f"{s.path}: {s.reason}" for s in ingested.skipped)
@@ -261,7 +262,9 @@ def variants_markdown(table: pd.DataFrame) -> str:
     return "\n".join([markdown_table(shown), "", *lines, *([""] if lines else []), clock])
 
 
-def render_markdown(plan: Plan, table: pd.DataFrame, runs: pd.DataFrame, same: dict) -> str:
+def render_markdown(
+    reproduction: Reproduction, table: pd.DataFrame, runs: pd.DataFrame, same: dict
+) -> str:
     per_run_view = runs[
         ["run", "seed", "val_loss", "val_ppl", "tokens_per_s", "first_batch_sha256"]
     ]
@@ -276,16 +279,17 @@ def render_markdown(plan: Plan, table: pd.DataFrame, runs: pd.DataFrame, same: d
         + ("every variant saw the same first batch" if ok else "**first batches differ**")
         for seed, ok in sorted(same.items())
     ]
-    t = plan.runs[0].config.train
+    t = reproduction.runs[0].config.train
     lines = [
-        f"# Attention variants compared: preset `{plan.preset.name}`",
+        f"# Attention variants compared: preset `{reproduction.preset.name}`",
         "",
-        f"Model: {plan.preset.description}. Data: {plan.data.description}, prefix "
-        f"`{plan.data.prefix}`, tokenizer `{plan.data.tokenizer}` "
-        f"({plan.data.vocab_size} tokens). Every run: {plan.steps:,} steps x "
-        f"{plan.tokens_per_step:,} tokens = {plan.tokens:,} tokens, {t.lr_schedule} schedule "
+        f"Model: {reproduction.preset.description}. Data: {reproduction.data.description}, prefix "
+        f"`{reproduction.data.prefix}`, tokenizer `{reproduction.data.tokenizer}` "
+        f"({reproduction.data.vocab_size} tokens). Every run: {reproduction.steps:,} steps x "
+        f"{reproduction.tokens_per_step:,} tokens = {reproduction.tokens:,} tokens, "
+        f"{t.lr_schedule} schedule "
         f"(lr {t.lr:g} -> {t.min_lr:g}, warmup {t.warmup_steps} steps), {t.precision}, "
-        f"{plan.nproc} process(es). Hardware: {hardware()}.",
+        f"{reproduction.nproc} process(es). Hardware: {hardware()}.",
         "",
         "Validation perplexity is the final evaluation on the same held-out batches "
         f"({t.eval_iters} x {t.global_batch_size} sequences of the validation split) for "
@@ -307,11 +311,11 @@ def render_markdown(plan: Plan, table: pd.DataFrame, runs: pd.DataFrame, same: d
     return "\n".join(lines)
 
 
-def write_comparison(plan: Plan, command: list[str]) -> Comparison:
-    tidy, runs = per_run(plan)
-    table = compare_variants(runs, plan.variants)
+def write_comparison(reproduction: Reproduction, command: list[str]) -> Comparison:
+    tidy, runs = per_run(reproduction)
+    table = compare_variants(runs, reproduction.variants)
     same = same_data_by_seed(runs)
-    out = plan.out
+    out = reproduction.out
     markdown, csv, json_path, plot = (
         out / "comparison.md",
         out / "comparison.csv",
@@ -320,21 +324,21 @@ def write_comparison(plan: Plan, command: list[str]) -> Comparison:
     )
     write_text_atomically(csv, table.to_csv(index=False))
     record = {
-        "preset": plan.preset.name,
+        "preset": reproduction.preset.name,
         "command": command,
         "hardware": hardware(),
         "data": {
-            "prefix": str(plan.data.prefix),
-            "tokenizer": str(plan.data.tokenizer),
-            "description": plan.data.description,
+            "prefix": str(reproduction.data.prefix),
+            "tokenizer": str(reproduction.data.tokenizer),
+            "description": reproduction.data.description,
         },
-        "steps": plan.steps,
-        "tokens_per_run": plan.tokens,
+        "steps": reproduction.steps,
+        "tokens_per_run": reproduction.tokens,
         "same_first_batch_by_seed": {str(k): bool(v) for k, v in same.items()},
         "variants": json.loads(table.to_json(orient="records")),
         "runs": json.loads(runs.to_json(orient="records")),
     }
     write_text_atomically(json_path, json.dumps(record, indent=2) + "\n")
-    write_text_atomically(markdown, render_markdown(plan, table, runs, same))
+    write_text_atomically(markdown, render_markdown(reproduction, table, runs, same))
     loss_curves(tidy, plot)
     return Comparison(table, runs, same, markdown, csv, json_path, plot)

@@ -1,6 +1,6 @@
 """Checkpoints that are complete or ignored, never half-read.
 
-Layout of ``RUN/checkpoints/iter_0000100/``:
+Files of ``RUN/checkpoints/iter_0000100/``:
 
 - ``model/``: the weights in Megatron's distributed format (``torch_dist``), loadable
   under any TP/PP layout;
@@ -95,7 +95,7 @@ __all__ = [
     "LATEST",
     "MANIFEST",
     "CheckpointError",
-    "ResumePlan",
+    "ResumeMode",
     "check_same_global_batch",
     "TrainerState",
     "find_resumable",
@@ -103,7 +103,7 @@ __all__ = [
     "load_exact",
     "load_model_weights",
     "load_trainer_state",
-    "resume_plan",
+    "resume_mode",
     "same_layout",
     "save",
     "save_weights",
@@ -560,7 +560,7 @@ def same_layout(folder: Path, config: RunConfig) -> bool:
 
 
 @dataclass(frozen=True)
-class ResumePlan:
+class ResumeMode:
     """How a checkpoint is read into this run, decided before the model is built.
 
     ``keeps_optimizer``: the engine loads its state (fp32 master weights, Adam moments,
@@ -586,14 +586,14 @@ class ResumePlan:
         return f"weights only, fresh optimizer: {self.reason}"
 
 
-def resume_plan(folder: Path, config: RunConfig, weights_only: bool = False) -> ResumePlan:
+def resume_mode(folder: Path, config: RunConfig, weights_only: bool = False) -> ResumeMode:
     """Whether the optimizer state of checkpoint ``folder`` comes back in this run's
     layout (each engine says where its format reshards), or why it restarts."""
     saved, current = saved_layout(folder), current_layout(config)
     if weights_only:
-        return ResumePlan(saved, current, False, "as asked (--resume weights:PATH)")
+        return ResumeMode(saved, current, False, "as asked (--resume weights:PATH)")
     if saved == current:
-        return ResumePlan(saved, current, True)
+        return ResumeMode(saved, current, True)
     if config.train.engine == "megatron":
         from cqk_megatron.training.megatron_engine import optimizer_restart_reason
     else:
@@ -603,12 +603,17 @@ def resume_plan(folder: Path, config: RunConfig, weights_only: bool = False) -> 
     except Exception as error:  # rank 0 decides for all: a damaged file must not stall them
         why = f"its optimizer state could not be read ({type(error).__name__}: {error})"
     if why is None:
-        return ResumePlan(saved, current, True)
+        return ResumeMode(saved, current, True)
     change = (
         f"{saved.describe_sizes()} {saved.optimizer_sharding} -> {current.describe_sizes()} "
         f"{current.optimizer_sharding}"
     )
-    return ResumePlan(saved, current, False, f"the optimizer state cannot follow {change}: {why}")
+    return ResumeMode(saved, current, False, f"the optimizer state cannot follow {change}: {why}")
+
+
+# The names before ResumeMode and resume_mode, still read by training/loop.py.
+ResumePlan = ResumeMode
+resume_plan = resume_mode
 
 
 def check_same_global_batch(folder: Path, config: RunConfig) -> None:
@@ -649,18 +654,18 @@ def _saved_rank(saved: Layout) -> int | None:
     return tp + saved.tp * (dp + saved.dp * pp)
 
 
-def load_exact(folder: Path, engine: Engine, plan: ResumePlan | None = None) -> TrainerState:
+def load_exact(folder: Path, engine: Engine, mode: ResumeMode | None = None) -> TrainerState:
     """Collective: weights, optimizer, RNG and trainer state. In the saved layout bit for
-    bit; in another (``plan`` keeps the optimizer) the engine reshards its state, and the
+    bit; in another (``mode`` keeps the optimizer) the engine reshards its state, and the
     RNG comes from the saved rank at the same model-parallel position where there is one
     (``_saved_rank``; otherwise this rank keeps its seeded generators)."""
     engine.load_state(folder / "engine", folder / "model")
-    if plan is None or plan.exact:
+    if mode is None or mode.exact:
         state, rng = load_trainer_state(folder, dist.get_rank())
         _set_rng_state(rng)
         return state
     state, _ = load_trainer_state(folder)  # step and data position: the same on every rank
-    source = _saved_rank(plan.saved)
+    source = _saved_rank(mode.saved)
     if source is not None:
         _set_rng_state(load_trainer_state(folder, source)[1])
     return state

@@ -4,17 +4,17 @@ The loop, the engines, preemption, evaluation and checkpointing call ``torch.dis
 only through these functions (``tests/test_device.py`` checks the source for it, and audits
 a real two-rank run); Megatron-Core and DeepSpeed run their own collectives inside.
 
-**One backend per device, every collective tensor on ``device()``.** The default process
+**One collective library per device, every collective tensor on ``device()``.** The default process
 group is NCCL on GPU and gloo on CPU (``cqk_megatron.parallel.process_groups``), and every
 tensor these functions reduce lives on ``cqk_megatron.parallel.device.device()``; each
 function checks that and names the fix. We considered the alternative that torchtitan
-offers, a default group with both backends (``cpu:gloo,cuda:nccl``), and chose against it:
+offers, a default group on both libraries (``cpu:gloo,cuda:nccl``), and chose against it:
 
-- torchtitan adds the CPU backend only for FSDP's CPU offload (``enable_cpu_backend``),
+- torchtitan adds gloo for CPU tensors only for FSDP's CPU offload (``enable_cpu_backend``),
   and Megatron-LM keeps an NCCL default group too, creating gloo subgroups of its own where
   it needs CPU collectives (``parallel_state`` does that for the distributed optimizer's
   checkpoint format, which therefore needs nothing from the default group);
-- a second backend on the default group is inherited by every subgroup Megatron creates:
+- a second library on the default group is inherited by every subgroup Megatron creates:
   another TCP rendezvous and another set of gloo connections per group at start-up, on
   thousands of ranks, for a handful of scalars per step;
 - a CPU tensor silently taking the gloo route costs a device sync and a host round trip

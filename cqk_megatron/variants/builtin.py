@@ -101,7 +101,7 @@ def _leapfrog_memory(h: Heads, o: Options) -> CouplingMemory:
 
 
 def _mlp_only_widths(hidden: int) -> tuple[int, int]:
-    return hidden // 2, hidden - hidden // 2  # f_q's and f_k's halves, as coupling.py splits
+    return hidden // 2, hidden - hidden // 2  # f_q's and f_k's halves, as plain_math.py splits
 
 
 def _mlp_only_cost(h: Heads, o: Options) -> CouplingCost:

@@ -2,7 +2,7 @@
 
 Torch-free, like the rest of the registry: ``config.validate`` reads them, and so do the
 attention layers that implement them. The bounds the math itself enforces are read from
-``coupling.py`` (``math_constant``), where they live.
+``plain_math.py`` (``math_constant``), where they live.
 """
 
 from __future__ import annotations

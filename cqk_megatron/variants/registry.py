@@ -28,7 +28,7 @@ from types import MappingProxyType
 from typing import Any, TypeVar, cast
 
 ModuleRef = type | tuple[str, str]  # a class, or (module path, class name) as in ModuleSpec
-MATH_FILE = Path(__file__).resolve().parent / "plain_math.py"
+PLAIN_MATH_SOURCE = Path(__file__).resolve().parent / "plain_math.py"
 ADDING = "register one with cqk_megatron.variants (docs/variants.md, Adding a variant)"
 
 
@@ -46,20 +46,20 @@ def resolve(ref: Any) -> Any:
 
 @cache
 def math_constant(name: str) -> Any:
-    """A literal constant of ``coupling.py``, read from its source rather than imported.
+    """A literal constant of ``plain_math.py``, read from its source rather than imported.
 
     The math checks its own arguments (its module is the one the exported models run), and
     the config checks must give the same bounds without importing torch: the constant lives
-    in ``coupling.py`` once, and this reads it.
+    in ``plain_math.py`` once, and this reads it.
     """
-    for node in ast.parse(MATH_FILE.read_text()).body:
+    for node in ast.parse(PLAIN_MATH_SOURCE.read_text()).body:
         targets = node.targets if isinstance(node, ast.Assign) else []
         if isinstance(node, ast.AnnAssign):
             targets = [node.target]
         if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
             if any(isinstance(t, ast.Name) and t.id == name for t in targets):
                 return ast.literal_eval(node.value)
-    raise LookupError(f"{MATH_FILE} defines no literal constant {name}")
+    raise LookupError(f"{PLAIN_MATH_SOURCE} defines no literal constant {name}")
 
 
 # --- what the perf terms are functions of ---------------------------------------------------
@@ -196,7 +196,7 @@ class CouplingVariant:
         cls = self.module_class()
         if cls is None:
             return 0
-        return _count_parameters(cls, (), (("head_dim", head_dim), *sorted(options.items())))
+        return _parameters_of_class(cls, (), (("head_dim", head_dim), *sorted(options.items())))
 
     def cost(self, heads: Heads, options: Mapping[str, Any]) -> CouplingCost:
         return cast(
@@ -214,7 +214,7 @@ class ScoringVariant:
 
     ``core_attention``: the Megatron core attention class (its ``spec_params(attention,
     transformer_impl)`` gives its options). ``math``: the module of its own parameters and rule in
-    ``coupling.py`` style, which the core attention holds as ``math_attribute`` and the
+    ``plain_math.py`` style, which the core attention holds as ``math_attribute`` and the
     exported model builds as ``math(head_dim, layer_index=..., eps=..., **export_options,
     **options)`` and calls as ``math(q, k, v, attend)``; None: plain softmax attention.
     ``options``: ``math``'s constructor keyword -> the ``AttentionConfig`` field it comes
@@ -265,7 +265,7 @@ class ScoringVariant:
         if cls is None:
             return 0
         kwargs = (("layer_index", 0), *sorted((options or {}).items()))
-        return _count_parameters(cls, (head_dim,), kwargs)
+        return _parameters_of_class(cls, (head_dim,), kwargs)
 
     def attention_calls(self, heads: Heads) -> AttentionCalls:
         return cast(AttentionCalls, _declared(self, "calls", "FLOPs and memory estimates")(heads))
@@ -291,7 +291,7 @@ def _declared(variant: Variant, term: str, needed_by: str) -> Callable[..., Any]
 
 
 @lru_cache(maxsize=256)
-def _count_parameters(cls: type, args: tuple[Any, ...], kwargs: tuple[Any, ...]) -> int:
+def _parameters_of_class(cls: type, args: tuple[Any, ...], kwargs: tuple[Any, ...]) -> int:
     import torch  # only here: the registry itself stays importable without torch
 
     with torch.device("meta"):

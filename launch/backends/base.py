@@ -26,7 +26,7 @@ from cqk_megatron.run.folder import events
 if TYPE_CHECKING:  # the protocol itself imports no executor
     import submitit
 
-    from launch.resolve import RunPlan
+    from launch.resolve import RunSpec
     from launch.resources import ClusterProfile, Resources
 
 # States after which a job will not run again by itself.
@@ -111,7 +111,7 @@ class Backend(ABC):
 
     @abstractmethod
     def dry_run(
-        self, groups: list[tuple[list[RunPlan], Path, str]], profile: ClusterProfile, array: bool
+        self, groups: list[tuple[list[RunSpec], Path, str]], profile: ClusterProfile, array: bool
     ) -> list[str]:
         """What would be submitted, for ``--dry-run``: a group is (its runs, its submitit
         folder, its job name); ``array``: a sweep's group goes out as a job array."""

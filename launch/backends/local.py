@@ -28,7 +28,7 @@ from launch.backends.base import Backend
 from launch.executors import local_executor
 
 if TYPE_CHECKING:
-    from launch.resolve import RunPlan
+    from launch.resolve import RunSpec
     from launch.resources import ClusterProfile, Resources
 
 LOOPBACK = "127.0.0.1"
@@ -75,7 +75,7 @@ class LocalBackend(Backend):
         return local_executor(folder, profile, resources, run_dir)
 
     def dry_run(
-        self, groups: list[tuple[list[RunPlan], Path, str]], profile: ClusterProfile, array: bool
+        self, groups: list[tuple[list[RunSpec], Path, str]], profile: ClusterProfile, array: bool
     ) -> list[str]:
         return [f"==> {self.name} executor: no sbatch script (the tasks run on this machine)"]
 

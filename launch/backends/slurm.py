@@ -21,7 +21,7 @@ from launch.backends.base import Backend
 from launch.executors import sbatch_script, slurm_executor
 
 if TYPE_CHECKING:
-    from launch.resolve import RunPlan
+    from launch.resolve import RunSpec
     from launch.resources import ClusterProfile, Resources
 
 
@@ -49,14 +49,14 @@ class SlurmBackend(Backend):
         return slurm_executor(folder, profile, resources, job_name)
 
     def dry_run(
-        self, groups: list[tuple[list[RunPlan], Path, str]], profile: ClusterProfile, array: bool
+        self, groups: list[tuple[list[RunSpec], Path, str]], profile: ClusterProfile, array: bool
     ) -> list[str]:
         out = []
-        for plans, folder, job_name in groups:
-            names = ", ".join(p.name for p in plans)
-            kind = f"job array of {len(plans)}" if array else "job"
+        for specs, folder, job_name in groups:
+            names = ", ".join(p.name for p in specs)
+            kind = f"job array of {len(specs)}" if array else "job"
             out.append(f"==> sbatch script ({kind}: {names}; submitit folder {folder})")
-            script = sbatch_script(folder, profile, plans[0].resources, job_name, len(plans))
+            script = sbatch_script(folder, profile, specs[0].resources, job_name, len(specs))
             out.append(script.rstrip())
         return out
 

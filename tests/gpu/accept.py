@@ -570,7 +570,7 @@ def variant_kernels(config, variant: str, micro_batch: int, here) -> dict:
     cuDNN plans), then ``cqk_megatron.bench.variants.attention_kernels``: the differential
     form it took and the kernels one profiled forward ran (SDPA's ``flash``, ``cudnn``,
     ``efficient``, ``math``; ``maps`` or ``te`` where differential attention runs its own).
-    The backward runs on the forward's SDPA backend."""
+    The backward runs on the forward's SDPA kernel."""
     import torch
 
     from cqk_megatron.bench.variants import attention_kernels, build_workload

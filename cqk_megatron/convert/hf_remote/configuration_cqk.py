@@ -6,7 +6,8 @@ token's (q, k) before scoring (``coupling``: a cqk-megatron coupling's name, e.g
 hamiltonian; its module class ``coupling_class``, built with ``coupling_options``) and may
 score with a rule of its own (``scoring``, e.g. differential; its class ``scoring_class``,
 built with ``scoring_options``). The classes are those that ``cqk_variant.py`` beside this
-file names, from ``coupling.py``, copied verbatim from cqk-megatron, or shipped in it.
+file names, from ``coupling.py`` (a verbatim copy of cqk-megatron's
+``variants/plain_math.py``), or shipped in it.
 Imports only transformers.
 """
 

@@ -5,9 +5,9 @@ decoder; RoPE with Megatron's non-interleaved ``rotate_half`` convention, or lea
 absolute positions; biases in the projections where the model has them).
 The coupling and scoring classes are those ``cqk_variant.py`` beside this file names
 (``config.coupling_class``, ``config.scoring_class``): from ``coupling.py``, a verbatim
-copy of cqk-megatron's, or shipped in ``cqk_variant.py`` for a variant registered outside
-it, so both frameworks run the same math. Imports only torch, transformers and the files
-beside it.
+copy of cqk-megatron's ``variants/plain_math.py``, or shipped in ``cqk_variant.py`` for a
+variant registered outside it, so both frameworks run the same math. Imports only torch,
+transformers and the files beside it.
 
 Generation uses a ``DynamicCache``: a coupling acts per token and per head, so a token's
 coupled (and rotated) key never changes once computed, and the cache holds coupled keys.

@@ -60,13 +60,13 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from torch.autograd.function import once_differentiable
 
-from cqk_megatron.model.attention.sdpa import SDPACoreAttention, sdpa_backend
+from cqk_megatron.model.attention.sdpa import SDPACoreAttention, chosen_sdpa_kernel
 from cqk_megatron.model.attention.tp_grads import sum_partial_grads_across_tp
 from cqk_megatron.variants import DIFFERENTIAL_KERNEL_SETTINGS
 from cqk_megatron.variants.plain_math import DifferentialScoring, pair_values
 
 KERNEL_SETTINGS = DIFFERENTIAL_KERNEL_SETTINGS  # attention.differential_kernel: auto or a form
-FAST_WIDE_VALUE_BACKENDS = ("flash", "cudnn")  # SDPA kernels for which auto pairs
+FAST_WIDE_VALUE_KERNELS = ("flash", "cudnn")  # SDPA kernels for which auto pairs
 PROBE_SEQ = 128  # probe length: past every kernel's minimum, a multiple of 64
 MAPS_BLOCK = 128  # query rows per block of paired_maps (fastest of 64..256 measured on CPU)
 
@@ -170,12 +170,12 @@ def choose_kernel(
     setting: str,
     transformer_impl: str,
     device: torch.device,
-    wide_value_backend: Callable[[], str],
+    wide_value_kernel: Callable[[], str],
     cpu_maps: bool = True,
 ) -> tuple[str, str]:
     """``(kernel, reason)`` for ``attention.differential_kernel=setting``.
 
-    ``wide_value_backend()`` names the SDPA kernel that would serve the paired form's
+    ``wide_value_kernel()`` names the SDPA kernel that would serve the paired form's
     calls (queries ``head_dim``, values ``2 head_dim``); it is asked only under ``auto``.
     ``cpu_maps``: whether ``paired_maps`` would run the paired form on CPU (causal
     attention without dropout).
@@ -191,8 +191,8 @@ def choose_kernel(
         return "paired", "Transformer Engine DotProductAttention, k_channels != v_channels"
     if device.type == "cpu" and cpu_maps:
         return "paired", "block-causal maps on CPU"
-    served_by = wide_value_backend()
-    if served_by in FAST_WIDE_VALUE_BACKENDS:
+    served_by = wide_value_kernel()
+    if served_by in FAST_WIDE_VALUE_KERNELS:
         return "paired", f"SDPA serves 2x-wide values with {served_by}"
     return "split", f"SDPA would serve 2x-wide values with {served_by}, not flash or cuDNN"
 
@@ -268,7 +268,7 @@ class DifferentialCoreAttention(SDPACoreAttention):
             differential_kernel,
             transformer_impl,
             device,
-            lambda: self.wide_value_backend(device),
+            lambda: self.wide_value_kernel(device),
             cpu_maps=self.maps,
         )
         report_kernel(self.kernel, reason)
@@ -306,7 +306,7 @@ class DifferentialCoreAttention(SDPACoreAttention):
             "reference": attention.coupling_impl == "reference",
         }
 
-    def wide_value_backend(self, device: torch.device) -> str:
+    def wide_value_kernel(self, device: torch.device) -> str:
         """The SDPA kernel for one paired call of this layer (per-rank heads, training)."""
         tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
         pairs = self.config.num_attention_heads // tp // 2
@@ -320,7 +320,7 @@ class DifferentialCoreAttention(SDPACoreAttention):
         mask = None
         if self.attn_mask_type != AttnMaskType.causal:
             mask = torch.ones(PROBE_SEQ, PROBE_SEQ, device=device, dtype=torch.bool)
-        return sdpa_backend(
+        return chosen_sdpa_kernel(
             probe(pairs, d),
             probe(kv_pairs, d),
             probe(kv_pairs, 2 * d),
@@ -349,7 +349,7 @@ class DifferentialCoreAttention(SDPACoreAttention):
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d]
         mask_type = attn_mask_type or self.attn_mask_type
 
-        def attend_te(q_, k_, v_):  # SDPA layout in and out, TE's sbhd in between
+        def attend_te(q_, k_, v_):  # SDPA's [b, heads, s, d] in and out, TE's sbhd in between
             sbhd = [x.permute(2, 0, 1, 3).contiguous() for x in (q_, k_, v_)]
             out = self.te_attention(*sbhd, attention_mask, attn_mask_type=mask_type)
             seq, batch = out.shape[:2]

@@ -18,10 +18,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 # torch.nn.attention.SDPBackend's values, as torch._fused_sdp_choice returns them
-SDPA_BACKENDS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
+SDPA_KERNELS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
 
 
-def sdpa_backend(
+def chosen_sdpa_kernel(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -34,13 +34,13 @@ def sdpa_backend(
 
     Asks PyTorch's own dispatcher (``_fused_sdp_choice``, the gate every SDPA call goes
     through, on CPU and CUDA), so the answer follows the installed version's rules, the
-    enabled backends and their priority order. On CUDA, give tensors that require grad
+    enabled kernels and their priority order. On CUDA, give tensors that require grad
     to include the backward's constraints.
     """
     choice = torch._fused_sdp_choice(
         q, k, v, mask, dropout_p, mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
-    return SDPA_BACKENDS.get(int(choice), f"backend {int(choice)}")
+    return SDPA_KERNELS.get(int(choice), f"kernel {int(choice)}")
 
 
 class SDPACoreAttention(MegatronModule):
@@ -77,7 +77,7 @@ class SDPACoreAttention(MegatronModule):
 
     @classmethod
     def spec_params(cls, attention, transformer_impl: str) -> dict:
-        """Constructor options this scoring takes from ``AttentionConfig`` and backend."""
+        """Constructor options this scoring takes from ``attention`` and ``transformer_impl``."""
         return {}
 
     def attend(

@@ -33,7 +33,7 @@ def issued_collectives() -> dict[str, int]:
     for group, name in groups:
         try:
             issued[name] = int(group._get_sequence_number_for_group())
-        except (RuntimeError, AttributeError, TypeError):  # a backend without the counter
+        except (RuntimeError, AttributeError, TypeError):  # a process group without the counter
             continue
     return issued
 

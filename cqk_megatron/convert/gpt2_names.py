@@ -4,7 +4,7 @@ Standard attention in the GPT-2 family (learned absolute positions, LayerNorm, a
 GELU MLP, biases in every projection, multi-head attention) is exactly GPT-2, so it exports
 to ``GPT2LMHeadModel`` with no remote code. GPT-2 keeps its projections as ``Conv1D``
 (weights stored ``[in, out]``, the transpose of a ``Linear``) and concatenates
-``[q; k; v]`` in ``c_attn``, where Megatron groups the rows per head (``layout.py``).
+``[q; k; v]`` in ``c_attn``, where Megatron groups the rows per head (``names.split_qkv``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from cqk_megatron.convert.errors import ConversionError
-from cqk_megatron.convert.names import ModelLayout, fuse_qkv, split_qkv
+from cqk_megatron.convert.names import ModelShape, fuse_qkv, split_qkv
 
 MEGATRON_LAYER = "decoder.layers.{}."
 GPT2_LAYER = "transformer.h.{}."
@@ -49,7 +49,7 @@ def _layer_split(name: str, pattern: str) -> tuple[int | None, str]:
     return (int(index), suffix) if index.isdigit() else (None, name)
 
 
-def megatron_to_gpt2(state: dict[str, torch.Tensor], layout: ModelLayout) -> dict:
+def megatron_to_gpt2(state: dict[str, torch.Tensor], shape: ModelShape) -> dict:
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         if name in _GLOBAL:
@@ -59,7 +59,7 @@ def megatron_to_gpt2(state: dict[str, torch.Tensor], layout: ModelLayout) -> dic
         prefix = GPT2_LAYER.format(index)
         if index is not None and suffix.startswith(_QKV):
             kind = suffix[len(_QKV) :]
-            q, k, v = split_qkv(tensor, layout)
+            q, k, v = split_qkv(tensor, shape)
             fused = torch.cat([q, k, v], dim=0)
             out[prefix + _C_ATTN + kind] = fused.t().contiguous() if kind == "weight" else fused
         elif index is not None and suffix in _LAYER:
@@ -70,7 +70,7 @@ def megatron_to_gpt2(state: dict[str, torch.Tensor], layout: ModelLayout) -> dic
     return out
 
 
-def gpt2_to_megatron(tensors: dict[str, torch.Tensor], layout: ModelLayout) -> dict:
+def gpt2_to_megatron(tensors: dict[str, torch.Tensor], shape: ModelShape) -> dict:
     global_back = {hf: meg for meg, hf in _GLOBAL.items()}
     layer_back = {hf: (meg, t) for meg, (hf, t) in _LAYER.items()}
     out: dict[str, torch.Tensor] = {}
@@ -88,7 +88,7 @@ def gpt2_to_megatron(tensors: dict[str, torch.Tensor], layout: ModelLayout) -> d
             kind = suffix[len(_C_ATTN) :]
             fused = tensor.t() if kind == "weight" else tensor
             q, k, v = fused.chunk(3, dim=0)
-            out[prefix + _QKV + kind] = fuse_qkv(q, k, v, layout)
+            out[prefix + _QKV + kind] = fuse_qkv(q, k, v, shape)
         elif suffix in layer_back:
             target, transposed = layer_back[suffix]
             out[prefix + target] = tensor.t().contiguous() if transposed else tensor
