@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from cqk_megatron.cli.demo_seeds import final_perplexities, format_table, write_sweep
@@ -88,6 +89,52 @@ def test_table_names_a_scoring_setting_and_pairs_it_with_standard(tmp_path):
         "differential (differential_norm=none)",
     ]
     assert "| 114.97 / 108.73 | 111.85 | -3.9% / -3.7% (mean -3.8%" in lines[4]
+
+
+def test_table_names_each_study_by_its_overrides_whatever_section_they_set(tmp_path):
+    """Two studies in one --out: the unchanged one and one that sets a model field (no
+    scoring option). Before, both landed in the row "differential" and the second run of a
+    seed silently replaced the first."""
+    study = tmp_path / "seeds"
+    write_sweep(study, 2)
+    write_sweep(study, 2, ["differential"], ["model.init_method_std=0.051"])
+    write_sweep(study, 2, ["differential"], ["attention.differential_lambda_init=0.8"])
+    runs = study / "runs"
+    for seed in (0, 1):
+        fake_run(runs, f"seeds-w128-standard-s{seed}", "none", "standard", seed, 100.0)
+        fake_run(runs, f"seeds-w128-differential-s{seed}", "none", "differential", seed, 120.0)
+        fake_run(
+            runs,
+            f"seeds_init_method_std_0_051-w128-differential-s{seed}",
+            "none",
+            "differential",
+            seed,
+            110.0,
+        )
+        fake_run(
+            runs,
+            f"seeds_differential_lambda_init_0_8-w128-differential-s{seed}",
+            "none",
+            "differential",
+            seed,
+            102.0,
+            differential_lambda_init=0.8,
+        )
+    table = final_perplexities(runs)
+    assert table == {
+        "standard": {0: 100.0, 1: 100.0},
+        "differential": {0: 120.0, 1: 120.0},
+        "differential (init_method_std=0.051)": {0: 110.0, 1: 110.0},
+        "differential (differential_lambda_init=0.8)": {0: 102.0, 1: 102.0},
+    }
+
+
+def test_two_runs_of_one_row_and_seed_are_refused(tmp_path):
+    runs = tmp_path / "runs"
+    fake_run(runs, "a-diff-s0", "none", "differential", 0, 120.0)
+    fake_run(runs, "b-diff-s0", "none", "differential", 0, 110.0)
+    with pytest.raises(ValueError, match="a second run of differential with seed 0"):
+        final_perplexities(runs)
 
 
 def test_seeds_sweep_takes_variants_and_overrides(tmp_path):
@@ -182,6 +229,7 @@ def test_diff_gap_sizes_change_one_setting_each_of_the_demo_model():
         "lr4e3": {"train.lr": "0.004", "train.min_lr": "0.0004"},
         "nonorm": {"attention.differential_norm": "none"},
         "smallstart": {"attention.differential_norm": "small_start"},
+        "lambda08": {"attention.differential_lambda_init": "0.8"},
     }
     runs = expand_sweep(REPO / "configs/sweeps/diff_gap.yaml")
     for size, change in changed.items():

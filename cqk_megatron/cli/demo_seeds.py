@@ -126,17 +126,48 @@ def run_study(
 
 
 def final_perplexities(runs: Path) -> dict[str, dict[int, float]]:
-    """``{variant: {seed: final validation perplexity}}`` of the finished runs in ``runs``."""
+    """``{row: {seed: final validation perplexity}}`` of the finished runs in ``runs``; a
+    row is a variant and the settings its study changed (``study_settings``)."""
     table: dict[str, dict[int, float]] = {}
+    studies = study_settings(runs.parent)
     for metrics in sorted(runs.glob("*/metrics.jsonl")):
         records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         finals = [r for r in records if r.get("final")]
         if not finals:
             continue
         config = yaml.safe_load((metrics.parent / CONFIG).read_text())
-        variant = variant_of(config["attention"]) + scoring_settings(config["attention"])
-        table.setdefault(variant, {})[int(config["seed"])] = float(finals[-1]["val_ppl"])
+        settings = studies.get(str(config["name"]).split("-")[0])
+        if settings is None:  # a run of no study written here: its scoring's settings say
+            settings = scoring_settings(config["attention"])
+        row = table.setdefault(variant_of(config["attention"]) + settings, {})
+        seed = int(config["seed"])
+        if seed in row:
+            raise ValueError(
+                f"{metrics.parent}: a second run of {variant_of(config['attention'])}{settings}"
+                f" with seed {seed} in {runs}; keep one study per setting in an --out folder"
+            )
+        row[seed] = float(finals[-1]["val_ppl"])
     return table
+
+
+def study_settings(study: Path) -> dict[str, str]:
+    """``{sweep name: " (key=value, ...)"}`` for each study's sweep written in ``study``:
+    the settings its ``common`` changes from ``demo_seeds.yaml``'s (empty for the study
+    without overrides). Every override names its row, whichever section it sets."""
+    base = yaml.safe_load(SEEDS_SWEEP.read_text())["common"]
+    labels = {}
+    for path in sorted(study.glob("*.yaml")):
+        sweep = yaml.safe_load(path.read_text())
+        if not isinstance(sweep, dict) or "name" not in sweep:
+            continue
+        common = sweep.get("common") or {}
+        changed = [
+            f"{key.rsplit('.', 1)[-1]}={value}"
+            for key, value in common.items()
+            if key not in base or base[key] != value
+        ]
+        labels[str(sweep["name"])] = f" ({', '.join(changed)})" if changed else ""
+    return labels
 
 
 def variant_of(attention: dict) -> str:
