@@ -220,7 +220,7 @@ def test_bf16_deepspeed_accumulates_and_reduces_in_fp32(stage, optimizer, monkey
     monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed requires it (torchrun, srun set it)
     from cqk_megatron.model.gpt import build_model
     from cqk_megatron.parallel.process_groups import init_single_process
-    from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine
+    from cqk_megatron.training.engines.deepspeed import DeepSpeedEngine
 
     init_single_process()
     config = load_config(None, [*TINY, "train.precision=bf16", f"train.zero_stage={stage}"])
@@ -297,7 +297,7 @@ def test_deepspeed_binds_the_ranks_device_not_local_rank(monkeypatch):
     import deepspeed.runtime.engine as ds_engine
     from deepspeed.accelerator import get_accelerator
 
-    from cqk_megatron.training.deepspeed_engine import device_args
+    from cqk_megatron.training.engines.deepspeed import device_args
 
     monkeypatch.setenv("LOCAL_RANK", "5")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -23,7 +23,7 @@ from cqk_megatron.config import ConfigError, load_config, validate
 from cqk_megatron.errors import EXIT_REQUEUE
 from cqk_megatron.model.gpt import build_model
 from cqk_megatron.parallel.process_groups import init_single_process
-from cqk_megatron.training.megatron_engine import MegatronEngine
+from cqk_megatron.training.engines.megatron import MegatronEngine
 from cqk_megatron.training.sampler import fetch, micro_batch_indices
 
 STEPS = 8

@@ -235,7 +235,7 @@ def train_then_diverge(rank, world_size, port, root, runs) -> None:
     1e30 and only the gradients overflow, and torch refuses an lr beyond fp32's range.)"""
     import torch
 
-    from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine
+    from cqk_megatron.training.engines.deepspeed import DeepSpeedEngine
 
     train_attempts(rank, world_size, port, root, runs[:-DIVERGING])
     original = DeepSpeedEngine.train_step

@@ -203,7 +203,7 @@ class TrainConfig:
     warmup_steps: int = 10
     wsd_decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly
     # data-parallel engine: deepspeed (ZeRO) | megatron (Megatron-Core DDP + distributed
-    # optimizer, CPU and GPU)
+    # optimizer, CPU and GPU) | one registered with training.engines.register_engine
     engine: str = "deepspeed"
     zero_stage: int = 1
     offload_optimizer: bool = False
@@ -260,10 +260,6 @@ class TrainConfig:
     save_timeout_s: float = 600.0
     heartbeat_interval_s: float = 5.0
     heartbeat_timeout_s: float = 30.0
-
-
-# train.optimizer_checkpoint: Megatron's DistributedOptimizer sharding types (the default first)
-OPTIMIZER_CHECKPOINTS = ("dp_reshardable", "fully_reshardable")
 
 
 @dataclass

@@ -54,7 +54,7 @@ from cqk_megatron.config import RunConfig, save_config
 from cqk_megatron.config.changes import changes, listed
 from cqk_megatron.model.gpt import load_sharded_state, sharded_state_dict
 from cqk_megatron.parallel.device import device
-from cqk_megatron.parallel.layout import Layout, sharding_name
+from cqk_megatron.parallel.layout import Layout
 from cqk_megatron.run import file_hash
 from cqk_megatron.run.atomic import write_text_atomically
 from cqk_megatron.run.checkpoint_files import (
@@ -84,7 +84,8 @@ from cqk_megatron.training.collectives import (
     gather_objects,
     gather_objects_on_rank0,
 )
-from cqk_megatron.training.engine import Engine
+from cqk_megatron.training.engines import engine_class, engine_of
+from cqk_megatron.training.engines.base import Engine
 
 # torch.distributed.checkpoint reports a failed save or load as CheckpointException, which
 # derives from BaseException (not Exception): caught explicitly, with everything else.
@@ -129,7 +130,7 @@ def current_layout(config: RunConfig) -> Layout:
         ps.get_tensor_model_parallel_world_size(),
         ps.get_pipeline_model_parallel_world_size(),
         ps.get_data_parallel_world_size(),
-        sharding_name(config.train.engine, config.train.zero_stage),
+        engine_of(config).sharding_at(config.train.zero_stage),
     )
 
 
@@ -594,12 +595,9 @@ def resume_plan(folder: Path, config: RunConfig, weights_only: bool = False) -> 
         return ResumePlan(saved, current, False, "as asked (--resume weights:PATH)")
     if saved == current:
         return ResumePlan(saved, current, True)
-    if config.train.engine == "megatron":
-        from cqk_megatron.training.megatron_engine import optimizer_restart_reason
-    else:
-        from cqk_megatron.training.deepspeed_engine import optimizer_restart_reason
+    engine = engine_class(config.train.engine)
     try:
-        why = optimizer_restart_reason(saved, current, folder / "engine")
+        why = engine.optimizer_restart_reason(saved, current, folder / "engine")
     except Exception as error:  # rank 0 decides for all: a damaged file must not stall them
         why = f"its optimizer state could not be read ({type(error).__name__}: {error})"
     if why is None:

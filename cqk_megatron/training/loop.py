@@ -54,8 +54,8 @@ from cqk_megatron.training.callbacks.stop import StopAndRequeue
 from cqk_megatron.training.callbacks.validation import Validation
 from cqk_megatron.training.callbacks.watchdog import WatchdogPhases
 from cqk_megatron.training.collector import freeze_long_lived
-from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine
-from cqk_megatron.training.engine import Engine
+from cqk_megatron.training.engines import engine_class
+from cqk_megatron.training.engines.base import Engine
 from cqk_megatron.training.lr_schedule import learning_rate, schedule_warning
 from cqk_megatron.training.metrics import MetricsLogger
 from cqk_megatron.training.resilience import faults, watchdog
@@ -75,12 +75,8 @@ def seed_everything(seed: int) -> None:
 
 
 def make_engine(model: torch.nn.Module, config: RunConfig) -> Engine:
-    """The data-parallel engine that ``train.engine`` names."""
-    if config.train.engine == "megatron":
-        from cqk_megatron.training.megatron_engine import MegatronEngine
-
-        return MegatronEngine(model, config)
-    return DeepSpeedEngine(model, config)
+    """The data-parallel engine that ``train.engine`` names (its registered class)."""
+    return engine_class(config.train.engine)(model, config)
 
 
 def default_datasets(config: RunConfig, train_samples: int, valid_samples: int):
