@@ -63,9 +63,9 @@ def _common(root: str, precision: str, init: str = "init") -> list[str]:
         *GPT2_TIED,
         f"train.precision={precision}",
         "train.eval_interval=100",
-        "train.save_interval=100",
+        "train.checkpoint.save_interval=100",
         f"train.clip_grad={CLIP}",
-        "train.checkpoint_hashes=false",
+        "train.checkpoint.hashes=false",
         f"train.train_steps={STEPS}",
         f"train.init_from={root}/{init}-{precision}",
     ]

@@ -109,7 +109,7 @@ def _cases() -> dict[str, dict]:
                 f"train.global_batch_size={2 * DP * micro}",
                 f"train.train_steps={STEPS}",
                 "train.eval_interval=100",
-                "train.save_interval=100",
+                "train.checkpoint.save_interval=100",
                 "train.check_replicas_interval=0",
             ]
             ranks = DP * chosen["parallel.tensor_parallel"] * chosen["parallel.pipeline_parallel"]

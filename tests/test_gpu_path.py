@@ -53,9 +53,9 @@ def runs(tmp_path_factory) -> Path:
     same = [
         *COUPLED_DIFFERENTIAL,
         "train.eval_interval=100",
-        "train.save_interval=100",
+        "train.checkpoint.save_interval=100",
         "train.clip_grad=0.5",
-        "train.checkpoint_hashes=false",
+        "train.checkpoint.hashes=false",
         f"train.train_steps={STEPS}",
         f"train.init_from={r}/init",
     ]
@@ -73,7 +73,13 @@ def runs(tmp_path_factory) -> Path:
         # DP=2 with full recompute, evaluating and saving: the loop's other collectives
         (
             "mg-dp2-full",
-            [*same, *MEGATRON, *FULL_UNIFORM, "train.eval_interval=4", "train.save_interval=4"],
+            [
+                *same,
+                *MEGATRON,
+                *FULL_UNIFORM,
+                "train.eval_interval=4",
+                "train.checkpoint.save_interval=4",
+            ],
             "none",
         ),
     ]

@@ -42,9 +42,9 @@ def runs(tmp_path_factory) -> Path:
     # Clipping at 0.5 is active (gradient norms are ~1), so the global norm must agree too.
     same = [
         "train.eval_interval=100",
-        "train.save_interval=100",
+        "train.checkpoint.save_interval=100",
         "train.clip_grad=0.5",
-        "train.checkpoint_hashes=false",
+        "train.checkpoint.hashes=false",
         "train.engine=megatron",
     ]
     layout_run = [*same, f"train.train_steps={STEPS}", f"train.init_from={r}/init"]

@@ -114,7 +114,7 @@ register_engine("toy", ToySpec())
 SHORT = [
     "train.engine=toy",
     "train.train_steps=6",
-    "train.save_interval=2",
+    "train.checkpoint.save_interval=2",
     "train.eval_interval=2",
 ]
 

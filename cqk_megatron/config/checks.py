@@ -197,11 +197,11 @@ def _check_training(t: TrainConfig, check: _Checks) -> None:
     check(0 < t.wsd_decay_fraction <= 1, "train.wsd_decay_fraction must be in (0, 1]")
     check(t.clip_grad >= 0, "train.clip_grad must be >= 0 (0 disables clipping)")
     check(t.train_steps >= 1, "train.train_steps must be at least 1")
-    check(t.keep_last >= 1, "train.keep_last must be at least 1")
+    check(t.checkpoint.keep_last >= 1, "train.checkpoint.keep_last must be at least 1")
     check_fault_bounds(t, check)
     for dotted, value in [
         ("train.eval_interval", t.eval_interval),
-        ("train.save_interval", t.save_interval),
+        ("train.checkpoint.save_interval", t.checkpoint.save_interval),
         ("train.log_interval", t.log_interval),
         ("train.max_nan_steps", t.max_nan_steps),
     ]:

@@ -384,7 +384,7 @@ def _commit(
         save_config(config, staging / CONFIG)
         layout = json.dumps(current_layout(config).checkpoint_record())
         write_text_atomically(staging / "layout.json", layout)
-        write_manifest(staging, step, config.train.checkpoint_hashes, digests)
+        write_manifest(staging, step, config.train.checkpoint.hashes, digests)
         if lease is not None:
             lease.check()  # never commit into a run another job holds now
         if final.exists():
@@ -392,7 +392,7 @@ def _commit(
         staging.rename(final)
         if iteration_step(final) is not None:
             point_latest(final.parent, final)
-            retire(final.parent, config.train.keep_last, final, hash_check)
+            retire(final.parent, config.train.checkpoint.keep_last, final, hash_check)
 
     return commit
 
@@ -411,7 +411,7 @@ def _write_and_commit(
     log = WriteLog()
     for write in writes:
         _agree(log.attempt(write), staging, what)
-    digests, error = _hash_own_files(staging, log, config.train.checkpoint_hashes)
+    digests, error = _hash_own_files(staging, log, config.train.checkpoint.hashes)
     _agree(error, staging, what)
     commit_across_ranks(staging, final, config, step, digests, lease)
 

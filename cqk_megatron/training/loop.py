@@ -184,7 +184,7 @@ def _choose_start(
 
     def choose(hash_check):
         choice = checkpoint_files.choose_resume(
-            checkpoints, resume, config.train.checkpoint_hashes, hash_check
+            checkpoints, resume, config.train.checkpoint.hashes, hash_check
         )
         plan = None
         if choice.folder is not None:
