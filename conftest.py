@@ -15,7 +15,8 @@ import pytest
 from cqk_megatron.parallel.device import device
 
 # DeepSpeed picks its accelerator when it is first imported: the one of this process's
-# device, as training does (deepspeed_engine), unless the caller names one (.ci/run: cpu).
+# device, as training does (training/engines/deepspeed.py), unless the caller names one
+# (.ci/run: cpu).
 os.environ.setdefault("DS_ACCELERATOR", device().type)
 
 

@@ -170,9 +170,12 @@ def _train(config, resume: str) -> int:
     """The loop's ``train``, with the refusals and errors it can explain as one line and a
     code."""
     from cqk_megatron.training.collector import heavy_imports
+    from cqk_megatron.training.engines import engine_class
 
     with heavy_imports():  # after the config is checked
         from cqk_megatron.training.loop import train
+
+        engine_class(config.train.engine)  # its module too: the loop finds it by name
     _set_cpu_threads()
     try:
         return train(config, resume=resume)

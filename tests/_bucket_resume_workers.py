@@ -18,7 +18,7 @@ def train_with_bucket(rank, world_size, port, root, name, overrides, bucket, res
     ``root/name.err``."""
     set_rank_env(rank, world_size, port)
     from cqk_megatron import train as command
-    from cqk_megatron.training import megatron_engine
+    from cqk_megatron.training.engines import megatron as megatron_engine
 
     if bucket is not None:
         megatron_engine.bucket_elements = lambda chunk: bucket

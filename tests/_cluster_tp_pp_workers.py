@@ -84,7 +84,7 @@ def train_and_count_tp_sums(rank, world_size, port, root, runs) -> None:
     """Train each ``(name, overrides, per_parameter)``, counting the all-reduces that
     ``attention/tp_grads.py`` makes (``_collective_audit`` wraps ``torch.distributed``);
     ``per_parameter`` keeps DeepSpeed's engine on the per-micro-batch hooks where it would
-    sum once per step (``deepspeed_engine.when_to_sum_tp_grads`` answers ``HOOKS``). Rank
+    sum once per step (``engines.deepspeed.when_to_sum_tp_grads`` answers ``HOOKS``). Rank
     ``r`` writes its final parameters and, where the TP sum runs on its ZeRO partition, the
     slices it summed there to ``dump_path(root, name, r)``; rank 0 the exit code
     to ``root/name.exit`` and, to ``tp_sums_path``, the count and the number of parameters
@@ -95,7 +95,7 @@ def train_and_count_tp_sums(rank, world_size, port, root, runs) -> None:
     import _collective_audit
     import torch
 
-    import cqk_megatron.training.deepspeed_engine as deepspeed_engine
+    import cqk_megatron.training.engines.deepspeed as deepspeed_engine
     import cqk_megatron.training.loop as loop
 
     set_rank_env(rank, world_size, port)

@@ -17,8 +17,8 @@ def _mark_steps(recorder: TrafficRecorder, dp_group: list) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine
-    from cqk_megatron.training.megatron_engine import MegatronEngine
+    from cqk_megatron.training.engines.deepspeed import DeepSpeedEngine
+    from cqk_megatron.training.engines.megatron import MegatronEngine
 
     for engine in (DeepSpeedEngine, MegatronEngine):
         original = getattr(engine.train_step, "_original", engine.train_step)

@@ -34,9 +34,9 @@ FAST = [
 RUN = [
     "--config",
     "configs/runs/tiny_cpu.yaml",
-    "train.save_interval=10",
+    "train.checkpoint.save_interval=10",
     "train.eval_interval=1000",
-    "train.checkpoint_hashes=false",
+    "train.checkpoint.hashes=false",
     *FAST,
 ]
 GRACE_S = 5.0
@@ -52,9 +52,9 @@ LAUNCHED = [
     "--profile",
     "configs/clusters/local.yaml",
     f"train.train_steps={STEPS}",
-    f"train.save_interval={SAVE_INTERVAL}",
+    f"train.checkpoint.save_interval={SAVE_INTERVAL}",
     "train.eval_interval=1000",
-    "train.checkpoint_hashes=false",
+    "train.checkpoint.hashes=false",
     *FAST,
 ]
 _reference: dict = {}

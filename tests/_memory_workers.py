@@ -35,7 +35,8 @@ def _measuring(measured: dict):
     import torch.distributed as dist
 
     from cqk_megatron.perf.traffic import reduce_bucket_elements
-    from cqk_megatron.training import deepspeed_engine, loop
+    from cqk_megatron.training import loop
+    from cqk_megatron.training.engines import deepspeed as deepspeed_engine
 
     original_engine, original_config = loop.make_engine, deepspeed_engine.deepspeed_config
     original_all_reduce = dist.all_reduce

@@ -1,4 +1,4 @@
-"""Asynchronous checkpoint saves (``train.async_save``, training/async_save.py), 2 ranks.
+"""Asynchronous checkpoint saves (``train.checkpoint.async_save``, training/async_save.py), 2 ranks.
 
 The background write is held for a number of step boundaries through a test-only hook
 (``CQK_TEST_ASYNC_SAVE_HOLD_STEPS``, read in one place in async_writer.Writer): without it
@@ -37,11 +37,11 @@ from cqk_megatron.training.async_writer import HOLD_STEPS_ENV, Staged, Writer
 
 BASE = [
     "train.train_steps=8",
-    "train.save_interval=3",
+    "train.checkpoint.save_interval=3",
     "train.eval_interval=100",
-    "train.keep_last=5",
+    "train.checkpoint.keep_last=5",
 ]
-ASYNC = [*BASE, "train.async_save=true"]
+ASYNC = [*BASE, "train.checkpoint.async_save=true"]
 HOLD = 2  # step boundaries each background write is held for
 
 

@@ -24,8 +24,8 @@ RUN = [
     "train.overlap_grad_reduce=true",
     "train.train_steps=4",
     "train.eval_interval=100",
-    "train.save_interval=100",
-    "train.checkpoint_hashes=false",
+    "train.checkpoint.save_interval=100",
+    "train.checkpoint.hashes=false",
     "train.check_replicas_interval=0",
     "data.mock=true",
 ]

@@ -43,8 +43,8 @@ def run_args(root: Path, steps: int) -> list[str]:
         f"log.root={root}",
         "name=held",
         f"train.train_steps={steps}",
-        "train.save_interval=5",
-        "train.checkpoint_hashes=false",
+        "train.checkpoint.save_interval=5",
+        "train.checkpoint.hashes=false",
     ]
 
 

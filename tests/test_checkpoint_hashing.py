@@ -23,9 +23,9 @@ from cqk_megatron.run.checkpoint_files import CheckpointError, retire, verify, w
 RUN = "h"
 COMMON = [
     "train.eval_interval=100",
-    "train.save_interval=2",
-    "train.keep_last=2",
-    "train.checkpoint_hashes=true",
+    "train.checkpoint.save_interval=2",
+    "train.checkpoint.keep_last=2",
+    "train.checkpoint.hashes=true",
 ]
 FLIP = "flip a byte"  # a plan entry (FLIP, path relative to the root): rank 0 flips one byte
 MARK = "## "  # a line in a rank's hash log: the plan entry that follows

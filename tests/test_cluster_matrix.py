@@ -50,18 +50,18 @@ WIDE_LAYOUTS = ("ds-z3-tp2sp-dp2",)
 # 8 sequences a step, one a micro-batch: 4 micro-batches a rank at DP=2, 8 at DP=1
 BF16 = ["train.precision=bf16", "train.micro_batch_size=1", "train.global_batch_size=8"]
 # the resumed runs start from the straight run's checkpoint of this step, its only one
-# before the last (train.keep_last keeps both)
+# before the last (train.checkpoint.keep_last keeps both)
 STOP = 5
 LAYOUTS = {
-    "ds-pp2-vp2-dp2": [*INTERLEAVED, f"train.save_interval={STOP}"],
+    "ds-pp2-vp2-dp2": [*INTERLEAVED, f"train.checkpoint.save_interval={STOP}"],
     "mg-pp2-vp2-dp2": [*MEGATRON, *INTERLEAVED],
     "mg-tp2sp-dp2-overlap": [
         *MEGATRON,
         *TP2SP,
         "train.overlap_grad_reduce=true",
-        f"train.save_interval={STOP}",
+        f"train.checkpoint.save_interval={STOP}",
     ],
-    "ds-z3-tp2sp-dp2": ["train.zero_stage=3", *TP2SP, f"train.save_interval={STOP}"],
+    "ds-z3-tp2sp-dp2": ["train.zero_stage=3", *TP2SP, f"train.checkpoint.save_interval={STOP}"],
     "ds-z2-tp4sp": ["train.zero_stage=2", "parallel.tensor_parallel=4", TP2SP[1]],
     "ds-z2-tp2sp-dp2-offload": ["train.zero_stage=2", *TP2SP, "train.offload_optimizer=true"],
     "ds-tp2pp2": ["parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"],
@@ -101,9 +101,9 @@ def runs(tmp_path_factory):
         *BF16,
         *SHORT_TIMEOUTS,
         "train.eval_interval=100",
-        "train.save_interval=100",
+        "train.checkpoint.save_interval=100",
         f"train.clip_grad={CLIP}",
-        "train.checkpoint_hashes=false",
+        "train.checkpoint.hashes=false",
         f"train.train_steps={STEPS}",
     ]
     inits = [("init", [*MODEL, *BF16]), ("init-wide", [*MODEL, *BF16, *WIDE])]

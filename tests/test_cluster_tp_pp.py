@@ -63,9 +63,9 @@ def _common(root: str, precision: str, init: str = "init") -> list[str]:
         *GPT2_TIED,
         f"train.precision={precision}",
         "train.eval_interval=100",
-        "train.save_interval=100",
+        "train.checkpoint.save_interval=100",
         f"train.clip_grad={CLIP}",
-        "train.checkpoint_hashes=false",
+        "train.checkpoint.hashes=false",
         f"train.train_steps={STEPS}",
         f"train.init_from={root}/{init}-{precision}",
     ]
@@ -207,7 +207,7 @@ def test_the_1b_runs_zero2_with_overlap_gives_the_one_rank_run(runs, precision):
 # -- how many TP all-reduces a step takes ------------------------------------------------
 # The DeepSpeed engine sums every TP partial gradient (the row-parallel biases, and what the
 # model's own hooks sum: f and dt of the coupling, the norms under SP) in one all-reduce a
-# step (deepspeed_engine.when_to_sum_tp_grads): under ZeRO-1 on the accumulated gradients
+# step (engines.deepspeed.when_to_sum_tp_grads): under ZeRO-1 on the accumulated gradients
 # before DeepSpeed's data-parallel reduction; under ZeRO-2 with overlap_comm (the 1B run's
 # settings) on this rank's partition after it, before the step. Compared with the
 # per-parameter hooks, which one run per precision keeps: TP=2 + SP on two ranks (DP=1),
@@ -335,7 +335,7 @@ def test_the_1b_combination_on_four_ranks_sums_once_a_step_as_the_hooks_do(split
     agree(split_runs, "1b", "hooks-1b", "bf16")
 
 
-# deepspeed_engine.TpGradSum's members
+# engines.deepspeed.TpGradSum's members
 HOOKS, BEFORE, AFTER = "HOOKS", "BEFORE_DP_REDUCTION", "AFTER_DP_REDUCTION"
 
 
@@ -378,8 +378,8 @@ def test_the_tp_sum_rule_matches_what_deepspeed_does(settings, when, refused, mo
     monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed requires it (torchrun, srun set it)
     from cqk_megatron.model.gpt import build_model
     from cqk_megatron.parallel.process_groups import init_single_process
-    from cqk_megatron.training import deepspeed_engine
-    from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine, TpGradSum
+    from cqk_megatron.training.engines import deepspeed as deepspeed_engine
+    from cqk_megatron.training.engines.deepspeed import DeepSpeedEngine, TpGradSum
 
     init_single_process()
     config = load_config(None, [*TINY, *settings])
@@ -394,7 +394,7 @@ def test_the_tp_sum_rule_matches_what_deepspeed_does(settings, when, refused, mo
 
 
 def test_tp_peers_with_other_partition_slices_are_refused():
-    from cqk_megatron.training.deepspeed_engine import check_same_slices
+    from cqk_megatron.training.engines.deepspeed import check_same_slices
 
     # what the engine's first ZeRO-2 step compares across the TP group (gathered layouts)
     same = [(0, "decoder.final_layernorm.weight", 0, 64)]

@@ -59,7 +59,7 @@ STOP = 5  # the bf16 ZeRO-1 resume stops here
 # ZeRO-3: the embedding and the output layer have 2048 x 64 = 131,072 elements each, above
 # DeepSpeed's default persistence threshold (1e5), so ZeRO-3 really partitions them.
 WIDE_VOCAB = ["model.vocab_size=2048"]
-ZERO3 = ["train.zero_stage=3", "train.save_interval=3"]
+ZERO3 = ["train.zero_stage=3", "train.checkpoint.save_interval=3"]
 Z3_STEPS, Z3_STOP = 6, 3
 # Bounds that end a hung save in about a minute (each rank's watchdog exits 76) instead of
 # the defaults' ten.
@@ -79,9 +79,9 @@ def runs(tmp_path_factory) -> dict:
     same = [
         *BF16,
         "train.eval_interval=100",
-        "train.save_interval=100",
+        "train.checkpoint.save_interval=100",
         "train.clip_grad=0.5",
-        "train.checkpoint_hashes=false",
+        "train.checkpoint.hashes=false",
         f"train.train_steps={STEPS}",
         f"train.init_from={r}/init",
     ]
@@ -109,7 +109,7 @@ def runs(tmp_path_factory) -> dict:
         *WIDE_VOCAB,
         *SHORT_TIMEOUTS,
         "train.eval_interval=100",
-        "train.checkpoint_hashes=false",
+        "train.checkpoint.hashes=false",
         f"train.train_steps={Z3_STEPS}",
         f"train.init_from={r}/init-wide",
     ]
@@ -120,7 +120,7 @@ def runs(tmp_path_factory) -> dict:
             2,
             r,
             [
-                ("z1-wide", [*wide, "train.train_steps=1", "train.save_interval=100"]),
+                ("z1-wide", [*wide, "train.train_steps=1", "train.checkpoint.save_interval=100"]),
                 ("z3-straight", [*wide, *ZERO3]),
                 ("z3-resumed", [*wide, *ZERO3, f"train.exit_after_steps={Z3_STOP}"]),
                 ("z3-resumed", [*wide, *ZERO3]),
@@ -222,7 +222,7 @@ def test_bf16_deepspeed_accumulates_and_reduces_in_fp32(stage, optimizer, monkey
     monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed requires it (torchrun, srun set it)
     from cqk_megatron.model.gpt import build_model
     from cqk_megatron.parallel.process_groups import init_single_process
-    from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine
+    from cqk_megatron.training.engines.deepspeed import DeepSpeedEngine
 
     init_single_process()
     config = load_config(None, [*TINY, "train.precision=bf16", f"train.zero_stage={stage}"])
@@ -302,7 +302,7 @@ def test_deepspeed_binds_the_ranks_device_not_local_rank(monkeypatch):
     import deepspeed.runtime.engine as ds_engine
     from deepspeed.accelerator import get_accelerator
 
-    from cqk_megatron.training.deepspeed_engine import device_args
+    from cqk_megatron.training.engines.deepspeed import device_args
 
     monkeypatch.setenv("LOCAL_RANK", "5")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -109,7 +109,7 @@ def _cases() -> dict[str, dict]:
                 f"train.global_batch_size={2 * DP * micro}",
                 f"train.train_steps={STEPS}",
                 "train.eval_interval=100",
-                "train.save_interval=100",
+                "train.checkpoint.save_interval=100",
                 "train.check_replicas_interval=0",
             ]
             ranks = DP * chosen["parallel.tensor_parallel"] * chosen["parallel.pipeline_parallel"]
@@ -269,7 +269,7 @@ def test_buckets_fill_during_the_backward_at_every_ladder_size(size, dp):
 
 
 def test_deepspeed_gets_the_buckets():
-    from cqk_megatron.training.deepspeed_engine import deepspeed_config
+    from cqk_megatron.training.engines.deepspeed import deepspeed_config
 
     config = load_config(REPO / "configs" / "runs" / "1b_4x8.yaml", [])
     zero = deepspeed_config(config, 8, 40_000_000)["zero_optimization"]

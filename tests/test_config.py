@@ -907,3 +907,33 @@ def test_the_old_name_of_transformer_impl_is_read_with_a_warning(tmp_path):
     with pytest.raises(ConfigError, match=r"both.yaml: 'backend' .*keep only 'transformer_impl'"):
         load_config(both)
     assert "backend" not in to_dict(cfg())  # and only the new name is written
+
+
+def test_the_checkpoint_keys_moved_into_train_checkpoint_are_read_with_a_warning(tmp_path):
+    # train.save_interval, keep_last, checkpoint_hashes and async_save are now the section
+    # train.checkpoint: configs, checkpoints and wandb runs written before still load, and warn
+    moved = "'train.keep_last' is now 'train.checkpoint.keep_last'"
+    old_file = write(tmp_path / "old.yaml", "train:\n  keep_last: 5\n  checkpoint_hashes: false\n")
+    with pytest.warns(FutureWarning, match=moved):
+        loaded = load_config(old_file)
+    assert (loaded.train.checkpoint.keep_last, loaded.train.checkpoint.hashes) == (5, False)
+    with pytest.warns(FutureWarning, match="'train.save_interval' is now 'train.checkpoint.save"):
+        assert cfg("train.save_interval=7").train.checkpoint.save_interval == 7
+    saved = to_dict(cfg())
+    saved["train"]["async_save"] = saved["train"]["checkpoint"].pop("async_save")
+    with pytest.warns(FutureWarning, match="'train.async_save' is now 'train.checkpoint.async"):
+        assert from_dict(RunConfig, saved, "iter_0000005/config.yaml") == cfg()
+    # an old name in a file loses to an override of the new one, and the reverse
+    assert load_config(old_file, ["train.checkpoint.keep_last=2"]).train.checkpoint.keep_last == 2
+    new_file = write(
+        tmp_path / "new.yaml", "include: [old.yaml]\ntrain:\n  checkpoint:\n    keep_last: 4\n"
+    )
+    assert load_config(new_file).train.checkpoint.keep_last == 4
+    assert load_config(new_file, ["train.keep_last=6"]).train.checkpoint.keep_last == 6
+    # both names in one mapping must agree
+    both = write(
+        tmp_path / "both.yaml", "train:\n  keep_last: 5\n  checkpoint:\n    keep_last: 4\n"
+    )
+    with pytest.raises(ConfigError, match=r"'train.keep_last' .*keep only 'train.checkpoint"):
+        load_config(both)
+    assert "keep_last" not in to_dict(cfg())["train"]  # and only the new name is written

@@ -72,7 +72,7 @@ def test_a_peak_that_is_not_positive_is_refused():
 def test_training_prints_the_fields_of_its_records(tmp_path):
     """Real training on CPU: with ``log.peak_tflops`` the line's MFU is the record's, which
     is the FLOPs estimate's TFLOP/s per device over that peak; without one it is n/a."""
-    base = ["train.train_steps=3", "train.eval_interval=100", "train.save_interval=100"]
+    base = ["train.train_steps=3", "train.eval_interval=100", "train.checkpoint.save_interval=100"]
     runs = [("peak", [*base, "log.peak_tflops=0.5"]), ("no-peak", base)]
     run_ranks(train_attempts, 1, str(tmp_path), runs)
     for name, peak in (("peak", 0.5), ("no-peak", None)):

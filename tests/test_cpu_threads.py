@@ -57,7 +57,7 @@ def _train_threads_line(tmp_path: Path, **env: str) -> str:
             "--config",
             "configs/runs/tiny_cpu.yaml",
             "train.train_steps=2",
-            "train.save_interval=100",
+            "train.checkpoint.save_interval=100",
             f"log.root={tmp_path}",
             f"name=threads-{len(env)}",
         ],

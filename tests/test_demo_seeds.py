@@ -218,7 +218,7 @@ def test_diff_gap_sizes_change_one_setting_each_of_the_demo_model():
         return {
             o.split("=", 1)[0]: o.split("=", 1)[1]
             for o in run["overrides"]
-            if not o.startswith(("name=", "train.save_interval="))
+            if not o.startswith(("name=", "train.checkpoint.save_interval="))
         }
 
     base = settings(expand_sweep(REPO / "configs/sweeps/demo_seeds.yaml")[6])  # differential s0

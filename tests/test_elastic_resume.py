@@ -61,8 +61,8 @@ def runs(tmp_path_factory) -> Path:
     same = [
         f"train.train_steps={STEPS}",
         "train.eval_interval=100",
-        "train.save_interval=100",
-        "train.checkpoint_hashes=false",
+        "train.checkpoint.save_interval=100",
+        "train.checkpoint.hashes=false",
     ]
     stop = [f"train.exit_after_steps={STOP}"]
     two_ranks = [(name, [*same, *run]) for name, run in REFERENCES.items()]

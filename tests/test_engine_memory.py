@@ -27,7 +27,7 @@ ZERO2 = [
     "train.zero_stage=2",
     "train.overlap_grad_reduce=true",
     "train.train_steps=2",
-    "train.save_interval=1000",
+    "train.checkpoint.save_interval=1000",
     "train.check_replicas_interval=0",
     "train.global_batch_size=16",
 ]

@@ -1,4 +1,4 @@
-"""The engine protocol (``training/engine.py``): both engines implement every method of
+"""The engine protocol (``training/engines/base.py``): both engines implement every method of
 ``Engine`` with its signature, a class that misses one cannot be built, and the loop and
 checkpointing call nothing on an engine that the protocol does not declare.
 
@@ -13,18 +13,23 @@ from pathlib import Path
 
 import pytest
 
-from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine
-from cqk_megatron.training.engine import Engine
-from cqk_megatron.training.megatron_engine import MegatronEngine
+from cqk_megatron.training.engines.base import Engine
+from cqk_megatron.training.engines.deepspeed import DeepSpeedEngine
+from cqk_megatron.training.engines.megatron import MegatronEngine
 
 TRAINING = Path(__file__).resolve().parents[1] / "cqk_megatron" / "training"
 ENGINES = [DeepSpeedEngine, MegatronEngine]
 # what the protocol declares: every abstract method (``__init__`` included), and every
-# public method with a default that an engine may override (``whole_weights``)
+# public method with a default that an engine may override (``whole_weights``, and the
+# classmethod ``optimizer_restart_reason``)
 DECLARED = sorted(
     {
         *Engine.__abstractmethods__,
-        *(name for name, value in vars(Engine).items() if callable(value) and name[0] != "_"),
+        *(
+            name
+            for name, value in vars(Engine).items()
+            if (callable(value) or isinstance(value, classmethod)) and name[0] != "_"
+        ),
     }
 )
 
@@ -56,6 +61,7 @@ def test_the_protocol_declares_what_an_engine_does():
         "__init__",
         "eval_loss",
         "load_state",
+        "optimizer_restart_reason",
         "save_state",
         "set_lr",
         "train_step",

@@ -58,7 +58,7 @@ OWNED = {
         "data.seed": "one data order for every seed",
         "train.warmup_steps": "the preset's warmup fraction",
         "train.eval_interval": "the preset's evaluations per run",
-        "train.save_interval": "the preset's checkpoints per run",
+        "train.checkpoint.save_interval": "the preset's checkpoints per run",
     },
     "bench": {"parallel.world_size": "one process"},
     "params": {"parallel.world_size": "one process"},

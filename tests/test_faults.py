@@ -394,8 +394,8 @@ def test_a_preempted_torchrun_job_exits_75(tmp_path):
         f"log.root={tmp_path}",
         "name=preempted",
         "train.train_steps=2000",
-        "train.save_interval=5",
-        "train.checkpoint_hashes=false",
+        "train.checkpoint.save_interval=5",
+        "train.checkpoint.hashes=false",
         *FAST,
     ]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}

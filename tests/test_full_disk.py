@@ -34,9 +34,9 @@ SUBMIT = [
     "--tasks",
     "2",
     "train.train_steps=50",
-    "train.save_interval=25",
+    "train.checkpoint.save_interval=25",
     "train.eval_interval=1000",
-    "train.checkpoint_hashes=true",
+    "train.checkpoint.hashes=true",
     "train.save_timeout_s=30",
     *FAST,
 ]

@@ -58,9 +58,9 @@ RUN = "base"  # the prepared run's name
 # resumes it (it is not finished) and changes no setting of it.
 SETTINGS = [
     "train.train_steps=8",
-    "train.save_interval=2",
+    "train.checkpoint.save_interval=2",
     "train.eval_interval=100",
-    "train.checkpoint_hashes=true",
+    "train.checkpoint.hashes=true",
     "train.exit_after_steps=4",
 ]
 
@@ -410,7 +410,7 @@ def test_a_key_given_twice_in_a_run_file_is_refused(
 # silently replace the earlier
 REPEAT_CASES = {
     "key twice": (
-        ("train.lr=1e-3", "train.save_interval=3", "train.lr=2e-3"),
+        ("train.lr=1e-3", "train.checkpoint.save_interval=3", "train.lr=2e-3"),
         "command line: key 'train.lr' is given twice, by override 1 'train.lr=1e-3' and "
         "override 3 'train.lr=2e-3'",
     ),
@@ -1134,7 +1134,7 @@ def test_sigterm_stops_training_with_75_and_a_checkpoint_it_resumes_from(prepare
     process = _train_process(
         run_dir,
         "train.train_steps=100000",
-        "train.save_interval=100000",
+        "train.checkpoint.save_interval=100000",
         "train.exit_after_steps=null",
         log=log,
     )
@@ -1191,7 +1191,11 @@ def _signal_when_resumed(process: subprocess.Popen, run_dir: Path, signum: int) 
     process.send_signal(signum)
 
 
-NO_SAVES = ("train.train_steps=100000", "train.save_interval=100000", "train.exit_after_steps=null")
+NO_SAVES = (
+    "train.train_steps=100000",
+    "train.checkpoint.save_interval=100000",
+    "train.exit_after_steps=null",
+)
 
 
 def test_ctrl_c_stops_training_with_75_and_a_checkpoint_it_resumes_from(prepared_run, tmp_path):

@@ -93,7 +93,11 @@ def test_a_disk_full_under_an_asynchronous_save_is_refused_at_the_next_step(disk
     chained traceback, exit 1, and iter_0000010.tmp kept the disk at 0 bytes free)."""
     watch = Watch(tmp_path)
     log = tmp_path / "train.log"
-    steps = ("train.train_steps=15", "train.save_interval=5", "train.async_save=true")
+    steps = (
+        "train.train_steps=15",
+        "train.checkpoint.save_interval=5",
+        "train.checkpoint.async_save=true",
+    )
     code = _ended(_train(disk, *steps, log=log))
     text = log.read_text()
     assert code == EXIT_REFUSED, text[-4000:]
@@ -117,7 +121,7 @@ def test_a_disk_that_fills_between_saves_is_refused_with_the_last_line_whole(dis
     watch = Watch(tmp_path)
     log = tmp_path / "train.log"
     run_dir = disk / "full"
-    process = _train(disk, "train.train_steps=40", "train.save_interval=20", log=log)
+    process = _train(disk, "train.train_steps=40", "train.checkpoint.save_interval=20", log=log)
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while _train_steps(run_dir) < 7 and process.poll() is None:

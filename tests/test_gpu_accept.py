@@ -83,7 +83,7 @@ def test_the_training_runs_are_valid_and_each_resumed_one_is_its_twin(tmp_path):
         configs[name] = config
     assert configs[accept.ZERO3].train.zero_stage == 3
     assert configs[f"{accept.ZERO3}-resumed"].train.exit_after_steps == 20  # the mid-run save
-    assert configs[f"{accept.ZERO3}"].train.save_interval == 20
+    assert configs[f"{accept.ZERO3}"].train.checkpoint.save_interval == 20
     for engine in accept.ENGINES:
         gpt2 = configs[f"{accept.GPT2}-{engine}"]
         assert gpt2.model.family == "gpt2" and gpt2.attention.variant == "coupled"
@@ -140,10 +140,10 @@ def _settings(config) -> dict:
         "train_steps",
         "warmup_steps",
         "eval_interval",
-        "save_interval",
-        "checkpoint_hashes",
     ):
         data["train"].pop(key)
+    for key in ("save_interval", "hashes"):
+        data["train"]["checkpoint"].pop(key)
     return {section: data[section] for section in ("model", "attention", "parallel", "train")}
 
 

@@ -53,9 +53,9 @@ def runs(tmp_path_factory) -> Path:
     same = [
         *COUPLED_DIFFERENTIAL,
         "train.eval_interval=100",
-        "train.save_interval=100",
+        "train.checkpoint.save_interval=100",
         "train.clip_grad=0.5",
-        "train.checkpoint_hashes=false",
+        "train.checkpoint.hashes=false",
         f"train.train_steps={STEPS}",
         f"train.init_from={r}/init",
     ]
@@ -73,7 +73,13 @@ def runs(tmp_path_factory) -> Path:
         # DP=2 with full recompute, evaluating and saving: the loop's other collectives
         (
             "mg-dp2-full",
-            [*same, *MEGATRON, *FULL_UNIFORM, "train.eval_interval=4", "train.save_interval=4"],
+            [
+                *same,
+                *MEGATRON,
+                *FULL_UNIFORM,
+                "train.eval_interval=4",
+                "train.checkpoint.save_interval=4",
+            ],
             "none",
         ),
     ]
@@ -215,7 +221,7 @@ def test_the_mfu_peak_of_each_gpu_name(name, peak):
 def test_on_gpu_the_optimizer_is_torchs_fused_adamw(monkeypatch):
     # No GPU here: device() answers cuda (a mock); torch's fused AdamW also runs on CPU
     # tensors, so the optimizer is built for real. No DeepSpeed op is JIT-compiled.
-    from cqk_megatron.training import deepspeed_engine as engine
+    from cqk_megatron.training.engines import deepspeed as engine
 
     monkeypatch.setattr(engine, "device", lambda: torch.device("cuda", 0))
     model = torch.nn.Linear(4, 4)
@@ -233,7 +239,7 @@ def test_the_1b_run_overlaps_the_gradient_reduction_with_the_backward():
     # train.overlap_grad_reduce: Megatron DDP's overlap_grad_reduce (the 1B run's engine),
     # DeepSpeed ZeRO's overlap_comm (on CPU too: a DP=2 ZeRO-1 or ZeRO-2 run gave the very
     # same losses and gradient norms with it as without)
-    from cqk_megatron.training.deepspeed_engine import deepspeed_config
+    from cqk_megatron.training.engines.deepspeed import deepspeed_config
 
     shipped = load_config(CONFIGS_DIR / "runs" / "1b_4x8.yaml", [])
     assert shipped.train.engine == "megatron" and shipped.train.overlap_grad_reduce

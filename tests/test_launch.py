@@ -49,7 +49,7 @@ RUN = [
     "--tasks",
     "2",
     f"train.train_steps={STEPS}",
-    "train.save_interval=20",
+    "train.checkpoint.save_interval=20",
     "train.eval_interval=100",
 ]
 SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol")

@@ -192,8 +192,8 @@ def test_a_toy_backend_runs_a_job_through_submit_status_and_cancel(
         f"log.root={tmp_path}",
         "name=toy-run",
         "train.train_steps=100000",
-        "train.save_interval=100000",
-        "train.checkpoint_hashes=false",
+        "train.checkpoint.save_interval=100000",
+        "train.checkpoint.hashes=false",
     ]
     assert submit.main([*argv, "--dry-run"]) == 0
     assert "==> toy: 1 job(s) as processes on this machine" in capsys.readouterr().out

@@ -56,7 +56,7 @@ def run_args(root: Path, name: str, steps: int, *extra: str) -> list[str]:
         f"log.root={root}",
         f"name={name}",
         f"train.train_steps={steps}",
-        "train.save_interval=10",
+        "train.checkpoint.save_interval=10",
         *extra,
     ]
 

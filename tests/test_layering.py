@@ -21,6 +21,13 @@ MAX_TOP_LEVEL_FILES = 5
 # The parsers' house style (help with defaults, renamed flags): it imports only the
 # standard library, so every command line may use it, wherever it lives.
 ARGS = "cqk_megatron.cli.args"
+# The engines' torch-free half (training/engines/: the package itself, its registry, the
+# spec base, the sharding names and each engine's *_spec module): config.validate runs the
+# engines' rules on login nodes without torch, so it sits in config's layer, and a test
+# holds it there (no torch, no engine class, nothing above config). The engine classes
+# (base.py and one module per engine) are training's.
+ENGINE_SPECS = "cqk_megatron.training.engines"
+ENGINE_SPEC_MODULES = ("registry", "spec", "shardings")
 MAX_FUNCTION_LINES = 80
 
 
@@ -71,6 +78,20 @@ def _sources() -> list[Path]:
     return [p for p in found if "hf_remote" not in p.parts]
 
 
+def _is_engine_spec(module: str) -> bool:
+    """A module of the engines' torch-free half, or a name imported from the package
+    itself (its ``__init__`` re-exports the registry)."""
+    if not _is(module, ENGINE_SPECS):
+        return False
+    name = module[len(ENGINE_SPECS) + 1 :].split(".")[0]
+    folder = REPO / ENGINE_SPECS.replace(".", "/")
+    return (
+        name in ENGINE_SPEC_MODULES
+        or name.endswith("_spec")
+        or not (folder / f"{name}.py").exists()  # the package, or a name it re-exports
+    )
+
+
 def _unit(module: str) -> str:
     """The package a module belongs to, for the package graph. A package's ``__main__.py``
     (``python -m cqk_megatron.analysis``), which only dispatches to its command, belongs to
@@ -78,6 +99,8 @@ def _unit(module: str) -> str:
     parts = module.split(".")
     if module == ARGS or module.startswith(ARGS + "."):
         return ARGS
+    if _is_engine_spec(module):
+        return ENGINE_SPECS
     if parts[0] == "cqk_megatron" and len(parts) > 2 and parts[-1] == "__main__":
         return "cqk_megatron.cli"
     return ".".join(parts[:2]) if parts[0] == "cqk_megatron" and len(parts) > 1 else parts[0]
@@ -103,6 +126,20 @@ def _files(folder: str) -> list[Path]:
 def test_the_house_style_of_parsers_imports_only_the_standard_library():
     path = REPO / "cqk_megatron/cli/args.py"
     assert _violations([path], OURS + ENGINES, "every command line uses it") == []
+
+
+def _engine_spec_files() -> list[Path]:
+    return [p for p in _files("cqk_megatron/training/engines") if _is_engine_spec(_module_name(p))]
+
+
+def test_the_engines_torch_free_half_imports_no_torch_and_no_engine_class():
+    files = _engine_spec_files()
+    assert {p.name for p in files} >= {"__init__.py", "registry.py", "spec.py"}, files
+    engine_classes = [
+        _module_name(p) for p in _files("cqk_megatron/training/engines") if p not in files
+    ]
+    forbidden = (*ENGINES, *engine_classes)
+    assert _violations(files, forbidden, "config.validate runs it without torch") == []
 
 
 def test_the_math_imports_nothing_of_the_package_or_megatron():
@@ -264,7 +301,7 @@ def test_no_two_packages_depend_on_each_other():
 # docs/architecture.md's layers, lowest first: a package imports its own layer or lower ones
 LAYERS = [
     ["cqk_megatron.variants", "cqk_megatron.errors", ARGS, "cqk_megatron.compat"],
-    ["cqk_megatron.config", "cqk_megatron.run"],
+    ["cqk_megatron.config", "cqk_megatron.run", ENGINE_SPECS],
     ["cqk_megatron.data"],
     ["cqk_megatron.model", "cqk_megatron.parallel", "cqk_megatron.perf"],
     ["cqk_megatron.training"],

@@ -23,7 +23,7 @@ from cqk_megatron.config import ConfigError, load_config, validate
 from cqk_megatron.errors import EXIT_REQUEUE
 from cqk_megatron.model.gpt import build_model
 from cqk_megatron.parallel.process_groups import init_single_process
-from cqk_megatron.training.megatron_engine import MegatronEngine
+from cqk_megatron.training.engines.megatron import MegatronEngine
 from cqk_megatron.training.sampler import fetch, micro_batch_indices
 
 STEPS = 8
@@ -42,9 +42,9 @@ def runs(tmp_path_factory) -> Path:
     # Clipping at 0.5 is active (gradient norms are ~1), so the global norm must agree too.
     same = [
         "train.eval_interval=100",
-        "train.save_interval=100",
+        "train.checkpoint.save_interval=100",
         "train.clip_grad=0.5",
-        "train.checkpoint_hashes=false",
+        "train.checkpoint.hashes=false",
         "train.engine=megatron",
     ]
     layout_run = [*same, f"train.train_steps={STEPS}", f"train.init_from={r}/init"]

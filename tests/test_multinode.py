@@ -53,9 +53,9 @@ COMMON = [
     "--profile",
     "configs/clusters/local.yaml",
     f"train.train_steps={STEPS}",
-    f"train.save_interval={SAVE_INTERVAL}",
+    f"train.checkpoint.save_interval={SAVE_INTERVAL}",
     "train.eval_interval=1000",
-    "train.checkpoint_hashes=false",
+    "train.checkpoint.hashes=false",
     *FAST,
 ]
 SUBMIT = [sys.executable, str(REPO / "launch" / "submit.py")]

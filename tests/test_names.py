@@ -4,8 +4,8 @@ thing do not come back.
 Each old name below was a second meaning of "plan", "backend", "layout" or of the math
 file's name, and was renamed. The test reads every source, test, doc and config of the
 repository as text (comments, docstrings and messages count: they are where a reader meets
-the word) and fails naming the file, the line and the name that replaced it. The old names
-that are still read on purpose are listed in ``KEPT`` with where and why.
+the word) and fails naming the file, the line and the name that replaced it. An old name
+still read on purpose would be listed in ``KEPT`` with where and why.
 """
 
 from __future__ import annotations
@@ -53,15 +53,8 @@ RENAMED_PATTERNS = {
     r"\bdef backend\(": "parallel.process_groups.collective_library",
     r"\bprocess_groups\.backend\b": "parallel.process_groups.collective_library",
 }
-# (old name, file) pairs that are read on purpose, with why
-KEPT = {
-    # aliases of ResumeMode / resume_mode for the training loop, which still spells them
-    ("ResumePlan", "cqk_megatron/training/checkpoint.py"),
-    ("resume_plan", "cqk_megatron/training/checkpoint.py"),
-    ("ResumePlan", "cqk_megatron/training/loop.py"),
-    ("resume_plan", "cqk_megatron/training/loop.py"),
-    ("resume_plan", "cqk_megatron/parallel/layout.py"),
-}
+# (old name, file) pairs that are read on purpose, with why (none now)
+KEPT: set[tuple[str, str]] = set()
 # "coupling.py" is plain_math.py's name inside an exported Hugging Face folder, and only
 # there: these files speak of the export; elsewhere a line that names it says what it is
 # (names plain_math.py too).

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from cqk_megatron.config import load_config
-from cqk_megatron.parallel.layout import SHARDING_SETTINGS, Layout, sharding_name
+from cqk_megatron.parallel.layout import Layout
 from cqk_megatron.perf import fit as plan
+from cqk_megatron.training.engines import sharding_name, sharding_settings
 
 # layout.json as the code before parallel_plan wrote it (json.dumps of the checkpoint's own
 # Layout dataclass: tensor_parallel, pipeline_parallel, data_parallel, engine, zero_stage)
@@ -45,8 +46,8 @@ def test_a_checkpoint_records_the_sharding_not_the_rest_of_the_layout():
 
 def test_the_planner_and_training_agree_on_sharding_names():
     # each optimizer sharding of the planner is the one that train.engine/zero_stage name
-    assert set(SHARDING_SETTINGS) == set(plan.TRAINING_SHARDINGS)
-    for name, settings in SHARDING_SETTINGS.items():
+    for name in plan.TRAINING_SHARDINGS:
+        settings = sharding_settings(name)
         assert sharding_name(settings["engine"], settings["zero_stage"]) == name
         overrides = [f"train.{key}={value}" for key, value in settings.items()]
         assert plan.sharding_of(load_config(None, overrides)) == name
@@ -91,7 +92,7 @@ def test_a_checkpoint_written_before_the_rename_resumes(tmp_path):
     from _training import exits, records, train_runs
 
     zero1 = ["train.engine=deepspeed", "train.zero_stage=1", "train.train_steps=4"]
-    zero1 += ["train.eval_interval=100", "train.save_interval=100"]
+    zero1 += ["train.eval_interval=100", "train.checkpoint.save_interval=100"]
     run_ranks(train_runs, 2, str(tmp_path), [("old", [*zero1, "train.exit_after_steps=2"])])
     layout_json = tmp_path / "old" / "checkpoints" / "iter_0000002" / "layout.json"
     old = (

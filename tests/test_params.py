@@ -76,7 +76,7 @@ def test_the_training_record_is_the_one_count(tmp_path):
         "model.tie_embeddings=true",
         "train.train_steps=1",
         "train.eval_interval=100",
-        "train.save_interval=100",
+        "train.checkpoint.save_interval=100",
     ]
     run_ranks(train_runs, 2, str(tmp_path), [(name, overrides)])
     (summary,) = records(tmp_path, name, "summary")

@@ -200,7 +200,7 @@ def test_a_damaged_checkpoint_is_named_before_queueing_and_the_run_takes_one_tha
     root = tmp_path / "runs"
     run_dir = root / "flipped"
     checkpoints = run_dir / "checkpoints"
-    run = [*RUN, f"log.root={root}", "name=flipped", "train.save_interval=10"]
+    run = [*RUN, f"log.root={root}", "name=flipped", "train.checkpoint.save_interval=10"]
     first = submit(*run, "train.train_steps=20")
     assert first.returncode == 0, first.stdout + first.stderr
     damaged = _flip_a_byte(checkpoints / "iter_0000020")

@@ -143,7 +143,7 @@ def test_status_finds_a_submitted_run_by_name_in_the_profile_s_runs_root(tmp_pat
             "name=found-by-name",
             "train.train_steps=2",
             "train.eval_interval=2",
-            "train.save_interval=2",
+            "train.checkpoint.save_interval=2",
         ],
         timeout=600,
         env=env,

@@ -57,7 +57,7 @@ def test_cqk_params_prints_no_third_party_warning_and_verbose_shows_them(tmp_pat
 def test_a_rank_started_by_module_name_is_quiet_too(tmp_path):
     train = run(
         "-m", "cqk_megatron.train", "--config", "configs/runs/tiny_cpu.yaml",
-        "train.train_steps=1", "train.save_interval=100", f"log.root={tmp_path}",
+        "train.train_steps=1", "train.checkpoint.save_interval=100", f"log.root={tmp_path}",
         tmp_path=tmp_path,
     )  # fmt: skip
     assert "UserWarning" not in train.stderr, train.stderr

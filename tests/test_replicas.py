@@ -23,8 +23,8 @@ SAME = [
     *COUPLED_DIFFERENTIAL,
     f"train.train_steps={STEPS}",
     "train.eval_interval=100",
-    "train.save_interval=100",
-    "train.checkpoint_hashes=false",
+    "train.checkpoint.save_interval=100",
+    "train.checkpoint.hashes=false",
     "train.check_replicas_interval=1",
 ]
 DP2 = ["train.zero_stage=1"]

@@ -30,7 +30,7 @@ ENV = {
     "PYTHONWARNINGS": "ignore",
 }
 STEPS = 6
-SHORT = [f"train.train_steps={STEPS}", "train.save_interval=3", "train.eval_interval=3"]
+SHORT = [f"train.train_steps={STEPS}", "train.checkpoint.save_interval=3", "train.eval_interval=3"]
 
 # README.md's three training commands, after `cqk` / `torchrun`.
 ONE_PROCESS = ["--config", "configs/runs/tiny_cpu.yaml"]

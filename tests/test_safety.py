@@ -27,7 +27,7 @@ from _training import FILL, attempts, folder_listing, train_attempts
 
 from cqk_megatron.training import checkpoint
 
-COMMON = ["train.eval_interval=100", "train.checkpoint_hashes=true"]
+COMMON = ["train.eval_interval=100", "train.checkpoint.hashes=true"]
 
 
 def _truncate(path: Path, keep: int = 100) -> None:
@@ -54,19 +54,29 @@ def runs(tmp_path_factory) -> Path:
         [
             (
                 "corrupt",
-                [*COMMON, "train.train_steps=6", "train.save_interval=2", "train.keep_last=3"],
+                [
+                    *COMMON,
+                    "train.train_steps=6",
+                    "train.checkpoint.save_interval=2",
+                    "train.checkpoint.keep_last=3",
+                ],
             ),
             (
                 "newer",
-                [*COMMON, "train.train_steps=4", "train.save_interval=2", "train.keep_last=1"],
+                [
+                    *COMMON,
+                    "train.train_steps=4",
+                    "train.checkpoint.save_interval=2",
+                    "train.checkpoint.keep_last=1",
+                ],
             ),
-            ("shape", [*COMMON, "train.train_steps=2", "train.save_interval=2"]),
+            ("shape", [*COMMON, "train.train_steps=2", "train.checkpoint.save_interval=2"]),
             (
                 "sched",
                 [
                     *COMMON,
                     "train.train_steps=8",
-                    "train.save_interval=4",
+                    "train.checkpoint.save_interval=4",
                     "train.exit_after_steps=4",
                 ],
             ),
@@ -89,10 +99,15 @@ def runs(tmp_path_factory) -> Path:
         1,
         r,
         [
-            ("corrupt", [*COMMON, "train.train_steps=8", "train.save_interval=2"]),
+            ("corrupt", [*COMMON, "train.train_steps=8", "train.checkpoint.save_interval=2"]),
             (
                 "newer",
-                [*COMMON, "train.train_steps=8", "train.save_interval=2", "train.keep_last=1"],
+                [
+                    *COMMON,
+                    "train.train_steps=8",
+                    "train.checkpoint.save_interval=2",
+                    "train.checkpoint.keep_last=1",
+                ],
             ),
             ("shape", [*COMMON, "train.train_steps=4", "model.hidden_size=128"]),
             (
@@ -104,11 +119,16 @@ def runs(tmp_path_factory) -> Path:
                     f"train.init_from={shape_checkpoint}",
                 ],
             ),
-            ("sched", [*COMMON, "train.train_steps=10", "train.save_interval=4"]),
+            ("sched", [*COMMON, "train.train_steps=10", "train.checkpoint.save_interval=4"]),
             # the ways on that the all-corrupt refusal names
             (
                 "corrupt",
-                [*COMMON, "train.train_steps=8", "train.save_interval=2", "train.keep_last=3"],
+                [
+                    *COMMON,
+                    "train.train_steps=8",
+                    "train.checkpoint.save_interval=2",
+                    "train.checkpoint.keep_last=3",
+                ],
                 f"weights:{r}/corrupt/checkpoints/iter_0000006",
             ),
         ],
@@ -220,7 +240,13 @@ def test_a_crash_and_resume_logs_every_step_once_and_readers_agree(tmp_path):
     """kill -9 after the last save (no chance to write anything): the resumed run's records
     supersede those the crashed one logged past its checkpoint."""
     script = Path(__file__).with_name("_train_script.py")
-    env = {**os.environ, "MASTER_PORT": str(free_port()), "DS_ACCELERATOR": "cpu"}
+    # the checkout's package, as the other tests' processes get it (not an installed one)
+    env = {
+        **os.environ,
+        "MASTER_PORT": str(free_port()),
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+    }
     args = [
         sys.executable,
         str(script),
@@ -228,8 +254,8 @@ def test_a_crash_and_resume_logs_every_step_once_and_readers_agree(tmp_path):
         "crash",
         "train.train_steps=400",
         "train.eval_interval=3",
-        "train.save_interval=3",
-        "train.checkpoint_hashes=false",
+        "train.checkpoint.save_interval=3",
+        "train.checkpoint.hashes=false",
     ]
     process = subprocess.Popen(
         args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True
@@ -342,7 +368,7 @@ def tmpfs(tmp_path):
 
 def test_a_full_disk_says_no_space_and_keeps_the_previous_checkpoint(tmpfs):
     r = str(tmpfs)
-    run = [*COMMON, "train.save_interval=2", "train.keep_last=3"]
+    run = [*COMMON, "train.checkpoint.save_interval=2", "train.checkpoint.keep_last=3"]
     # a first checkpoint, then room for the metrics but not for a second one (2.6 MB)
     steps = [("full", [*run, "train.train_steps=2"]), (FILL, 600_000)]
     steps.append(("full", [*run, "train.train_steps=4"]))

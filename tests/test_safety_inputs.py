@@ -222,7 +222,7 @@ def test_a_layout_refusal_comes_before_megatron_is_imported(tmp_path):
 
 # -- runs to export, and a run that diverges -------------------------------------------------
 
-QUIET = ["train.eval_interval=100", "train.checkpoint_hashes=true"]
+QUIET = ["train.eval_interval=100", "train.checkpoint.hashes=true"]
 
 
 DIVERGING = 2  # the attempts of train_then_diverge whose weights turn NaN
@@ -235,7 +235,7 @@ def train_then_diverge(rank, world_size, port, root, runs) -> None:
     1e30 and only the gradients overflow, and torch refuses an lr beyond fp32's range.)"""
     import torch
 
-    from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine
+    from cqk_megatron.training.engines.deepspeed import DeepSpeedEngine
 
     train_attempts(rank, world_size, port, root, runs[:-DIVERGING])
     original = DeepSpeedEngine.train_step
@@ -255,15 +255,21 @@ def trained(tmp_path_factory) -> Path:
     """``export``: checkpoints at steps 2 and 4. ``diverged``: good checkpoints at steps 1
     and 2, then resumed with weights that are not finite after step 3 (a save every step)."""
     root = tmp_path_factory.mktemp("trained")
-    every_step = [*QUIET, "train.save_interval=1"]
+    every_step = [*QUIET, "train.checkpoint.save_interval=1"]
     runs = [
-        ("export", [*QUIET, "train.train_steps=4", "train.save_interval=2"]),
+        ("export", [*QUIET, "train.train_steps=4", "train.checkpoint.save_interval=2"]),
         ("diverged", [*every_step, "train.train_steps=2"]),
         # the asynchronous save starts the same way: no staged copy of NaN weights either
-        ("diverged-async", [*every_step, "train.train_steps=2", "train.async_save=true"]),
+        (
+            "diverged-async",
+            [*every_step, "train.train_steps=2", "train.checkpoint.async_save=true"],
+        ),
         # the last DIVERGING attempts diverge
         ("diverged", [*every_step, "train.train_steps=6"]),
-        ("diverged-async", [*every_step, "train.train_steps=6", "train.async_save=true"]),
+        (
+            "diverged-async",
+            [*every_step, "train.train_steps=6", "train.checkpoint.async_save=true"],
+        ),
     ]
     run_ranks(train_then_diverge, 1, str(root), runs)
     return root

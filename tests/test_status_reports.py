@@ -53,7 +53,7 @@ def test_a_cancelled_job_is_reported_as_cancelled(tmp_path):
             [sys.executable, "-m", "cqk_megatron", "submit", "--config",
              "configs/runs/tiny_cpu.yaml", "--cluster", "local", "--tasks", "1",
              f"log.root={root}", "name=to-cancel", "train.train_steps=100000",
-             "train.save_interval=5", "train.checkpoint_hashes=false"],
+             "train.checkpoint.save_interval=5", "train.checkpoint.hashes=false"],
             cwd=REPO, env=_env(state), stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:

@@ -54,7 +54,7 @@ def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("runs")
     r = str(root)
     # Clipping at 0.5 is active (gradient norms are ~1), so the global norm must agree too.
-    same = ["train.eval_interval=100", "train.save_interval=100", "train.clip_grad=0.5"]
+    same = ["train.eval_interval=100", "train.checkpoint.save_interval=100", "train.clip_grad=0.5"]
     layout_run = [*same, f"train.train_steps={STEPS}", f"train.init_from={r}/init"]
     layout_run_4l = [
         *same,
@@ -289,7 +289,13 @@ def test_sigterm_checkpoints_and_requeues_then_resumes(tmp_path):
     # after a first save has started Megatron's checkpoint-writer helper process: the save
     # the signal asks for must still succeed (the helper must not die of the signal).
     script = Path(__file__).with_name("_train_script.py")
-    env = {**os.environ, "MASTER_PORT": str(free_port()), "DS_ACCELERATOR": "cpu"}
+    # the checkout's package, as the other tests' processes get it (not an installed one)
+    env = {
+        **os.environ,
+        "MASTER_PORT": str(free_port()),
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+    }
     args = [
         sys.executable,
         str(script),
@@ -297,9 +303,9 @@ def test_sigterm_checkpoints_and_requeues_then_resumes(tmp_path):
         "sig",
         "train.train_steps=400",
         "train.eval_interval=1000",
-        "train.save_interval=2",
-        "train.keep_last=1",
-        "train.checkpoint_hashes=false",
+        "train.checkpoint.save_interval=2",
+        "train.checkpoint.keep_last=1",
+        "train.checkpoint.hashes=false",
     ]
     process = subprocess.Popen(
         args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True

@@ -63,7 +63,7 @@ def _train_twice_then_fail(rank, world_size, port, root) -> None:
     from cqk_megatron.training.loop import train
 
     root = Path(root)
-    short = ["train.save_interval=2", "train.eval_interval=100"]
+    short = ["train.checkpoint.save_interval=2", "train.eval_interval=100"]
     for steps, seen in ((4, "first.json"), (7, "second.json")):
         config = config_for(str(root), "counted", [*short, f"train.train_steps={steps}"])
         outcome = train(

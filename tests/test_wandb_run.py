@@ -26,7 +26,7 @@ pytest.importorskip("wandb")
 OFFLINE = [
     "log.wandb_mode=offline",
     "train.train_steps=4",
-    "train.save_interval=2",
+    "train.checkpoint.save_interval=2",
     "train.eval_interval=100",
     "train.check_replicas_interval=0",
 ]

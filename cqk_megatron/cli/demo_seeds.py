@@ -80,7 +80,7 @@ def step_overrides(steps: int | None) -> list[str]:
     return [
         f"train.train_steps={steps}",
         f"train.eval_interval={quarter}",
-        f"train.save_interval={quarter}",
+        f"train.checkpoint.save_interval={quarter}",
         "train.warmup_steps=1",
     ]
 

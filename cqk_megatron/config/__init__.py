@@ -30,7 +30,6 @@ from cqk_megatron.config.load import (
 from cqk_megatron.config.schema import (
     CONFIGS_DIR,
     MODEL_FAMILIES,
-    OPTIMIZER_CHECKPOINTS,
     POSITION_EMBEDDINGS,
     RECOMPUTE,
     RECOMPUTE_METHODS,
@@ -48,6 +47,9 @@ from cqk_megatron.config.schema import (
     from_dict,
     to_dict,
 )
+
+# train.optimizer_checkpoint's choices: the Megatron engine's setting
+from cqk_megatron.training.engines.megatron_spec import OPTIMIZER_CHECKPOINTS
 
 # the registry's live views of variant names, as the config knows them
 from cqk_megatron.variants import COUPLINGS, SCORINGS, VARIANTS

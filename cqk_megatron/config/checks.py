@@ -15,7 +15,6 @@ from typing import Any
 
 from cqk_megatron.config.schema import (
     MODEL_FAMILIES,
-    OPTIMIZER_CHECKPOINTS,
     POSITION_EMBEDDINGS,
     RECOMPUTE,
     RECOMPUTE_METHODS,
@@ -27,6 +26,8 @@ from cqk_megatron.config.schema import (
     RunConfig,
     TrainConfig,
 )
+from cqk_megatron.training.engines.megatron_spec import OPTIMIZER_CHECKPOINTS
+from cqk_megatron.training.engines.registry import engine_names, engine_of
 from cqk_megatron.variants import (
     COUPLING_IMPLS,
     COUPLING_POSITIONS,
@@ -160,7 +161,7 @@ def _check_names(config: RunConfig, check: _Checks) -> None:
     check.choice(t.precision, ("fp32", "bf16", "fp64"), "train.precision")
     check.choice(config.transformer_impl, ("local", "transformer_engine"), "transformer_impl")
     check.choice(t.lr_schedule, ("cosine", "wsd", "constant"), "train.lr_schedule")
-    check.choice(t.engine, ("deepspeed", "megatron"), "train.engine")
+    check.choice(t.engine, tuple(engine_names()), "train.engine")
     check.choice(t.optimizer_checkpoint, OPTIMIZER_CHECKPOINTS, "train.optimizer_checkpoint")
     check.choice(t.recompute, RECOMPUTE, "train.recompute")
     check.choice(t.recompute_method, RECOMPUTE_METHODS, "train.recompute_method")
@@ -196,11 +197,11 @@ def _check_training(t: TrainConfig, check: _Checks) -> None:
     check(0 < t.wsd_decay_fraction <= 1, "train.wsd_decay_fraction must be in (0, 1]")
     check(t.clip_grad >= 0, "train.clip_grad must be >= 0 (0 disables clipping)")
     check(t.train_steps >= 1, "train.train_steps must be at least 1")
-    check(t.keep_last >= 1, "train.keep_last must be at least 1")
+    check(t.checkpoint.keep_last >= 1, "train.checkpoint.keep_last must be at least 1")
     check_fault_bounds(t, check)
     for dotted, value in [
         ("train.eval_interval", t.eval_interval),
-        ("train.save_interval", t.save_interval),
+        ("train.checkpoint.save_interval", t.checkpoint.save_interval),
         ("train.log_interval", t.log_interval),
         ("train.max_nan_steps", t.max_nan_steps),
     ]:
@@ -336,62 +337,9 @@ def _check_model_shape(m: ModelConfig, tp: int, check: _Checks) -> None:
     )
 
 
-def _check_engine(t: TrainConfig, pp: int, tied: bool, check: _Checks) -> None:
-    """What each data-parallel engine takes (``tied``: model.tie_embeddings)."""
-    if pp > 1 and t.engine == "deepspeed":
-        check(
-            t.zero_stage == 1,
-            f"train.zero_stage={t.zero_stage} with parallel.pipeline_parallel={pp}: ZeRO-2/3 "
-            "reduce gradients inside each backward, which Megatron's pipeline schedule drives "
-            "itself; use train.zero_stage=1 with pipeline parallelism",
-        )
-    if t.engine == "megatron":
-        check(
-            t.precision in ("fp32", "bf16"),
-            f"train.precision={t.precision!r} with train.engine=megatron: Megatron's distributed "
-            "optimizer takes fp32 or bf16 parameters; use train.precision=fp32 or bf16 (or "
-            "train.engine=deepspeed for fp64 checks)",
-        )
-        check(
-            not t.offload_optimizer,
-            "train.offload_optimizer=true is DeepSpeed's optimizer offload; with "
-            "train.engine=megatron set it to false, or use train.engine=deepspeed",
-        )
-    check(
-        not (t.overlap_grad_reduce and t.engine == "deepspeed" and pp > 1),
-        f"train.overlap_grad_reduce=true with train.engine=deepspeed and "
-        f"parallel.pipeline_parallel={pp}: DeepSpeed's overlap_comm reduces gradients in "
-        "hooks inside each backward, which Megatron's pipeline schedule drives itself "
-        "(DeepSpeed's own pipeline engine turns it off); set train.overlap_grad_reduce=false, "
-        "or use train.engine=megatron",
-    )
-    check(
-        not (t.offload_optimizer and t.engine == "deepspeed" and pp > 1 and tied),
-        f"train.offload_optimizer=true with model.tie_embeddings=true and "
-        f"parallel.pipeline_parallel={pp}: DeepSpeed's offloading optimizer reduces each "
-        "gradient in hooks inside the backward, before the first and last stages' copies of "
-        "the tied embedding can be summed; set model.tie_embeddings=false, or "
-        "train.offload_optimizer=false",
-    )
-    check(
-        not (
-            t.overlap_grad_reduce
-            and t.engine == "deepspeed"
-            and t.precision == "bf16"
-            and t.zero_stage == 1
-            and not t.offload_optimizer
-        ),
-        "train.overlap_grad_reduce=true with train.engine=deepspeed, train.zero_stage=1 and "
-        "train.precision=bf16 would do nothing: with fp32 gradient sums DeepSpeed runs "
-        "ZeRO-1 in bf16 as its BF16_Optimizer, which reduces after the backward; use "
-        "train.zero_stage=2 (gradients reduce-scattered during the backward), or "
-        "train.engine=megatron, or set train.overlap_grad_reduce=false",
-    )
-    check(
-        t.optimizer_checkpoint == OPTIMIZER_CHECKPOINTS[0] or t.engine == "megatron",
-        f"train.optimizer_checkpoint={t.optimizer_checkpoint} applies to train.engine=megatron "
-        f"only (DeepSpeed saves ZeRO's own format); set it to {OPTIMIZER_CHECKPOINTS[0]}",
-    )
+def _check_engine(config: RunConfig, check: _Checks) -> None:
+    """What the chosen engine takes: its own rules (``training/engines/``)."""
+    check.errors.extend(engine_of(config).config_errors(config))
 
 
 def _layers_per_chunk(config: RunConfig) -> int:
@@ -405,7 +353,7 @@ def _layers_per_chunk(config: RunConfig) -> int:
 def _check_parallel_layout(config: RunConfig, check: _Checks) -> None:
     """Pipeline, virtual pipeline and sequence parallelism against the model and the
     layers' implementation."""
-    m, p, t = config.model, config.parallel, config.train
+    m, p = config.model, config.parallel
     tp, pp = p.tensor_parallel, p.pipeline_parallel
     if p.sequence_parallel:
         check(
@@ -428,17 +376,6 @@ def _check_parallel_layout(config: RunConfig, check: _Checks) -> None:
     check(
         not p.sequence_parallel or tp > 1,
         "parallel.sequence_parallel=true needs parallel.tensor_parallel > 1",
-    )
-    check(
-        not (
-            config.transformer_impl == "transformer_engine"
-            and p.sequence_parallel
-            and t.engine == "deepspeed"
-        ),
-        "transformer_impl=transformer_engine with parallel.sequence_parallel=true and "
-        "train.engine=deepspeed: Transformer Engine's norms leave the sum of their "
-        "sequence-parallel gradients to Megatron's finalize_model_grads, which only "
-        "train.engine=megatron runs; use train.engine=megatron, or transformer_impl=local",
     )
 
 
@@ -512,13 +449,8 @@ def _check_world(config: RunConfig, world_size: int | None, check: _Checks) -> N
 def hardware_errors(config: RunConfig, hardware: Hardware) -> list[str]:
     """What refuses ``config`` on a machine with these facts (a valid config otherwise)."""
     check = _Checks()
-    p, t = config.parallel, config.train
-    pp = p.pipeline_parallel
-    check(
-        not (t.overlap_grad_reduce and t.engine == "megatron" and pp > 1 and not hardware.cuda),
-        f"train.overlap_grad_reduce=true with parallel.pipeline_parallel={pp} hangs on CPU "
-        "(gloo); set train.overlap_grad_reduce=false on CPU",
-    )
+    if config.train.engine in engine_names():
+        check.errors.extend(engine_of(config).hardware_errors(config, hardware))
     if config.transformer_impl == "transformer_engine":
         check(
             hardware.transformer_engine,
@@ -550,9 +482,7 @@ def config_errors(
     if check.errors:
         return check.errors
     _check_model_shape(config.model, config.parallel.tensor_parallel, check)
-    _check_engine(
-        config.train, config.parallel.pipeline_parallel, config.model.tie_embeddings, check
-    )
+    _check_engine(config, check)
     _check_parallel_layout(config, check)
     _check_recompute(config.train, _layers_per_chunk(config), check)
     _check_attention_options(config, check)

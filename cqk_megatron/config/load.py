@@ -24,7 +24,8 @@ from cqk_megatron.config.schema import (
     RunConfig,
     flatten,
     from_dict,
-    renamed_keys,
+    renamed_path,
+    renamed_tree,
     to_dict,
 )
 from cqk_megatron.variants import VARIANTS
@@ -98,7 +99,7 @@ def load_yaml_dict(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, 
         return preset
     if path.resolve() in _seen:
         raise ConfigError(f"{path}: include cycle through {[str(p) for p in _seen]}")
-    data = renamed_keys(RunConfig, read_yaml(path), str(path))  # before includes merge in
+    data = renamed_tree(RunConfig, read_yaml(path), str(path))  # before includes merge in
     includes = data.pop("include", []) or []
     if isinstance(includes, str):
         includes = [includes]
@@ -116,9 +117,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if "=" not in override:
             raise ConfigError(f"override '{override}' must look like section.key=value")
         dotted, raw = override.split("=", 1)
-        keys = dotted.strip().split(".")
-        if len(keys) == 1:  # an old name sets the new one, so that a file's new name loses
-            (keys[0],) = renamed_keys(RunConfig, {keys[0]: None}, f"override {override!r}")
+        # an old name sets the new one, so that a file's new name loses
+        keys = renamed_path(dotted.strip().split("."), f"override {override!r}")
         node = data
         for key in keys[:-1]:
             node = node.setdefault(key, {})
@@ -133,9 +133,8 @@ def _override_path(override: str) -> tuple[str, ...] | None:
     which ``apply_overrides`` refuses)."""
     if "=" not in override:
         return None
-    keys = tuple(override.split("=", 1)[0].strip().split("."))
-    renamed = getattr(RunConfig, "RENAMED_KEYS", {})
-    return (renamed.get(keys[0], keys[0]), *keys[1:]) if len(keys) == 1 else keys
+    keys = override.split("=", 1)[0].strip().split(".")
+    return tuple(renamed_path(keys, override, warn=False))
 
 
 _Given = tuple[tuple[str, ...], int, str]  # an override's keys, its position, its text

@@ -189,8 +189,30 @@ class ParallelConfig:
 
 
 @dataclass
+class CheckpointSettings:
+    """When a run saves and what it keeps (``train.checkpoint.*``; docs/checkpoints.md)."""
+
+    save_interval: int = 100  # in optimizer steps; and at the end of the run
+    keep_last: int = 3
+    hashes: bool = True  # each file's xxh3-128 in the manifest (else sizes only)
+    # a save stages the state in host memory and training goes on while a background
+    # thread writes it; committed (manifest, rename, latest) only once every rank's write
+    # has finished (docs/checkpoints.md). null (the default): on on GPU, off on CPU
+    async_save: bool | None = None
+
+
+@dataclass
 class TrainConfig:
     """The training loop: batches, optimiser, schedule, engine, evaluation, checkpoints."""
+
+    # Keys moved into a section in this release: the old name is still read, with a
+    # FutureWarning naming the new one (``RunConfig.RENAMED_KEYS``).
+    RENAMED_KEYS: typing.ClassVar[dict[str, str]] = {
+        "save_interval": "checkpoint.save_interval",
+        "keep_last": "checkpoint.keep_last",
+        "checkpoint_hashes": "checkpoint.hashes",
+        "async_save": "checkpoint.async_save",
+    }
 
     micro_batch_size: int = 2
     global_batch_size: int = 8
@@ -209,7 +231,7 @@ class TrainConfig:
     warmup_steps: int = 10
     wsd_decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly
     # data-parallel engine: deepspeed (ZeRO) | megatron (Megatron-Core DDP + distributed
-    # optimizer, CPU and GPU)
+    # optimizer, CPU and GPU) | one registered with training.engines.register_engine
     engine: str = "deepspeed"
     zero_stage: int = 1
     offload_optimizer: bool = False
@@ -230,16 +252,10 @@ class TrainConfig:
     recompute: str = "none"
     recompute_method: str = "uniform"
     recompute_num_layers: int | None = None
-    # evaluation and checkpoints (in optimizer steps)
+    # evaluation (in optimizer steps)
     eval_interval: int = 50
     eval_iters: int = 4  # global batches of the validation split per evaluation
-    save_interval: int = 100
-    keep_last: int = 3
-    checkpoint_hashes: bool = True  # each file's xxh3-128 in the manifest (else sizes only)
-    # a save stages the state in host memory and training goes on while a background
-    # thread writes it; committed (manifest, rename, latest) only once every rank's write
-    # has finished (docs/checkpoints.md). null (the default): on on GPU, off on CPU
-    async_save: bool | None = None
+    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     # robustness
     max_nan_steps: int = 5  # abort after this many skipped (non-finite) steps in a row
     wall_clock_budget_s: float | None = None  # checkpoint and exit for requeue after this
@@ -266,10 +282,6 @@ class TrainConfig:
     save_timeout_s: float = 600.0
     heartbeat_interval_s: float = 5.0
     heartbeat_timeout_s: float = 30.0
-
-
-# train.optimizer_checkpoint: Megatron's DistributedOptimizer sharding types (the default first)
-OPTIMIZER_CHECKPOINTS = ("dp_reshardable", "fully_reshardable")
 
 
 @dataclass
@@ -443,12 +455,16 @@ def renamed_keys(cls: type, data: dict[str, Any], source: str, prefix: str = "")
         if old not in renamed:
             continue
         value = renamed.pop(old)
-        if new in renamed and renamed[new] != value:
+        *sections, key = new.split(".")  # a key moved into a section: "checkpoint.keep_last"
+        node = renamed
+        for section in sections:
+            node[section] = node = dict(node.get(section) or {})
+        if key in node and node[key] != value:
             raise ConfigError(
                 f"{source}: '{prefix}{old}' (the old name of '{prefix}{new}') is {value!r} but "
-                f"'{prefix}{new}' is {renamed[new]!r}; keep only '{prefix}{new}'"
+                f"'{prefix}{new}' is {node[key]!r}; keep only '{prefix}{new}'"
             )
-        renamed[new] = value
+        node[key] = value
         warnings.warn(
             f"{source}: '{prefix}{old}' is now '{prefix}{new}'; the old name is read for "
             "one more release",
@@ -456,6 +472,39 @@ def renamed_keys(cls: type, data: dict[str, Any], source: str, prefix: str = "")
             stacklevel=3,
         )
     return renamed
+
+
+def renamed_tree(cls: type, data: dict[str, Any], source: str, prefix: str = "") -> dict[str, Any]:
+    """``renamed_keys`` in ``data`` and in each of its sections that is a dataclass of
+    ``cls`` (``train`` in a run config), so that a file's old name and an included file's
+    new one meet under the new name."""
+    renamed = renamed_keys(cls, data, source, prefix)
+    hints = typing.get_type_hints(cls)
+    for key, value in renamed.items():
+        section = hints.get(key)
+        if (
+            isinstance(value, dict)
+            and isinstance(section, type)
+            and dataclasses.is_dataclass(section)
+        ):
+            renamed[key] = renamed_tree(section, value, source, f"{prefix}{key}.")
+    return renamed
+
+
+def renamed_path(keys: list[str], source: str, warn: bool = True) -> list[str]:
+    """An override's keys (``train.keep_last``) with old names as their new ones
+    (``train.checkpoint.keep_last``), walking ``RunConfig``'s sections; an old name warns."""
+    section: Any = RunConfig
+    out: list[str] = []
+    for key in keys:
+        moved = getattr(section, "RENAMED_KEYS", {}).get(key) if section else None
+        if moved and warn:
+            renamed_keys(section, {key: None}, source, "".join(f"{k}." for k in out))
+        for part in moved.split(".") if moved else [key]:
+            hint = typing.get_type_hints(section).get(part) if section else None
+            out.append(part)
+            section = hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+    return out
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -1,32 +1,20 @@
 """A run's parallel layout, torch-free: how its ranks split the model and who shards the
 optimizer. The planner (``perf/fit.py``) proposes layouts; a checkpoint records the one
 it was saved under (``layout.json``), so that a resume in the same layout loads it exactly,
-and one in another layout knows what it resharded from (``training/checkpoint.resume_plan``).
+and one in another layout knows what it resharded from (``training/checkpoint.resume_mode``).
 
 ``optimizer_sharding`` says who shards the optimizer state over data parallel, and how:
-``zero1``/``zero2``/``zero3`` (DeepSpeed ZeRO, ``train.engine=deepspeed``), ``distopt``
-(Megatron's distributed optimizer, ``train.engine=megatron``), ``ddp`` (plain data
-parallel: an estimate for the benchmark's own optimizer only; training has none such).
-"Engine" means ``train.engine`` (deepspeed | megatron) alone, in ``layout.json`` too.
+one of the names in ``training/engines/shardings.py`` (``zero1``-``zero3``: DeepSpeed ZeRO,
+``distopt``: Megatron's distributed optimizer, ``ddp``: plain data parallel), each trained
+by the engine whose spec lists it. "Engine" means ``train.engine`` alone, in
+``layout.json`` too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Each optimizer sharding as ``train.engine`` / ``train.zero_stage`` settings. Megatron's
-# distributed optimizer ignores train.zero_stage; it is written as 1 there.
-SHARDING_SETTINGS = {
-    "zero1": {"engine": "deepspeed", "zero_stage": 1},
-    "zero2": {"engine": "deepspeed", "zero_stage": 2},
-    "zero3": {"engine": "deepspeed", "zero_stage": 3},
-    "distopt": {"engine": "megatron", "zero_stage": 1},
-}
-
-
-def sharding_name(train_engine: str, zero_stage: int) -> str:
-    """The layout's optimizer sharding for ``train.engine`` and ``train.zero_stage``."""
-    return "distopt" if train_engine == "megatron" else f"zero{zero_stage}"
+from cqk_megatron.training.engines import DISTOPT, sharding_name, sharding_settings
 
 
 @dataclass(frozen=True)
@@ -34,7 +22,7 @@ class Layout:
     tp: int
     pp: int
     dp: int
-    optimizer_sharding: str = "distopt"
+    optimizer_sharding: str = DISTOPT
     recompute: str = "none"
     vp: int | None = None
     sequence_parallel: bool = False
@@ -71,7 +59,7 @@ class Layout:
 
     def checkpoint_record(self) -> dict:
         """The ``layout.json`` of a checkpoint saved under this layout."""
-        settings = SHARDING_SETTINGS[self.optimizer_sharding]
+        settings = sharding_settings(self.optimizer_sharding)
         return {
             "tensor_parallel": self.tp,
             "pipeline_parallel": self.pp,

@@ -30,6 +30,7 @@ from cqk_megatron.compat import cpu_bridge, megatron_state
 from cqk_megatron.config import RunConfig
 from cqk_megatron.parallel.device import bind
 from cqk_megatron.parallel.ports import free_port, rendezvous_port
+from cqk_megatron.training.engines import engine_of
 
 
 @dataclass(frozen=True)
@@ -284,7 +285,7 @@ def init_model_parallel(config: RunConfig) -> None:
         # parallelism, expert data parallel, ...): only Megatron's distributed optimizer uses
         # them (its checkpoint formats). Elsewhere they are a TCP rendezvous and a set of
         # host connections per group at start-up, across nodes, for nothing.
-        create_gloo_process_groups=config.train.engine == "megatron",
+        create_gloo_process_groups=engine_of(config).gloo_groups,
     )
     _megatron_groups.extend(g for g in _all_groups() if g not in before)
     seed_cuda_rng_tracker(config.seed)

@@ -20,10 +20,9 @@ from dataclasses import dataclass, field
 
 from cqk_megatron.config import ConfigError, RunConfig, validate
 from cqk_megatron.model.params import embedding_parameters, stage_parameters
-from cqk_megatron.parallel.layout import SHARDING_SETTINGS, Layout, sharding_name
+from cqk_megatron.parallel.layout import Layout
 from cqk_megatron.perf.memory import (
     RECOMPUTE,
-    SHARDINGS,
     activation_estimate,
     engine_buffer_bytes,
     microbatches_in_flight,
@@ -32,19 +31,22 @@ from cqk_megatron.perf.memory import (
     zero3_persistent_parameters,
 )
 from cqk_megatron.perf.traffic import reduce_bucket_elements
+from cqk_megatron.training.engines import (
+    SHARDINGS,
+    SHIPPED_SHARDINGS,
+    engine_of,
+    sharding_settings,
+    zero_aliases,
+)
 
 GIB = 2**30
 # CUDA context, NCCL buffers and allocator fragmentation: memory no estimate here covers.
 DEFAULT_RESERVE_BYTES = 4 * GIB
 TP_SIZES = (1, 2, 4, 8)
-# DeepSpeed partitions gradients (ZeRO-2) and parameters (ZeRO-3) per step, which its
-# pipeline engine refuses and Megatron's schedules do not drive: only ZeRO-1 and the
-# distributed optimizer are offered with PP > 1.
-SHARDINGS_WITH_PIPELINE = ("zero1", "distopt")
-# What training runs: DeepSpeed ZeRO-1/2/3 and Megatron's distributed optimizer (plain DDP,
-# "ddp", is an estimate for the benchmark's own optimizer only: training has no such sharding).
-TRAINING_SHARDINGS = ("zero1", "zero2", "zero3", "distopt")
-_SHARDING_ALIASES = {"0": "ddp", "1": "zero1", "2": "zero2", "3": "zero3"}
+# What training runs: the shipped engines' shardings, DeepSpeed ZeRO-1/2/3 and Megatron's
+# distributed optimizer (plain DDP, "ddp", is an estimate for the benchmark's own optimizer
+# only). With PP > 1 only those that allow it (``Sharding.with_pipeline``).
+TRAINING_SHARDINGS = SHIPPED_SHARDINGS
 
 
 class PlanError(ConfigError):
@@ -62,7 +64,7 @@ def parse_bytes(text: str) -> int:
 
 
 def normalize_sharding(sharding: str | int) -> str:
-    name = _SHARDING_ALIASES.get(str(sharding), str(sharding))
+    name = zero_aliases().get(str(sharding), str(sharding))
     if name not in SHARDINGS:
         raise ValueError(
             f"sharding {sharding!r} is unknown; choose one of {list(SHARDINGS)} or 0-3"
@@ -253,10 +255,10 @@ def training_config(
     offload_optimizer: bool | None = None,
 ) -> RunConfig:
     """``config`` set up to train ``layout`` (what ``layout_overrides`` prints)."""
-    if layout.optimizer_sharding not in SHARDING_SETTINGS:
+    if layout.optimizer_sharding not in TRAINING_SHARDINGS:
         raise ConfigError(
             f"sharding {layout.optimizer_sharding!r} is not one that training runs; choose one of "
-            f"{list(SHARDING_SETTINGS)}"
+            f"{list(TRAINING_SHARDINGS)}"
         )
     parallel = dataclasses.replace(
         config.parallel,
@@ -269,7 +271,7 @@ def training_config(
     full = layout.recompute == "full"
     train = dataclasses.replace(
         config.train,
-        **SHARDING_SETTINGS[layout.optimizer_sharding],
+        **sharding_settings(layout.optimizer_sharding),
         micro_batch_size=micro_batch,
         global_batch_size=global_batch or default_global_batch(config, micro_batch, layout.dp),
         recompute=layout.recompute,
@@ -326,10 +328,7 @@ def runnable(
 
 def sharding_of(config: RunConfig) -> str:
     """The planner's sharding name for ``train.engine`` / ``train.zero_stage``."""
-    t = config.train
-    return normalize_sharding(
-        sharding_name(getattr(t, "engine", "deepspeed"), getattr(t, "zero_stage", 1))
-    )
+    return engine_of(config).sharding_at(config.train.zero_stage)
 
 
 def enumerate_layouts(
@@ -356,7 +355,7 @@ def enumerate_layouts(
                 continue
             sp = (tp > 1) if sequence_parallel is None else (sequence_parallel and tp > 1)
             for sharding in shardings:
-                if pp > 1 and sharding not in SHARDINGS_WITH_PIPELINE:
+                if pp > 1 and not SHARDINGS[sharding].with_pipeline:
                     continue
                 for recompute in recomputes:
                     full = recompute == "full"

@@ -33,10 +33,10 @@ from cqk_megatron.model.params import (
     norm_parameters,
     scoring_parameters,
 )
+from cqk_megatron.training.engines import SHARDINGS
 from cqk_megatron.variants import ActivationTerm, Heads, coupling, scoring
 
 BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}
-SHARDINGS = ("ddp", "zero1", "zero2", "zero3", "distopt")  # Layout.optimizer_sharding
 # train.recompute's choices, from config.py; ActivationTerm, from the variant registry
 __all__ = ["RECOMPUTE", "RECOMPUTE_METHODS", "ActivationTerm"]
 SDPA_KERNELS = ("fused", "math")
@@ -65,13 +65,13 @@ def model_state_bytes(
     grad_bytes = max(4, param_bytes)
     master_bytes = 4 if param_bytes < 4 else 0
     moment_bytes = 2 * max(4, param_bytes)
-    shard_optimizer = sharding in ("zero1", "zero2", "zero3", "distopt")
+    split = SHARDINGS[sharding]
     return {
-        "parameters": parameters * param_bytes / (dp if sharding == "zero3" else 1),
-        "gradients": parameters * grad_bytes / (dp if sharding in ("zero2", "zero3") else 1),
+        "parameters": parameters * param_bytes / (dp if split.parameters else 1),
+        "gradients": parameters * grad_bytes / (dp if split.gradients else 1),
         "optimizer": 0.0
         if offload_optimizer
-        else parameters * (master_bytes + moment_bytes) / (dp if shard_optimizer else 1),
+        else parameters * (master_bytes + moment_bytes) / (dp if split.optimizer else 1),
     }
 
 
@@ -164,7 +164,7 @@ def zero3_buffer_bytes(
     persistent_parameters: int,
 ) -> dict[str, float]:
     """DeepSpeed 0.19.8 ZeRO-3's buffers beyond its partitions (``model_state_bytes``),
-    as ``training/deepspeed_engine.py`` configures it, for ``parameters`` on one rank.
+    as ``training/engines/deepspeed.py`` configures it, for ``parameters`` on one rank.
 
     - ``reduce_buckets``: one bucket in the communication dtype (fp32: ``bf16_settings``),
       into which each gradient is copied as autograd produces it (``contiguous_gradients``;

@@ -4,7 +4,7 @@ Torch-free: a pure function of the ``RunConfig`` (and the data-parallel size), r
 what DeepSpeed 0.19.8 (``runtime/zero/stage_1_and_2.py``, ``runtime/engine.py``,
 ``runtime/bf16_optimizer.py``) and megatron-core 0.16.1 (``distributed/
 param_and_grad_buffer.py``, ``optimizer/distrib_optimizer.py``) do with the settings
-``training/deepspeed_engine.py`` and ``training/megatron_engine.py`` give them.
+``training/engines/deepspeed.py`` and ``training/engines/megatron.py`` give them.
 ``tests/test_comm_audit.py`` records what the real engines issue on gloo ranks and
 compares it with this.
 
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from cqk_megatron.config import RunConfig
 from cqk_megatron.model.params import stage_parameters
+from cqk_megatron.training.engines import DISTOPT, engine_of
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 
@@ -38,7 +39,7 @@ BUCKETS_PER_BACKWARD = 8
 # DeepSpeed's buffered_allreduce_fallback bucket (``MEMORY_OPT_ALLREDUCE_SIZE``), which
 # BF16_Optimizer's ZeRO-1 reduction uses whatever the config says.
 DEEPSPEED_FALLBACK_BUCKET = 500_000_000
-# DeepSpeed ZeRO-1/2's parameter groups (``deepspeed_engine.param_groups``): matrices with
+# DeepSpeed ZeRO-1/2's parameter groups (``engines.deepspeed.param_groups``): matrices with
 # weight decay, vectors without; one all-gather each after the step.
 DEEPSPEED_PARAM_GROUPS = 2
 
@@ -94,7 +95,8 @@ def dp_collectives(config: RunConfig, dp: int | None = None) -> list[Collective]
     dp = dp or _dp_from_world(config)
     if dp == 1:
         return []
-    if config.train.engine == "megatron":
+    sharding = engine_of(config).sharding_at(config.train.zero_stage)
+    if sharding == DISTOPT:
         return megatron_collectives(config, dp)
     return deepspeed_collectives(config, dp)
 
@@ -132,7 +134,7 @@ def _bucketed(
 
 
 def deepspeed_collectives(config: RunConfig, dp: int) -> list[Collective]:
-    """DeepSpeed ZeRO-1/2 as ``deepspeed_engine`` configures it.
+    """DeepSpeed ZeRO-1/2 as ``engines.deepspeed`` configures it.
 
     - ZeRO-2 (``partition_gradients``) reduces every micro-batch's gradients
       (``reduce_ready_partitions_and_remove_grads``), bucket by bucket
@@ -171,7 +173,7 @@ def deepspeed_collectives(config: RunConfig, dp: int) -> list[Collective]:
 
 
 def megatron_collectives(config: RunConfig, dp: int) -> list[Collective]:
-    """Megatron's DDP with the distributed optimizer, as ``megatron_engine`` configures it.
+    """Megatron's DDP with the distributed optimizer, as ``engines.megatron`` configures it.
 
     The fp32 gradient buffer accumulates every micro-batch and is reduce-scattered once a
     step: bucket by bucket from the gradient hooks of the last micro-batch's backward with

@@ -113,7 +113,7 @@ def check_run_folder(
                 f"note: run '{config.name}' continues with changed settings: {listed(other)} "
                 f"(recorded in {HISTORY} with the step they take effect)"
             )
-    hashes = hash_checkpoints and config.train.checkpoint_hashes  # as the job will
+    hashes = hash_checkpoints and config.train.checkpoint.hashes  # as the job will
     notes += _check_checkpoints(run_dir / CHECKPOINTS, resume, hashes)
     return notes
 
@@ -168,7 +168,7 @@ def preflight(config: RunConfig, resume: str = "auto", hash_checkpoints: bool = 
     """Refuse (``PreflightError``) a run that cannot start; else notes to print.
 
     ``hash_checkpoints``: verify the checkpoint the run would resume from by its hashes
-    (``train.checkpoint_hashes``), as the job does, so that a damaged one is named here
+    (``train.checkpoint.hashes``), as the job does, so that a damaged one is named here
     (the run resumes from the newest that verifies, or is refused when none does) rather
     than after the job waited in the queue. The launcher asks for it: it reads the
     checkpoint once, newest first, until one verifies (about a second per GB). ``cqk train``

@@ -33,6 +33,7 @@ from cqk_megatron.perf.flops import flops_breakdown, flops_per_token
 from cqk_megatron.perf.memory import BYTES
 from cqk_megatron.perf.traffic import Collective, dp_collectives, reduce_bucket_elements
 from cqk_megatron.planner.hardware import ClusterHardware
+from cqk_megatron.training.engines import engine_of
 
 # The fraction of the dense bf16 peak that the model's matmuls reach, the norms, softmax
 # and other unfused vector work between them included (docs/performance.md: what
@@ -272,10 +273,10 @@ def zero3_collectives(config: RunConfig, dp: int) -> list[Collective]:
 
 def engine_collectives(config: RunConfig, dp: int) -> list[Collective]:
     """The data-parallel collectives of ``config``'s engine in one step."""
-    t = config.train
-    if t.engine == "deepspeed" and t.offload_optimizer:
+    engine = engine_of(config)
+    if engine.offloads(config):
         raise ValueError("the step-time model does not price train.offload_optimizer")
-    if t.engine == "deepspeed" and t.zero_stage == 3 and dp > 1:
+    if engine.partitions_parameters(config) and dp > 1:
         return zero3_collectives(config, dp)
     return dp_collectives(config, dp)
 
@@ -322,7 +323,7 @@ def _expose(transfers: list[Transfer], hideable_s: float) -> list[Transfer]:
 def optimizer_seconds(config: RunConfig, shape: _Shape, hardware: ClusterHardware) -> float:
     """Adam on the rank's shard of master weights, bound by HBM bandwidth."""
     params = stage_parameters(config, shape.tp, shape.pp, first=True, last=shape.pp == 1)
-    sharded = config.train.engine == "megatron" or config.train.zero_stage >= 1
+    sharded = engine_of(config).shards_optimizer(config)
     elements = params / (shape.dp if sharded else 1)
     return elements * OPTIMIZER_BYTES_PER_ELEMENT / (hardware.hbm_tb_s * 1e12)
 
@@ -347,8 +348,9 @@ def predict_step(
     # Megatron and ZeRO-1 issue the gradient buckets in the last micro-batch's backward;
     # ZeRO-2 in every one; ZeRO-3 also gathers beside the forwards.
     hideable = per_microbatch * 2.0 / 3.0
-    if config.train.engine == "deepspeed" and config.train.zero_stage >= 2:
-        share = 1.0 if config.train.zero_stage == 3 else 2.0 / 3.0
+    engine = engine_of(config)
+    if engine.shards_gradients(config):
+        share = 1.0 if engine.partitions_parameters(config) else 2.0 / 3.0
         hideable = per_microbatch * share * shape.microbatches
     dp = _expose(dp, hideable)
     inline = _expose(inline, 0.0)

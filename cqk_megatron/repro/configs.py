@@ -141,7 +141,7 @@ def build_reproduction(
         "data.seed": DATA_SEED,
         "train.warmup_steps": max(1, round(preset.warmup_fraction * steps)),
         "train.eval_interval": max(1, steps // preset.evaluations),
-        "train.save_interval": max(1, math.ceil(steps / preset.checkpoints)),
+        "train.checkpoint.save_interval": max(1, math.ceil(steps / preset.checkpoints)),
         "train.micro_batch_size": _micro_batch(base, nproc),
     }
     if not cuda and base.train.precision == "bf16":

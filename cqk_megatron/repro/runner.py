@@ -32,8 +32,8 @@ RESUME_NEUTRAL = {
     "log.tags",
     "train.exit_after_steps",
     "train.wall_clock_budget_s",
-    "train.keep_last",
-    "train.checkpoint_hashes",
+    "train.checkpoint.keep_last",
+    "train.checkpoint.hashes",
     "data.num_workers",
     "parallel.world_size",
 }

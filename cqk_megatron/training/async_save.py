@@ -1,4 +1,4 @@
-"""Asynchronous checkpoint saves (``train.async_save``): training goes on while the files
+"""Asynchronous checkpoint saves (``train.checkpoint.async_save``): training goes on while the files
 are written, and the checkpoint is committed only once every rank has written its own.
 
 A save has three stages here, against one for ``checkpoint.save``:
@@ -46,13 +46,13 @@ from cqk_megatron.run.checkpoint_files import CheckpointSaveError
 from cqk_megatron.training import checkpoint, collectives
 from cqk_megatron.training.async_writer import Staged, Writer
 from cqk_megatron.training.checkpoint import FAILURES, TrainerState, WriteLog
-from cqk_megatron.training.engine import Engine
+from cqk_megatron.training.engines.base import Engine
 from cqk_megatron.training.resilience import watchdog
 
 
 def enabled(config: RunConfig) -> bool:
-    """``train.async_save``; unset (null) means on on GPU and off on CPU."""
-    chosen = config.train.async_save
+    """``train.checkpoint.async_save``; unset (null) means on on GPU and off on CPU."""
+    chosen = config.train.checkpoint.async_save
     return device().type == "cuda" if chosen is None else bool(chosen)
 
 
@@ -224,7 +224,7 @@ def stage(
         with staging_writes(staged):
             error = log.attempt(part)
         checkpoint._agree(error, staging, what)
-    writer = Writer(staged, staging, config.train.checkpoint_hashes)
+    writer = Writer(staged, staging, config.train.checkpoint.hashes)
     try:
         writer.start()
         error = None

@@ -54,7 +54,7 @@ from cqk_megatron.config import RunConfig, save_config
 from cqk_megatron.config.changes import changes, listed
 from cqk_megatron.model.gpt import load_sharded_state, sharded_state_dict
 from cqk_megatron.parallel.device import device
-from cqk_megatron.parallel.layout import Layout, sharding_name
+from cqk_megatron.parallel.layout import Layout
 from cqk_megatron.run import file_hash
 from cqk_megatron.run.atomic import write_text_atomically
 from cqk_megatron.run.checkpoint_files import (
@@ -84,7 +84,8 @@ from cqk_megatron.training.collectives import (
     gather_objects,
     gather_objects_on_rank0,
 )
-from cqk_megatron.training.engine import Engine
+from cqk_megatron.training.engines import engine_class, engine_of
+from cqk_megatron.training.engines.base import Engine
 
 # torch.distributed.checkpoint reports a failed save or load as CheckpointException, which
 # derives from BaseException (not Exception): caught explicitly, with everything else.
@@ -129,7 +130,7 @@ def current_layout(config: RunConfig) -> Layout:
         ps.get_tensor_model_parallel_world_size(),
         ps.get_pipeline_model_parallel_world_size(),
         ps.get_data_parallel_world_size(),
-        sharding_name(config.train.engine, config.train.zero_stage),
+        engine_of(config).sharding_at(config.train.zero_stage),
     )
 
 
@@ -383,7 +384,7 @@ def _commit(
         save_config(config, staging / CONFIG)
         layout = json.dumps(current_layout(config).checkpoint_record())
         write_text_atomically(staging / "layout.json", layout)
-        write_manifest(staging, step, config.train.checkpoint_hashes, digests)
+        write_manifest(staging, step, config.train.checkpoint.hashes, digests)
         if lease is not None:
             lease.check()  # never commit into a run another job holds now
         if final.exists():
@@ -391,7 +392,7 @@ def _commit(
         staging.rename(final)
         if iteration_step(final) is not None:
             point_latest(final.parent, final)
-            retire(final.parent, config.train.keep_last, final, hash_check)
+            retire(final.parent, config.train.checkpoint.keep_last, final, hash_check)
 
     return commit
 
@@ -410,7 +411,7 @@ def _write_and_commit(
     log = WriteLog()
     for write in writes:
         _agree(log.attempt(write), staging, what)
-    digests, error = _hash_own_files(staging, log, config.train.checkpoint_hashes)
+    digests, error = _hash_own_files(staging, log, config.train.checkpoint.hashes)
     _agree(error, staging, what)
     commit_across_ranks(staging, final, config, step, digests, lease)
 
@@ -594,12 +595,9 @@ def resume_mode(folder: Path, config: RunConfig, weights_only: bool = False) -> 
         return ResumeMode(saved, current, False, "as asked (--resume weights:PATH)")
     if saved == current:
         return ResumeMode(saved, current, True)
-    if config.train.engine == "megatron":
-        from cqk_megatron.training.megatron_engine import optimizer_restart_reason
-    else:
-        from cqk_megatron.training.deepspeed_engine import optimizer_restart_reason
+    engine = engine_class(config.train.engine)
     try:
-        why = optimizer_restart_reason(saved, current, folder / "engine")
+        why = engine.optimizer_restart_reason(saved, current, folder / "engine")
     except Exception as error:  # rank 0 decides for all: a damaged file must not stall them
         why = f"its optimizer state could not be read ({type(error).__name__}: {error})"
     if why is None:
@@ -609,11 +607,6 @@ def resume_mode(folder: Path, config: RunConfig, weights_only: bool = False) -> 
         f"{current.optimizer_sharding}"
     )
     return ResumeMode(saved, current, False, f"the optimizer state cannot follow {change}: {why}")
-
-
-# The names before ResumeMode and resume_mode, still read by training/loop.py.
-ResumePlan = ResumeMode
-resume_plan = resume_mode
 
 
 def check_same_global_batch(folder: Path, config: RunConfig) -> None:

@@ -54,8 +54,8 @@ from cqk_megatron.training.callbacks.stop import StopAndRequeue
 from cqk_megatron.training.callbacks.validation import Validation
 from cqk_megatron.training.callbacks.watchdog import WatchdogPhases
 from cqk_megatron.training.collector import freeze_long_lived
-from cqk_megatron.training.deepspeed_engine import DeepSpeedEngine
-from cqk_megatron.training.engine import Engine
+from cqk_megatron.training.engines import engine_class
+from cqk_megatron.training.engines.base import Engine
 from cqk_megatron.training.lr_schedule import learning_rate, schedule_warning
 from cqk_megatron.training.metrics import MetricsLogger
 from cqk_megatron.training.resilience import faults, watchdog
@@ -75,12 +75,8 @@ def seed_everything(seed: int) -> None:
 
 
 def make_engine(model: torch.nn.Module, config: RunConfig) -> Engine:
-    """The data-parallel engine that ``train.engine`` names."""
-    if config.train.engine == "megatron":
-        from cqk_megatron.training.megatron_engine import MegatronEngine
-
-        return MegatronEngine(model, config)
-    return DeepSpeedEngine(model, config)
+    """The data-parallel engine that ``train.engine`` names (its registered class)."""
+    return engine_class(config.train.engine)(model, config)
 
 
 def default_datasets(config: RunConfig, train_samples: int, valid_samples: int):
@@ -180,28 +176,28 @@ def _resume_model_fix(config: RunConfig, folder: Path) -> str:
 
 def _choose_start(
     checkpoints: Path, resume: str, config: RunConfig
-) -> tuple[checkpoint_files.ResumeChoice, checkpoint.ResumePlan | None]:
+) -> tuple[checkpoint_files.ResumeChoice, checkpoint.ResumeMode | None]:
     """Collective: rank 0 verifies the checkpoints once, their hashing split across every
     rank (``checkpoint.rank0_with_hash_helpers``), and decides where the run starts, and
-    how (``checkpoint.resume_plan``: whether the optimizer state follows a change of
+    how (``checkpoint.resume_mode``: whether the optimizer state follows a change of
     layout). A checkpoint of another model shape or global batch is refused."""
 
     def choose(hash_check):
         choice = checkpoint_files.choose_resume(
-            checkpoints, resume, config.train.checkpoint_hashes, hash_check
+            checkpoints, resume, config.train.checkpoint.hashes, hash_check
         )
-        plan = None
+        mode = None
         if choice.folder is not None:
             checkpoint_files.check_same_shape(choice.folder, config, RESUME_SHAPE_FIX)
             if not choice.weights_only:  # weights only: a new run may start from them
                 fix = _resume_model_fix(config, choice.folder)
                 checkpoint_files.check_same_model(choice.folder, config, fix)
             checkpoint.check_same_global_batch(choice.folder, config)
-            plan = checkpoint.resume_plan(choice.folder, config, choice.weights_only)
-        return choice, plan
+            mode = checkpoint.resume_mode(choice.folder, config, choice.weights_only)
+        return choice, mode
 
     chosen, error = checkpoint.rank0_with_hash_helpers(choose)
-    choice, plan = chosen if chosen is not None else (None, None)
+    choice, mode = chosen if chosen is not None else (None, None)
     refusal = None
     if isinstance(error, checkpoint_files.CheckpointError):
         refusal = str(error)
@@ -209,10 +205,10 @@ def _choose_start(
         refusal = f"cannot read {checkpoints}: {error}"
     elif error is not None:
         raise error
-    choice, plan, refusal = collectives.from_rank0((choice, plan, refusal))
+    choice, mode, refusal = collectives.from_rank0((choice, mode, refusal))
     if refusal is not None:
         raise checkpoint_files.CheckpointError(refusal)
-    return choice, plan
+    return choice, mode
 
 
 def _train(
@@ -224,14 +220,14 @@ def _train(
     on_start,
     added: Sequence[Callback] = (),
 ) -> int:
-    choice, plan = _choose_start(run_dir / CHECKPOINTS, resume, config)
-    model, engine, state, params = _build_model_and_engine(config, choice.folder, plan)
+    choice, mode = _choose_start(run_dir / CHECKPOINTS, resume, config)
+    model, engine, state, params = _build_model_and_engine(config, choice.folder, mode)
     replica_check = replicas.ReplicaCheck(model, config)
     if datasets is None:
         train_samples, valid_samples, _ = run_samples(config)
         datasets = default_datasets(config, train_samples, valid_samples)
     train_data, valid_data = datasets
-    logger = _open_metrics(run_dir, config, choice, plan, state, on_start)
+    logger = _open_metrics(run_dir, config, choice, mode, state, on_start)
     run = TrainingRun(
         config,
         state,
@@ -315,7 +311,7 @@ def train_step(run: TrainingRun) -> StepOutcome:
 
 
 def _build_model_and_engine(
-    config: RunConfig, folder: Path | None, plan: checkpoint.ResumePlan | None
+    config: RunConfig, folder: Path | None, mode: checkpoint.ResumeMode | None
 ) -> tuple[torch.nn.Module, Engine, checkpoint.TrainerState, tuple[int, int]]:
     """This rank's model and engine, with the resumed (or ``train.init_from``) weights and
     optimizer state, the trainer state to start from, and the (total, non-embedding)
@@ -326,7 +322,7 @@ def _build_model_and_engine(
     seed_everything(config.seed)
     model = build_rank_model(config)
     state = checkpoint.TrainerState()
-    keeps_optimizer = plan is not None and plan.keeps_optimizer
+    keeps_optimizer = mode is not None and mode.keeps_optimizer
     # Weights that do not come through the engine are loaded before it exists: ZeRO
     # copies them into its fp32 master weights when it is built.
     if folder is not None and not keeps_optimizer:
@@ -342,11 +338,11 @@ def _build_model_and_engine(
     counts = (params.total_parameters(config), params.non_embedding_parameters(config))
     engine = make_engine(model, config)
     if keeps_optimizer:
-        state = checkpoint.load_exact(folder, engine, plan)
+        state = checkpoint.load_exact(folder, engine, mode)
     return model, engine, state, counts
 
 
-def _open_metrics(run_dir: Path, config: RunConfig, choice, plan, state, on_start) -> MetricsLogger:
+def _open_metrics(run_dir: Path, config: RunConfig, choice, mode, state, on_start) -> MetricsLogger:
     """Collective: the run really starts here. Only now is anything in its folder moved
     or replaced (rank 0, ``_start_run``), and only then is the metrics file opened (what
     an earlier attempt logged past this step is superseded). Rank 0's logger writes; the
@@ -354,7 +350,7 @@ def _open_metrics(run_dir: Path, config: RunConfig, choice, plan, state, on_star
     opened = {}
 
     def start() -> None:
-        _start_run(run_dir, config, choice, plan, state)
+        _start_run(run_dir, config, choice, mode, state)
         if on_start is not None:
             on_start()
         opened["logger"] = MetricsLogger(run_dir, config, enabled=True)
@@ -364,7 +360,7 @@ def _open_metrics(run_dir: Path, config: RunConfig, choice, plan, state, on_star
     return opened.get("logger") or MetricsLogger(run_dir, config, enabled=False)
 
 
-def _start_run(run_dir: Path, config: RunConfig, choice, plan, state) -> None:
+def _start_run(run_dir: Path, config: RunConfig, choice, mode, state) -> None:
     """Rank 0, once the run is certain to start (before its first step): set superseded
     files aside, say where it starts and whether the optimizer state came with it (a
     warning when a change of layout restarts it) and warn of a changed schedule. Its
@@ -380,13 +376,13 @@ def _start_run(run_dir: Path, config: RunConfig, choice, plan, state) -> None:
         if choice.weights_only:
             how = "weights and trainer state only, as asked: fresh optimizer"
         else:
-            how = plan.describe()
+            how = mode.describe()
         print(f"resumed from {folder} at step {state.step} ({how})", flush=True)
-        if not plan.keeps_optimizer and not choice.weights_only:
+        if not mode.keeps_optimizer and not choice.weights_only:
             print(
                 f"warning: the optimizer restarts from zero moments at step {state.step}: "
-                f"{plan.reason}. To keep it, resume in the saved layout "
-                f"({plan.saved.describe_sizes()} {plan.saved.optimizer_sharding})",
+                f"{mode.reason}. To keep it, resume in the saved layout "
+                f"({mode.saved.describe_sizes()} {mode.saved.optimizer_sharding})",
                 file=sys.stderr,
                 flush=True,
             )

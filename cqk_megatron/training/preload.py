@@ -11,4 +11,8 @@ with heavy_imports():
     import torch  # noqa: F401
 
     import cqk_megatron.model.gpt  # noqa: F401
+
+    # the shipped engines' classes too: the loop imports them by name on first use
+    import cqk_megatron.training.engines.deepspeed  # noqa: F401
+    import cqk_megatron.training.engines.megatron  # noqa: F401
     import cqk_megatron.training.loop  # noqa: F401

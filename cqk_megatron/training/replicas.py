@@ -37,6 +37,7 @@ from cqk_megatron.model.gpt import model_chunks
 from cqk_megatron.parallel.device import to_device
 from cqk_megatron.parallel.sharding import global_name
 from cqk_megatron.training import collectives
+from cqk_megatron.training.engines import engine_of
 
 DIGEST_WORDS = 4  # a sha256 as four int64
 
@@ -78,8 +79,10 @@ def named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Paramet
     return named
 
 
-def zero3_partitions(config: RunConfig) -> bool:
-    return config.train.engine == "deepspeed" and config.train.zero_stage == 3
+def partitions_parameters(config: RunConfig) -> bool:
+    """Whether the engine keeps a partition of each parameter on each data-parallel rank
+    (ZeRO-3): its data-parallel replicas are then not whole parameters to compare."""
+    return engine_of(config).partitions_parameters(config)
 
 
 def _tied_embedding(model: torch.nn.Module) -> torch.nn.Parameter:
@@ -95,7 +98,7 @@ def comparisons(model: torch.nn.Module, config: RunConfig) -> list[_Comparison]:
     ranks wait on each other's group)."""
     named = named_parameters(model)
     found = []
-    if ps.get_data_parallel_world_size() > 1 and not zero3_partitions(config):
+    if ps.get_data_parallel_world_size() > 1 and not partitions_parameters(config):
         names, params = zip(*named, strict=True)
         found.append(
             _Comparison(
@@ -132,7 +135,7 @@ def _ties_across_stages(config: RunConfig) -> bool:
 
 def anything_to_compare(config: RunConfig) -> bool:
     """Whether the layout keeps copies on several ranks (the same answer on every rank)."""
-    data_parallel = ps.get_data_parallel_world_size() > 1 and not zero3_partitions(config)
+    data_parallel = ps.get_data_parallel_world_size() > 1 and not partitions_parameters(config)
     tensor_parallel = ps.get_tensor_model_parallel_world_size() > 1
     return data_parallel or tensor_parallel or _ties_across_stages(config)
 
@@ -176,7 +179,11 @@ class ReplicaCheck:
         self.model, self.config = model, config
         self.interval = config.train.check_replicas_interval
         self.last_checked: int | None = None
-        if self.interval and ps.get_data_parallel_world_size() > 1 and zero3_partitions(config):
+        if (
+            self.interval
+            and ps.get_data_parallel_world_size() > 1
+            and partitions_parameters(config)
+        ):
             if dist.get_rank() == 0:
                 print(
                     "replica check: ZeRO-3 keeps one copy of each parameter, partitioned "

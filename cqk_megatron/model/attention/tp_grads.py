@@ -15,10 +15,10 @@ A hook costs one blocking all-reduce per parameter per micro-batch, in the param
 dtype. Where an engine can do with one a step, it takes the hooks over
 (``take_over_tp_sums``) and sums the gradients of all those parameters at once at the
 step's end (``sum_accumulated_grads_across_tp``): DeepSpeed's ZeRO-1 and ZeRO-2
-(``deepspeed_engine.when_to_sum_tp_grads``) on the gradients accumulated over the
+(``engines.deepspeed.when_to_sum_tp_grads``) on the gradients accumulated over the
 micro-batches (ZeRO-1), or on this rank's partition of them after the data-parallel
 reduction (ZeRO-2); the Megatron engine on the fp32 ``main_grad`` after its data-parallel
-reduce-scatter (``megatron_engine.MegatronEngine.finalize``). The sum is linear, so summing
+reduce-scatter (``engines.megatron.MegatronEngine.finalize``). The sum is linear, so summing
 the micro-batches' sums equals summing each micro-batch's, and it commutes with the
 data-parallel average. DeepSpeed's ZeRO-3 and CPU offload keep the hooks.
 """

@@ -1,4 +1,4 @@
-"""Checkpoints every ``train.save_interval`` steps and at the end of the run, finished or
+"""Checkpoints every ``train.checkpoint.save_interval`` steps and at the end of the run, finished or
 stopped to be requeued (``training/async_save.Saver``: synchronous or asynchronous)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ class Checkpointing(Callback):
     def post_step(self, run: TrainingRun, outcome: StepOutcome) -> None:
         step = run.state.step
         self.saver.poll(step)  # an asynchronous save is committed once written
-        if step % run.config.train.save_interval == 0:
+        if step % run.config.train.checkpoint.save_interval == 0:
             self.save(run)
 
     def post_train(self, run: TrainingRun) -> None:

@@ -52,7 +52,7 @@ from cqk_megatron.perf import traffic
 from cqk_megatron.training import collectives
 from cqk_megatron.training.collectives import gather_objects
 from cqk_megatron.training.collector import heavy_imports
-from cqk_megatron.training.engine import Batch, Engine, StepResult
+from cqk_megatron.training.engines.base import Batch, Engine, StepResult, sharding_change
 from cqk_megatron.training.mpu import MegatronMpu
 from cqk_megatron.training.step_loss import (
     forward,
@@ -259,7 +259,7 @@ def check_when_to_sum_tp_grads(engine, when: TpGradSum) -> None:
         raise RuntimeError(
             f"DeepSpeed's {type(optimizer).__name__} runs with "
             f"{', '.join(what for what, on in found.items() if on)}, yet "
-            f"deepspeed_engine.when_to_sum_tp_grads chose to sum the TP partial gradients in "
+            f"engines.deepspeed.when_to_sum_tp_grads chose to sum the TP partial gradients in "
             f"{when.value}, where DeepSpeed does not keep them; update that rule"
         )
 
@@ -293,7 +293,7 @@ def zero_partition_grads(
             raise RuntimeError(
                 f"DeepSpeed's ZeRO partition of parameter group {group} holds no gradients "
                 "after the last micro-batch's backward; update "
-                "deepspeed_engine.zero_partition_grads for this DeepSpeed"
+                "engines.deepspeed.zero_partition_grads for this DeepSpeed"
             )
         grads = [g for g in entries if not getattr(g, "_zero_padding", False)]
         # get_flat_partition leaves its trailing padding (or an empty partition's zeros)
@@ -302,7 +302,7 @@ def zero_partition_grads(
             raise RuntimeError(
                 f"DeepSpeed's ZeRO partition of parameter group {group} holds "
                 f"{len(grads)} gradient slices for {len(in_partition)} parameters; update "
-                "deepspeed_engine.zero_partition_grads for this DeepSpeed"
+                "engines.deepspeed.zero_partition_grads for this DeepSpeed"
             )
         pairs = zip(in_partition, grads[: len(in_partition)], strict=True)
         for index, (param, grad) in enumerate(pairs):
@@ -469,25 +469,6 @@ def saved_data_parallel_size(folder: Path) -> int:
     return len(ranks)
 
 
-def optimizer_restart_reason(saved: Layout, current: Layout, folder: Path) -> str | None:
-    """Why the ZeRO state in ``folder`` (saved under ``saved``) cannot be loaded under
-    ``current``, or None when it can: the same ZeRO stage and model-parallel layout, any
-    data-parallel size."""
-    if saved.optimizer_sharding != current.optimizer_sharding:
-        return (
-            f"it was saved with another optimizer sharding ({saved.optimizer_sharding}; this "
-            f"run: {current.optimizer_sharding})"
-        )
-    if (saved.tp, saved.pp) != (current.tp, current.pp):
-        return (
-            "DeepSpeed's universal checkpoint reshards ZeRO's state over data-parallel ranks, "
-            "but over tensor- or pipeline-parallel ranks only for models that describe how "
-            "their parameters are split (Megatron-DeepSpeed's), which these Megatron-Core "
-            "layers do not"
-        )
-    return None
-
-
 def to_universal(source: Path, target: Path) -> None:
     """DeepSpeed's ``ds_to_universal`` of one stage's checkpoint ``source`` into ``target``.
 
@@ -547,6 +528,22 @@ def _raise_on_every_rank(error: BaseException | None, what: str) -> None:
 
 
 class DeepSpeedEngine(Engine):
+    @classmethod
+    def optimizer_restart_reason(cls, saved: Layout, current: Layout, folder: Path) -> str | None:
+        """Why the ZeRO state in ``folder`` (saved under ``saved``) cannot be loaded under
+        ``current``, or None when it can: the same ZeRO stage and model-parallel layout, any
+        data-parallel size."""
+        if changed := sharding_change(saved, current):
+            return changed
+        if (saved.tp, saved.pp) != (current.tp, current.pp):
+            return (
+                "DeepSpeed's universal checkpoint reshards ZeRO's state over data-parallel "
+                "ranks, but over tensor- or pipeline-parallel ranks only for models that "
+                "describe how their parameters are split (Megatron-DeepSpeed's), which these "
+                "Megatron-Core layers do not"
+            )
+        return None
+
     def __init__(self, model: torch.nn.Module, config: RunConfig) -> None:
         os.environ.setdefault("DS_ACCELERATOR", device().type)
         with heavy_imports():  # and frozen before its set-up collects

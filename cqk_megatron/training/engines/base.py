@@ -1,9 +1,10 @@
 """What the training loop asks of a data-parallel engine (``train.engine``).
 
-Two engines implement it: ``deepspeed_engine.DeepSpeedEngine`` (DeepSpeed ZeRO) and
-``megatron_engine.MegatronEngine`` (Megatron-Core's DDP and distributed optimizer). The
-loop (``loop.py``) and checkpointing (``checkpoint.py``) call an engine only through
-this class, so a third engine is one subclass; ``abc`` refuses to build one that lacks a
+Two engines implement it: ``deepspeed.DeepSpeedEngine`` (DeepSpeed ZeRO) and
+``megatron.MegatronEngine`` (Megatron-Core's DDP and distributed optimizer). The loop
+(``loop.py``) and checkpointing (``checkpoint.py``) call an engine only through this
+class, found by name in the registry (``registry.engine_class``), so a third engine is
+one subclass and one spec (``spec.EngineSpec``); ``abc`` refuses to build one that lacks a
 method, and ``tests/test_engine_protocol.py`` checks both engines' signatures against it.
 
 In the spirit of OLMo-core's ``TrainModule``: the engine owns the model's optimizer and
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from cqk_megatron.config import RunConfig
+from cqk_megatron.parallel.layout import Layout
 
 Batch = dict[str, torch.Tensor]  # one micro-batch from ``sampler.fetch``, on the device
 
@@ -74,3 +76,23 @@ class Engine(ABC):
     def load_state(self, folder: Path, model_folder: Path) -> None:
         """What ``save_state`` wrote to ``folder``; ``model_folder`` holds the checkpoint's
         layout-free weights, for an engine whose own state does not."""
+
+    @classmethod
+    def optimizer_restart_reason(cls, saved: Layout, current: Layout, folder: Path) -> str | None:
+        """Why the state that ``save_state`` wrote to ``folder`` under layout ``saved``
+        cannot be loaded under ``current`` (another layout), or None when it can. Asked on
+        one rank before any engine is built. By default it loads under its own layout
+        only; an engine whose format reshards says where."""
+        return sharding_change(saved, current) or (
+            f"this engine reshards its optimizer state under no other layout ({cls.__name__})"
+        )
+
+
+def sharding_change(saved: Layout, current: Layout) -> str | None:
+    """Why no engine loads optimizer state saved under another optimizer sharding."""
+    if saved.optimizer_sharding == current.optimizer_sharding:
+        return None
+    return (
+        f"it was saved with another optimizer sharding ({saved.optimizer_sharding}; this "
+        f"run: {current.optimizer_sharding})"
+    )

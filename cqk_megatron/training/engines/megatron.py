@@ -66,7 +66,7 @@ from cqk_megatron.parallel.layout import Layout
 from cqk_megatron.perf import traffic
 from cqk_megatron.run.checkpoint_files import CheckpointError
 from cqk_megatron.training.collectives import gather_objects
-from cqk_megatron.training.engine import Batch, Engine, StepResult
+from cqk_megatron.training.engines.base import Batch, Engine, StepResult, sharding_change
 from cqk_megatron.training.step_loss import global_mean_loss, schedule_loss_sum
 
 FULLY_RESHARDABLE = "fully_reshardable"
@@ -94,26 +94,6 @@ def saved_optimizer_format(folder: Path) -> str:
     ``DistributedOptimizer`` records it in the checkpoint's common (rank 0) state."""
     common = dist_checkpointing.load_common_state_dict(str(folder))
     return common["optimizer"]["param_state_sharding_type"]
-
-
-def optimizer_restart_reason(saved: Layout, current: Layout, folder: Path) -> str | None:
-    """Why the optimizer state in ``folder`` (saved under ``saved``) cannot be loaded under
-    ``current``, or None when it can (the same engine, and a format that reshards there)."""
-    if saved.optimizer_sharding != current.optimizer_sharding:
-        return (
-            f"it was saved with another optimizer sharding ({saved.optimizer_sharding}; this "
-            f"run: {current.optimizer_sharding})"
-        )
-    if (saved.tp, saved.pp) == (current.tp, current.pp):
-        return None  # both formats reshard over data-parallel ranks
-    found = saved_optimizer_format(folder)
-    if found != FULLY_RESHARDABLE:
-        return (
-            f"it was saved in Megatron's {found} format, which reshards over data-parallel "
-            f"ranks only (train.optimizer_checkpoint={FULLY_RESHARDABLE} saves checkpoints "
-            "that follow TP and PP changes too)"
-        )
-    return None
 
 
 def optimizer_config(config: RunConfig) -> OptimizerConfig:
@@ -145,6 +125,24 @@ def no_weight_decay_overrides() -> dict[ParamKey, ParamGroupOverride]:
 
 
 class MegatronEngine(Engine):
+    @classmethod
+    def optimizer_restart_reason(cls, saved: Layout, current: Layout, folder: Path) -> str | None:
+        """Why the optimizer state in ``folder`` (saved under ``saved``) cannot be loaded
+        under ``current``, or None when it can (the same engine, and a format that reshards
+        there)."""
+        if changed := sharding_change(saved, current):
+            return changed
+        if (saved.tp, saved.pp) == (current.tp, current.pp):
+            return None  # both formats reshard over data-parallel ranks
+        found = saved_optimizer_format(folder)
+        if found != FULLY_RESHARDABLE:
+            return (
+                f"it was saved in Megatron's {found} format, which reshards over data-parallel "
+                f"ranks only (train.optimizer_checkpoint={FULLY_RESHARDABLE} saves checkpoints "
+                "that follow TP and PP changes too)"
+            )
+        return None
+
     def __init__(self, model: torch.nn.Module, config: RunConfig) -> None:
         self.config = config
         self.model = model
