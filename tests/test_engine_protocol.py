@@ -1,4 +1,4 @@
-"""The engine protocol (``training/engines/base.py``): both engines implement every method of
+"""The engine protocol (``training/engines/protocol.py``): both engines implement every method of
 ``Engine`` with its signature, a class that misses one cannot be built, and the loop and
 checkpointing call nothing on an engine that the protocol does not declare.
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from cqk_megatron.training.engines.base import Engine
 from cqk_megatron.training.engines.deepspeed import DeepSpeedEngine
 from cqk_megatron.training.engines.megatron import MegatronEngine
+from cqk_megatron.training.engines.protocol import Engine
 
 TRAINING = Path(__file__).resolve().parents[1] / "cqk_megatron" / "training"
 ENGINES = [DeepSpeedEngine, MegatronEngine]

@@ -175,3 +175,29 @@ def test_one_parameter_count_function_and_one_math_file_constant():
         "EXPORTED_MATH_FILE": ["cqk_megatron/convert/remote_source.py"],
         "PLAIN_MATH_SOURCE": ["cqk_megatron/variants/registry.py"],
     }
+
+
+def repeated_module_names(package: Path) -> dict[str, list[str]]:
+    """``{file name: [paths]}`` for each module name that two files of ``package`` (a folder
+    of ``cqk_megatron/`` with its subfolders) share; ``__init__`` and ``__main__`` aside."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        if path.stem not in ("__init__", "__main__") and "hf_remote" not in path.parts:
+            seen.setdefault(path.name, []).append(str(path.relative_to(package.parent)))
+    return {name: paths for name, paths in seen.items() if len(paths) > 1}
+
+
+def test_no_two_modules_of_one_name_inside_a_package():
+    """``training/metrics.py`` and ``training/callbacks/metrics.py`` once both existed: an
+    import or a traceback that says ``metrics.py`` must say which."""
+    packages = [p for p in sorted((REPO / "cqk_megatron").iterdir()) if p.is_dir()]
+    found = {p.name: repeated_module_names(p) for p in packages if repeated_module_names(p)}
+    assert not found, found
+
+
+def test_the_module_name_check_sees_a_repeat(tmp_path):
+    (tmp_path / "callbacks").mkdir()
+    for path in ("metrics.py", "callbacks/metrics.py", "callbacks/__init__.py", "__init__.py"):
+        (tmp_path / path).write_text("")
+    found = repeated_module_names(tmp_path)
+    assert list(found) == ["metrics.py"]

@@ -33,7 +33,7 @@ from cqk_megatron.training.engines import (
     engine_spec,
     register_engine,
 )
-from cqk_megatron.training.engines.base import Batch, Engine, StepResult
+from cqk_megatron.training.engines.protocol import Batch, Engine, StepResult
 from cqk_megatron.training.step_loss import forward, global_mean_loss, lm_loss
 
 REPO = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ from cqk_megatron.config import load_config
 from cqk_megatron.errors import EXIT_REQUEUE
 from cqk_megatron.training.callbacks.base import Callback, Callbacks, TrainingRun
 from cqk_megatron.training.checkpoint import TrainerState
-from cqk_megatron.training.engines.base import StepResult
+from cqk_megatron.training.engines.protocol import StepResult
 from cqk_megatron.training.loop import run_loop
 from cqk_megatron.training.resilience.phases import Bounds, judge_phases
 

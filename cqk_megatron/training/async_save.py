@@ -46,7 +46,7 @@ from cqk_megatron.run.checkpoint_files import CheckpointSaveError
 from cqk_megatron.training import checkpoint, collectives
 from cqk_megatron.training.async_writer import Staged, Writer
 from cqk_megatron.training.checkpoint import FAILURES, TrainerState, WriteLog
-from cqk_megatron.training.engines.base import Engine
+from cqk_megatron.training.engines.protocol import Engine
 from cqk_megatron.training.resilience import watchdog
 
 

@@ -85,7 +85,7 @@ from cqk_megatron.training.collectives import (
     gather_objects_on_rank0,
 )
 from cqk_megatron.training.engines import engine_class, engine_of
-from cqk_megatron.training.engines.base import Engine
+from cqk_megatron.training.engines.protocol import Engine
 
 # torch.distributed.checkpoint reports a failed save or load as CheckpointException, which
 # derives from BaseException (not Exception): caught explicitly, with everything else.

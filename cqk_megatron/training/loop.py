@@ -47,15 +47,15 @@ from cqk_megatron.training.callbacks.base import (
 )
 from cqk_megatron.training.callbacks.checkpointing import Checkpointing
 from cqk_megatron.training.callbacks.divergence import NonFiniteGuard, TrainingError
-from cqk_megatron.training.callbacks.metrics import RunSummary, TrainMetrics
 from cqk_megatron.training.callbacks.records import RunRecords
-from cqk_megatron.training.callbacks.replicas import ReplicaChecks
+from cqk_megatron.training.callbacks.replica_check import ReplicaChecks
+from cqk_megatron.training.callbacks.step_records import RunSummary, TrainMetrics
 from cqk_megatron.training.callbacks.stop import StopAndRequeue
 from cqk_megatron.training.callbacks.validation import Validation
-from cqk_megatron.training.callbacks.watchdog import WatchdogPhases
+from cqk_megatron.training.callbacks.watchdog_phase import WatchdogPhases
 from cqk_megatron.training.collector import freeze_long_lived
 from cqk_megatron.training.engines import engine_class
-from cqk_megatron.training.engines.base import Engine
+from cqk_megatron.training.engines.protocol import Engine
 from cqk_megatron.training.lr_schedule import learning_rate, schedule_warning
 from cqk_megatron.training.metrics import MetricsLogger
 from cqk_megatron.training.resilience import faults, watchdog

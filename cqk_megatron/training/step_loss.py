@@ -12,7 +12,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from cqk_megatron.config import RunConfig
 from cqk_megatron.parallel.device import device
 from cqk_megatron.training import collectives
-from cqk_megatron.training.engines.base import Batch
+from cqk_megatron.training.engines.protocol import Batch
 
 
 def lm_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

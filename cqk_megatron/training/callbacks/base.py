@@ -22,7 +22,7 @@ from typing import Any
 
 from cqk_megatron.config import RunConfig
 from cqk_megatron.training.checkpoint import TrainerState
-from cqk_megatron.training.engines.base import Engine, StepResult
+from cqk_megatron.training.engines.protocol import Engine, StepResult
 from cqk_megatron.training.metrics import MetricsLogger
 
 

@@ -7,7 +7,7 @@ import math
 from cqk_megatron.config import RunConfig
 from cqk_megatron.run.folder import VALID
 from cqk_megatron.training.callbacks.base import Callback, StepOutcome, TrainingRun
-from cqk_megatron.training.engines.base import Engine
+from cqk_megatron.training.engines.protocol import Engine
 from cqk_megatron.training.resilience import watchdog
 from cqk_megatron.training.sampler import fetch, micro_batch_indices
 

@@ -5,7 +5,7 @@ Each engine has two halves. The torch-free one, an ``EngineSpec`` (``spec.py``; 
 shipped ones in ``deepspeed_spec.py`` and ``megatron_spec.py``), owns its settings, its
 config rules, its optimizer shardings (``shardings.py``: the one list of their names),
 and what the planner and the checks ask of it; ``config.validate`` runs it on login
-nodes. The other, an ``Engine`` subclass (``base.py``: the protocol the training loop
+nodes. The other, an ``Engine`` subclass (``protocol.py``: the protocol the training loop
 calls; ``deepspeed.py``, ``megatron.py``), wraps the model and steps the optimizer.
 ``register_engine`` adds one; docs/engines.md, "Adding an engine".
 

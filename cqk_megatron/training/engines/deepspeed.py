@@ -52,7 +52,7 @@ from cqk_megatron.perf import traffic
 from cqk_megatron.training import collectives
 from cqk_megatron.training.collectives import gather_objects
 from cqk_megatron.training.collector import heavy_imports
-from cqk_megatron.training.engines.base import Batch, Engine, StepResult, sharding_change
+from cqk_megatron.training.engines.protocol import Batch, Engine, StepResult, sharding_change
 from cqk_megatron.training.mpu import MegatronMpu
 from cqk_megatron.training.step_loss import (
     forward,

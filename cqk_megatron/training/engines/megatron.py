@@ -66,7 +66,7 @@ from cqk_megatron.parallel.layout import Layout
 from cqk_megatron.perf import traffic
 from cqk_megatron.run.checkpoint_files import CheckpointError
 from cqk_megatron.training.collectives import gather_objects
-from cqk_megatron.training.engines.base import Batch, Engine, StepResult, sharding_change
+from cqk_megatron.training.engines.protocol import Batch, Engine, StepResult, sharding_change
 from cqk_megatron.training.step_loss import global_mean_loss, schedule_loss_sum
 
 FULLY_RESHARDABLE = "fully_reshardable"

@@ -73,7 +73,7 @@ def engine_of(config: Any) -> EngineSpec:
 
 
 def engine_class(name: str) -> type:
-    """The ``engines.base.Engine`` subclass of the engine called ``name`` (imported here
+    """The ``engines.protocol.Engine`` subclass of the engine called ``name`` (imported here
     the first time: it needs torch)."""
     engine = engine_spec(name).engine
     if isinstance(engine, str):

@@ -22,7 +22,7 @@ class EngineSpec:
     """One engine, as the registry holds it. A subclass sets the class attributes and
     overrides the rules it has; the defaults fit an engine with one sharding and none."""
 
-    # the ``engines.base.Engine`` subclass, or "module:Class" until it is first asked for
+    # the ``engines.protocol.Engine`` subclass, or "module:Class" until it is first asked for
     engine: ClassVar[type | str]
     # each optimizer sharding it trains with -> the train.zero_stage that layout.json
     # records for it (an engine with one sharding takes any train.zero_stage)
