@@ -102,7 +102,7 @@ def runs(tmp_path_factory):
         *SHORT_TIMEOUTS,
         "train.eval_interval=100",
         "train.checkpoint.save_interval=100",
-        f"train.clip_grad={CLIP}",
+        f"train.optimizer.clip_grad={CLIP}",
         "train.checkpoint.hashes=false",
         f"train.train_steps={STEPS}",
     ]

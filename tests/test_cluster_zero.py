@@ -80,7 +80,7 @@ def runs(tmp_path_factory) -> dict:
         *BF16,
         "train.eval_interval=100",
         "train.checkpoint.save_interval=100",
-        "train.clip_grad=0.5",
+        "train.optimizer.clip_grad=0.5",
         "train.checkpoint.hashes=false",
         f"train.train_steps={STEPS}",
         f"train.init_from={r}/init",

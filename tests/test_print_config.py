@@ -54,28 +54,30 @@ def write_configs(tmp_path: Path) -> Path:
     run_file = tmp_path / "run.yaml"
     run_file.write_text(
         "include: [model.yaml]\nname: traced\nmodel:\n  hidden_size: 64\n"
-        "train:\n  lr: 0.002\n  weight_decay: 0.1\nlog:\n  root: runs_here\n"
+        "train:\n  optimizer:\n    lr: 0.002\n    weight_decay: 0.1\nlog:\n  root: runs_here\n"
     )
     return run_file
 
 
 def test_train_print_config_names_the_file_or_command_line_of_every_changed_value(tmp_path):
     run_file = write_configs(tmp_path)
-    out = run([*TRAIN, "--config", str(run_file), "--print-config", "train.lr=0.003"], tmp_path)
+    out = run(
+        [*TRAIN, "--config", str(run_file), "--print-config", "train.optimizer.lr=0.003"], tmp_path
+    )
     assert out.returncode == 0, out.stderr
     text = out.stdout
     included, own = os.path.normpath(tmp_path / "model.yaml"), os.path.normpath(run_file)
     assert comment_of(text, "model.num_layers") == f"{included}; default 4"
     assert comment_of(text, "model.hidden_size") == f"{own}; default 128"  # the file wins
-    assert comment_of(text, "train.lr") == f"{COMMAND_LINE}; default 0.0003"
+    assert comment_of(text, "train.optimizer.lr") == f"{COMMAND_LINE}; default 0.0003"
     assert comment_of(text, "name") == f"{own}; default run"
     # equal to the default though the file sets it, and never set: no comment
-    assert comment_of(text, "train.weight_decay") is None
+    assert comment_of(text, "train.optimizer.weight_decay") is None
     assert comment_of(text, "train.train_steps") is None
     assert f"run folder {tmp_path / 'runs_here' / 'traced'} (log.root from {own})" in text
     # The YAML is the config that runs: it reads back as it.
     printed = from_dict(RunConfig, yaml.safe_load(text))
-    assert printed == load_config(run_file, ["train.lr=0.003"])
+    assert printed == load_config(run_file, ["train.optimizer.lr=0.003"])
     assert not (tmp_path / "runs_here").exists()  # nothing trained, nothing written
     # A config that cannot run is printed, then refused as training would refuse it.
     out = run([*TRAIN, "--print-config", "parallel.tensor_parallel=3"], tmp_path)
@@ -92,11 +94,11 @@ def test_submit_print_config_names_the_profile_and_the_command_line(tmp_path):
     profile = tmp_path / "cluster.yaml"
     profile.write_text(f"gpus: false\ntasks_per_node: 1\nruns_root: {tmp_path}/shared\n")
     args = ["--config", "configs/runs/tiny_cpu.yaml", "--profile", str(profile)]
-    out = run([*SUBMIT, *args, "--cluster", "local", "--print-config", "train.lr=0.004"])
+    out = run([*SUBMIT, *args, "--cluster", "local", "--print-config", "train.optimizer.lr=0.004"])
     assert out.returncode == 0, out.stderr
     where = f"cluster profile {profile} (runs_root)"
     assert comment_of(out.stdout, "log.root") == f"{where}; default runs"
-    assert comment_of(out.stdout, "train.lr") == f"{COMMAND_LINE}; default 0.0003"
+    assert comment_of(out.stdout, "train.optimizer.lr") == f"{COMMAND_LINE}; default 0.0003"
     assert comment_of(out.stdout, "model.num_layers") == "configs/runs/tiny_cpu.yaml; default 4"
     assert f"run folder {tmp_path}/shared/tiny-cpu (log.root from {where})" in out.stdout
     assert "submitted" not in out.stdout and not (tmp_path / "shared").exists()
@@ -121,7 +123,7 @@ def test_the_run_folder_rule_command_line_then_profile_then_the_run_config(tmp_p
     sweep = [("sweep s.yaml run a", [f"log.root={tmp_path}/sw"]), (COMMAND_LINE, [])]
     assert root(profile, sweep) == (str(tmp_path / "sw"), "sweep s.yaml run a")
     # an override that sets something else leaves the profile's rule alone
-    assert root(profile, [(COMMAND_LINE, ["train.lr=0.1"])]) == by_profile
+    assert root(profile, [(COMMAND_LINE, ["train.optimizer.lr=0.1"])]) == by_profile
     assert to_dict(load_config_traced(run_file).config) == to_dict(load_config(run_file))
 
 

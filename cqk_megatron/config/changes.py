@@ -58,7 +58,7 @@ MODEL_KEYS = SHAPE_KEYS + FUNCTION_KEYS
 # Keys of ``cqk_megatron.training.lr_schedule.learning_rate``.
 SCHEDULE_KEYS = (
     "train.train_steps",
-    "train.lr",
+    "train.optimizer.lr",
     "train.min_lr",
     "train.lr_schedule",
     "train.warmup_steps",

@@ -191,11 +191,14 @@ def _check_training(t: TrainConfig, check: _Checks) -> None:
     """The optimizer, schedule, intervals and fault bounds, field by field."""
     check(t.zero_stage in (1, 2, 3), f"train.zero_stage={t.zero_stage} must be 1, 2 or 3")
     check(
-        t.lr > 0 and 0 <= t.min_lr <= t.lr, "train.lr must be positive and train.min_lr in [0, lr]"
+        t.optimizer.lr > 0 and 0 <= t.min_lr <= t.optimizer.lr,
+        "train.optimizer.lr must be positive and train.min_lr in [0, lr]",
     )
     check(t.warmup_steps >= 0, "train.warmup_steps must be >= 0")
     check(0 < t.wsd_decay_fraction <= 1, "train.wsd_decay_fraction must be in (0, 1]")
-    check(t.clip_grad >= 0, "train.clip_grad must be >= 0 (0 disables clipping)")
+    check(
+        t.optimizer.clip_grad >= 0, "train.optimizer.clip_grad must be >= 0 (0 disables clipping)"
+    )
     check(t.train_steps >= 1, "train.train_steps must be at least 1")
     check(t.checkpoint.keep_last >= 1, "train.checkpoint.keep_last must be at least 1")
     check_fault_bounds(t, check)

@@ -141,10 +141,12 @@ _Given = tuple[tuple[str, ...], int, str]  # an override's keys, its position, i
 
 
 def refuse_repeated_overrides(overrides: Sequence[str], where: str = COMMAND_LINE) -> None:
-    """Raise ``ConfigError`` when two of ``overrides`` set one key (``train.lr=1``, then
-    ``train.lr=2``), or one sets a section that holds the other's key (``train={...}`` and
-    ``train.lr=2``), naming the key and both arguments. Applied in order, the later would
-    silently replace the earlier, as a duplicate YAML key would (``config.duplicates``)."""
+    """Raise ``ConfigError`` when two of ``overrides`` set one key (``train.optimizer.lr=1``,
+    then ``train.optimizer.lr=2``; or an old and a new name of one key, ``train.lr=1`` and
+    ``train.optimizer.lr=2``), or one sets a section that holds the other's key
+    (``train={...}`` and ``train.optimizer.lr=2``), naming the key and both arguments.
+    Applied in order, the later would silently replace the earlier, as a duplicate YAML key
+    would (``config.duplicates``)."""
     seen: list[_Given] = []
     for position, override in enumerate(overrides, 1):
         keys = _override_path(override)

@@ -202,6 +202,18 @@ class CheckpointSettings:
 
 
 @dataclass
+class OptimizerSettings:
+    """AdamW's settings (``train.optimizer.*``), which every engine's optimizer takes."""
+
+    lr: float = 3e-4  # the peak learning rate, which the schedule warms up to
+    weight_decay: float = 0.1  # not on vectors and scalars (norms, biases, dt, lambda)
+    beta1: float = 0.9  # AdamW's first-moment decay (Megatron's adam_beta1)
+    beta2: float = 0.95  # AdamW's second-moment decay (Megatron's adam_beta2)
+    eps: float = 1e-8  # AdamW's denominator term (Megatron's adam_eps)
+    clip_grad: float = 1.0  # the global gradient norm's bound; 0 disables clipping
+
+
+@dataclass
 class TrainConfig:
     """The training loop: batches, optimiser, schedule, engine, evaluation, checkpoints."""
 
@@ -212,20 +224,20 @@ class TrainConfig:
         "keep_last": "checkpoint.keep_last",
         "checkpoint_hashes": "checkpoint.hashes",
         "async_save": "checkpoint.async_save",
+        "lr": "optimizer.lr",
+        "weight_decay": "optimizer.weight_decay",
+        "adam_beta1": "optimizer.beta1",
+        "adam_beta2": "optimizer.beta2",
+        "adam_eps": "optimizer.eps",
+        "clip_grad": "optimizer.clip_grad",
     }
 
     micro_batch_size: int = 2
     global_batch_size: int = 8
     precision: str = "fp32"  # fp32 | bf16 | fp64 (numerical checks on CPU)
     train_steps: int = 100
-    # AdamW
-    lr: float = 3e-4
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     min_lr: float = 3e-5
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0  # 0 disables clipping
     # learning-rate schedule: warmup then cosine | wsd (warmup-stable-decay) | constant
     lr_schedule: str = "cosine"
     warmup_steps: int = 10
@@ -363,9 +375,26 @@ class RunConfig:
 
 def _unknown_key_error(key: str, where: str, cls: type, source: str) -> ConfigError:
     names = [f.name for f in dataclasses.fields(cls)]
-    close = difflib.get_close_matches(key, names, n=1)
-    hint = f"did you mean '{where}{close[0]}'?" if close else f"known keys: {', '.join(names)}"
+    known = _suggestions(cls)
+    close = difflib.get_close_matches(key, list(known), n=1)
+    hint = (
+        f"did you mean '{where}{known[close[0]]}'?" if close else f"known keys: {', '.join(names)}"
+    )
     return ConfigError(f"{source}: unknown key '{where}{key}'; {hint}")
+
+
+def _suggestions(cls: type) -> dict[str, str]:
+    """A key someone may mean -> the key to suggest: ``cls``'s fields, and the keys of its
+    sections and its old names under the name they have now (``lr`` -> ``optimizer.lr``),
+    so that a misspelt key that moved into a section is pointed there."""
+    hints = typing.get_type_hints(cls)
+    known: dict[str, str] = {}
+    for name, hint in hints.items():
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            known.update({f.name: f"{name}.{f.name}" for f in dataclasses.fields(hint)})
+    known.update(getattr(cls, "RENAMED_KEYS", {}))
+    known.update({f.name: f.name for f in dataclasses.fields(cls)})  # a field's own name wins
+    return known
 
 
 def _coerce(value: Any, annotation: Any, dotted: str, source: str) -> Any:

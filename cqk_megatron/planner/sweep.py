@@ -52,7 +52,7 @@ from cqk_megatron.planner.runs import plan_config, run_overrides
 
 # schedule key -> config field that the training engine reads
 SCHEDULE_FIELDS = {
-    "lr": "train.lr",
+    "lr": "train.optimizer.lr",
     "min_lr": "train.min_lr",
     "train_steps": "train.train_steps",
     "warmup_steps": "train.warmup_steps",

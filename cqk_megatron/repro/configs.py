@@ -77,7 +77,7 @@ def check_overrides(overrides: list[str]) -> None:
         if "=" not in override:
             raise ReproError(
                 f"{override!r} is neither an option nor an override; overrides look like "
-                "section.key=value (e.g. train.lr=1e-3)"
+                "section.key=value (e.g. train.optimizer.lr=1e-3)"
             )
         key = override.split("=", 1)[0].strip()
         if key in OWNED_KEYS:

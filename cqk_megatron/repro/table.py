@@ -288,7 +288,7 @@ def render_markdown(
         f"({reproduction.data.vocab_size} tokens). Every run: {reproduction.steps:,} steps x "
         f"{reproduction.tokens_per_step:,} tokens = {reproduction.tokens:,} tokens, "
         f"{t.lr_schedule} schedule "
-        f"(lr {t.lr:g} -> {t.min_lr:g}, warmup {t.warmup_steps} steps), {t.precision}, "
+        f"(lr {t.optimizer.lr:g} -> {t.min_lr:g}, warmup {t.warmup_steps} steps), {t.precision}, "
         f"{reproduction.nproc} process(es). Hardware: {hardware()}.",
         "",
         "Validation perplexity is the final evaluation on the same held-out batches "

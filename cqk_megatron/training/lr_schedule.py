@@ -17,20 +17,21 @@ def learning_rate(step: int, train: TrainConfig) -> float:
     ``wsd``: warmup, constant ``lr``, then linear decay to ``min_lr`` over the last
     ``wsd_decay_fraction`` of the steps. ``constant``: warmup, then ``lr``.
     """
+    peak, floor = train.optimizer.lr, train.min_lr
     if train.warmup_steps and step < train.warmup_steps:
-        return train.lr * (step + 1) / train.warmup_steps
+        return peak * (step + 1) / train.warmup_steps
     if train.lr_schedule == "constant":
-        return train.lr
+        return peak
     if train.lr_schedule == "wsd":
         decay_steps = max(1, round(train.wsd_decay_fraction * train.train_steps))
         decay_start = train.train_steps - decay_steps
         if step < decay_start:
-            return train.lr
+            return peak
         progress = min(1.0, (step - decay_start + 1) / decay_steps)
-        return train.lr - (train.lr - train.min_lr) * progress
+        return peak - (peak - floor) * progress
     span = max(1, train.train_steps - train.warmup_steps)
     progress = min(1.0, (step - train.warmup_steps) / span)
-    return train.min_lr + 0.5 * (train.lr - train.min_lr) * (1 + math.cos(math.pi * progress))
+    return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
 
 
 def schedule_warning(folder: Path, config: RunConfig, step: int) -> str | None:

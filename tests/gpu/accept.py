@@ -489,7 +489,7 @@ def train_runs(work: Path, sizes: Sizes) -> dict[str, list[str]]:
         f"train.micro_batch_size={sizes.micro_batch}",
         f"train.global_batch_size={sizes.global_batch}",
         f"train.train_steps={sizes.steps}",
-        "train.lr=2e-3",
+        "train.optimizer.lr=2e-3",
         "train.min_lr=2e-4",
         "train.warmup_steps=4",
         f"train.eval_interval={sizes.steps // 2}",

@@ -19,5 +19,5 @@ class NonFiniteGuard(Callback):
             raise TrainingError(
                 f"{state.skipped_in_a_row} steps in a row had non-finite gradients "
                 f"(last loss {outcome.result.loss}); stopping at step {state.step}. Lower "
-                "train.lr, check the data, or resume from an earlier checkpoint."
+                "train.optimizer.lr, check the data, or resume from an earlier checkpoint."
             )
