@@ -925,6 +925,12 @@ MOVED_TRAIN_KEYS = {
         ("adam_eps", "optimizer.eps", 1e-6),
         ("clip_grad", "optimizer.clip_grad", 0.5),
     ],
+    "schedule": [
+        ("lr_schedule", "schedule.decay", "wsd"),
+        ("warmup_steps", "schedule.warmup_steps", 3),
+        ("min_lr", "schedule.min_lr", 1e-5),
+        ("wsd_decay_fraction", "schedule.wsd_decay_fraction", 0.5),
+    ],
 }
 
 

@@ -598,7 +598,7 @@ def test_megatron_and_plain_models_train_alike_on_the_same_batches(norm):
             "train.train_steps=6",
             "train.eval_interval=2",
             "train.eval_iters=1",
-            "train.warmup_steps=2",
+            "train.schedule.warmup_steps=2",
             "train.optimizer.lr=0.01",
             "train.global_batch_size=4",
             "train.micro_batch_size=2",

@@ -313,7 +313,9 @@ CONFIG_CASES = {
     ),
     "nan lr": ConfigCase(("train.optimizer.lr=.nan",), "invalid config", "train.optimizer.lr"),
     "inf lr": ConfigCase(("train.optimizer.lr=.inf",), "invalid config", "train.optimizer.lr"),
-    "-inf min lr": ConfigCase(("train.min_lr=-.inf",), "invalid config", "train.min_lr"),
+    "-inf min lr": ConfigCase(
+        ("train.schedule.min_lr=-.inf",), "invalid config", "train.schedule.min_lr"
+    ),
     "inf weight decay": ConfigCase(
         ("train.optimizer.weight_decay=.inf",), "invalid config", "train.optimizer.weight_decay"
     ),

@@ -135,13 +135,9 @@ def _settings(config) -> dict:
     data = to_dict(config)
     data["model"].pop("num_layers")
     data["parallel"].pop("world_size")
-    for key in (
-        "global_batch_size",
-        "train_steps",
-        "warmup_steps",
-        "eval_interval",
-    ):
+    for key in ("global_batch_size", "train_steps", "eval_interval"):
         data["train"].pop(key)
+    data["train"]["schedule"].pop("warmup_steps")
     for key in ("save_interval", "hashes"):
         data["train"]["checkpoint"].pop(key)
     return {section: data[section] for section in ("model", "attention", "parallel", "train")}

@@ -52,7 +52,7 @@ def runs(tmp_path_factory) -> Path:
         *same,
         "train.train_steps=10",
         "train.optimizer.lr=1e30",
-        "train.warmup_steps=0",
+        "train.schedule.warmup_steps=0",
         "train.optimizer.clip_grad=0",
         "train.max_nan_steps=2",
     ]

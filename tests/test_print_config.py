@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from cqk_megatron.config import (
@@ -40,9 +41,12 @@ def run(
 
 def comment_of(text: str, dotted: str) -> str | None:
     """The comment after ``dotted``'s line in --print-config's YAML (None: no comment)."""
-    section, key = dotted.rsplit(".", 1) if "." in dotted else ("", dotted)
-    block = text.split(f"\n{section}:\n", 1)[1] if section else text
-    match = re.search(rf"^\s*{key}: [^#\n]*(?:# (.*))?$", block, re.MULTILINE)
+    *sections, key = dotted.split(".")
+    block = text
+    for depth, section in enumerate(sections):  # train:, then   optimizer:, ...
+        block = block.split(f"\n{'  ' * depth}{section}:\n", 1)[1]
+    indent = "  " * len(sections)
+    match = re.search(rf"^{indent}{key}: [^#\n]*(?:# (.*))?$", block, re.MULTILINE)
     assert match, f"no line for {dotted} in:\n{text}"
     return match.group(1)
 
@@ -82,6 +86,19 @@ def test_train_print_config_names_the_file_or_command_line_of_every_changed_valu
     # A config that cannot run is printed, then refused as training would refuse it.
     out = run([*TRAIN, "--print-config", "parallel.tensor_parallel=3"], tmp_path)
     assert out.returncode == 2 and "parallel.tensor_parallel=3" in out.stderr
+
+
+def test_a_key_set_under_its_old_name_is_traced_under_its_new_one(tmp_path):
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text("train:\n  warmup_steps: 3\n")
+    groups = [("cluster profile p.yaml", ["train={clip_grad: 0.5}"])]
+    groups.append((COMMAND_LINE, ["train.adam_beta1=0.8"]))
+    with pytest.warns(FutureWarning, match="'train.adam_beta1' is now 'train.optimizer.beta1'"):
+        traced = load_config_traced(run_file, groups)
+    assert traced.sources["train.schedule.warmup_steps"] == os.path.normpath(run_file)
+    assert traced.sources["train.optimizer.clip_grad"] == "cluster profile p.yaml"
+    assert traced.sources["train.optimizer.beta1"] == COMMAND_LINE
+    assert not {"train.warmup_steps", "train.clip_grad", "train.adam_beta1"} & set(traced.sources)
 
 
 def test_a_model_family_is_named_as_the_source_of_the_fields_it_fills_in():

@@ -66,7 +66,7 @@ def runs(tmp_path_factory) -> Path:
         f"train.train_steps={STEPS}",
         f"train.init_from={r}/init-4l",
     ]
-    resume_run = [*same, "train.train_steps=8", "train.zero_stage=2", "train.lr_schedule=wsd"]
+    resume_run = [*same, "train.train_steps=8", "train.zero_stage=2", "train.schedule.decay=wsd"]
     run_ranks(save_initial_weights, 1, r, [("init", []), ("init-4l", FOUR_LAYERS)])
     run_ranks(train_runs, 1, r, [("reference", layout_run), ("reference-4l", layout_run_4l)])
     run_ranks(
@@ -137,7 +137,7 @@ def _single_rank_runs(r, tp2_checkpoint, real_data, same, variant_run) -> None:
                     *same,
                     "train.train_steps=20",
                     "train.optimizer.lr=1e30",
-                    "train.warmup_steps=0",
+                    "train.schedule.warmup_steps=0",
                     "train.optimizer.clip_grad=0",
                     "train.max_nan_steps=3",
                 ],

@@ -160,7 +160,7 @@ def _check_names(config: RunConfig, check: _Checks) -> None:
         check.choice(m.family, tuple(MODEL_FAMILIES), "model.family")
     check.choice(t.precision, ("fp32", "bf16", "fp64"), "train.precision")
     check.choice(config.transformer_impl, ("local", "transformer_engine"), "transformer_impl")
-    check.choice(t.lr_schedule, ("cosine", "wsd", "constant"), "train.lr_schedule")
+    check.choice(t.schedule.decay, ("cosine", "wsd", "constant"), "train.schedule.decay")
     check.choice(t.engine, tuple(engine_names()), "train.engine")
     check.choice(t.optimizer_checkpoint, OPTIMIZER_CHECKPOINTS, "train.optimizer_checkpoint")
     check.choice(t.recompute, RECOMPUTE, "train.recompute")
@@ -191,11 +191,14 @@ def _check_training(t: TrainConfig, check: _Checks) -> None:
     """The optimizer, schedule, intervals and fault bounds, field by field."""
     check(t.zero_stage in (1, 2, 3), f"train.zero_stage={t.zero_stage} must be 1, 2 or 3")
     check(
-        t.optimizer.lr > 0 and 0 <= t.min_lr <= t.optimizer.lr,
-        "train.optimizer.lr must be positive and train.min_lr in [0, lr]",
+        t.optimizer.lr > 0 and 0 <= t.schedule.min_lr <= t.optimizer.lr,
+        "train.optimizer.lr must be positive and train.schedule.min_lr in [0, lr]",
     )
-    check(t.warmup_steps >= 0, "train.warmup_steps must be >= 0")
-    check(0 < t.wsd_decay_fraction <= 1, "train.wsd_decay_fraction must be in (0, 1]")
+    check(t.schedule.warmup_steps >= 0, "train.schedule.warmup_steps must be >= 0")
+    check(
+        0 < t.schedule.wsd_decay_fraction <= 1,
+        "train.schedule.wsd_decay_fraction must be in (0, 1]",
+    )
     check(
         t.optimizer.clip_grad >= 0, "train.optimizer.clip_grad must be >= 0 (0 disables clipping)"
     )

@@ -214,6 +214,19 @@ class OptimizerSettings:
 
 
 @dataclass
+class ScheduleSettings:
+    """The learning rate's course over the run (``train.schedule.*``): a linear warmup to
+    ``train.optimizer.lr``, then ``decay`` down to ``min_lr`` (training/lr_schedule.py).
+    ``min_lr`` is here rather than in ``train.optimizer``: it is the schedule's floor (AdamW
+    has no such setting), and a resume compares it with the schedule's other keys."""
+
+    decay: str = "cosine"  # after the warmup: cosine | wsd (warmup-stable-decay) | constant
+    warmup_steps: int = 10
+    min_lr: float = 3e-5  # where cosine and wsd end, at train.train_steps
+    wsd_decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly
+
+
+@dataclass
 class TrainConfig:
     """The training loop: batches, optimiser, schedule, engine, evaluation, checkpoints."""
 
@@ -230,6 +243,10 @@ class TrainConfig:
         "adam_beta2": "optimizer.beta2",
         "adam_eps": "optimizer.eps",
         "clip_grad": "optimizer.clip_grad",
+        "lr_schedule": "schedule.decay",
+        "warmup_steps": "schedule.warmup_steps",
+        "min_lr": "schedule.min_lr",
+        "wsd_decay_fraction": "schedule.wsd_decay_fraction",
     }
 
     micro_batch_size: int = 2
@@ -237,11 +254,7 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16 | fp64 (numerical checks on CPU)
     train_steps: int = 100
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
-    min_lr: float = 3e-5
-    # learning-rate schedule: warmup then cosine | wsd (warmup-stable-decay) | constant
-    lr_schedule: str = "cosine"
-    warmup_steps: int = 10
-    wsd_decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly
+    schedule: ScheduleSettings = field(default_factory=ScheduleSettings)
     # data-parallel engine: deepspeed (ZeRO) | megatron (Megatron-Core DDP + distributed
     # optimizer, CPU and GPU) | one registered with training.engines.register_engine
     engine: str = "deepspeed"

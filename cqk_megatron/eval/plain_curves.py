@@ -52,7 +52,7 @@ def shortened(steps: int) -> list[str]:
     """``--steps``: the demo_seeds schedule's shape (7.5% warmup, ten evaluations) on N steps."""
     return [
         f"train.train_steps={steps}",
-        f"train.warmup_steps={max(1, round(0.075 * steps))}",
+        f"train.schedule.warmup_steps={max(1, round(0.075 * steps))}",
         f"train.eval_interval={max(1, steps // 10)}",
     ]
 

@@ -102,7 +102,7 @@ def optimizer_config(config: RunConfig) -> OptimizerConfig:
         optimizer="adam",
         decoupled_weight_decay=True,  # AdamW
         lr=t.optimizer.lr,
-        min_lr=t.min_lr,
+        min_lr=t.schedule.min_lr,
         weight_decay=t.optimizer.weight_decay,
         adam_beta1=t.optimizer.beta1,
         adam_beta2=t.optimizer.beta2,
