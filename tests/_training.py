@@ -23,7 +23,7 @@ TINY = [
     "train.eval_iters=2",
     "log.wandb_mode=disabled",
     # every copy a layout keeps is compared after every step (training/replicas.py)
-    "train.check_replicas_interval=1",
+    "train.resilience.check_replicas_interval=1",
 ]
 
 

@@ -877,9 +877,12 @@ def test_engine_and_layout_combinations_that_cannot_train_right_are_refused(over
 
 
 def test_replica_check_interval_is_an_option_off_by_default():
-    assert_invalid(cfg("train.check_replicas_interval=-1"), "train.check_replicas_interval=-1")
-    assert cfg().train.check_replicas_interval == 0
-    validate(cfg("train.check_replicas_interval=100"))
+    assert_invalid(
+        cfg("train.resilience.check_replicas_interval=-1"),
+        "train.resilience.check_replicas_interval=-1",
+    )
+    assert cfg().train.resilience.check_replicas_interval == 0
+    validate(cfg("train.resilience.check_replicas_interval=100"))
 
 
 def test_the_old_name_of_transformer_impl_is_read_with_a_warning(tmp_path):
@@ -930,6 +933,18 @@ MOVED_TRAIN_KEYS = {
         ("warmup_steps", "schedule.warmup_steps", 3),
         ("min_lr", "schedule.min_lr", 1e-5),
         ("wsd_decay_fraction", "schedule.wsd_decay_fraction", 0.5),
+    ],
+    "resilience": [
+        ("max_nan_steps", "resilience.max_nan_steps", 2),
+        ("wall_clock_budget_s", "resilience.wall_clock_budget_s", 600.0),
+        ("exit_after_steps", "resilience.exit_after_steps", 3),
+        ("check_replicas_interval", "resilience.check_replicas_interval", 4),
+        ("init_timeout_s", "resilience.init_timeout_s", 400.0),
+        ("collective_timeout_s", "resilience.collective_timeout_s", 120.0),
+        ("step_timeout_s", "resilience.step_timeout_s", 50.0),
+        ("save_timeout_s", "resilience.save_timeout_s", 700.0),
+        ("heartbeat_interval_s", "resilience.heartbeat_interval_s", 2.0),
+        ("heartbeat_timeout_s", "resilience.heartbeat_timeout_s", 20.0),
     ],
 }
 

@@ -61,7 +61,7 @@ SETTINGS = [
     "train.checkpoint.save_interval=2",
     "train.eval_interval=100",
     "train.checkpoint.hashes=true",
-    "train.exit_after_steps=4",
+    "train.resilience.exit_after_steps=4",
 ]
 
 
@@ -320,9 +320,9 @@ CONFIG_CASES = {
         ("train.optimizer.weight_decay=.inf",), "invalid config", "train.optimizer.weight_decay"
     ),
     "inf save timeout": ConfigCase(
-        ("train.save_timeout_s=.inf",),
+        ("train.resilience.save_timeout_s=.inf",),
         "invalid config",
-        "train.save_timeout_s",
+        "train.resilience.save_timeout_s",
     ),
     "name ../x": ConfigCase(
         ("name=../escape",), "invalid config", "name='../escape' is not a run name"
@@ -1093,7 +1093,7 @@ def test_a_real_resume_skips_a_damaged_checkpoint_and_deletes_nothing(prepared_r
     _flip_byte(damaged)
     watch = Watch(tmp_path)
     log = tmp_path / "train.log"
-    code = _ended(_train_process(run_dir, "train.exit_after_steps=3", log=log))
+    code = _ended(_train_process(run_dir, "train.resilience.exit_after_steps=3", log=log))
     text = log.read_text()
     assert code == EXIT_REQUEUE, text[-3000:]
     first = next(x for x in text.splitlines() if "skipping checkpoint" in x)
@@ -1151,7 +1151,7 @@ def test_sigterm_stops_training_with_75_and_a_checkpoint_it_resumes_from(prepare
         run_dir,
         "train.train_steps=100000",
         "train.checkpoint.save_interval=100000",
-        "train.exit_after_steps=null",
+        "train.resilience.exit_after_steps=null",
         log=log,
     )
     try:
@@ -1210,7 +1210,7 @@ def _signal_when_resumed(process: subprocess.Popen, run_dir: Path, signum: int) 
 NO_SAVES = (
     "train.train_steps=100000",
     "train.checkpoint.save_interval=100000",
-    "train.exit_after_steps=null",
+    "train.resilience.exit_after_steps=null",
 )
 
 

@@ -66,7 +66,7 @@ def runs(tmp_path_factory) -> Path:
         ("ds-sp-selective", [*same, *SP, *SELECTIVE], "none"),
         # the replica check would stop this run at step 1 (tests/test_replicas.py shows it):
         # off, to measure how far the curve goes
-        ("ds-sp-unsummed", [*same, *SP, "train.check_replicas_interval=0"], "unsummed"),
+        ("ds-sp-unsummed", [*same, *SP, "train.resilience.check_replicas_interval=0"], "unsummed"),
         ("mg-sp", [*same, *SP, *MEGATRON], "none"),
         ("mg-sp-full", [*same, *SP, *MEGATRON, *FULL_BLOCK], "none"),
         ("mg-sp-marked", [*same, *SP, *MEGATRON], "marked"),

@@ -54,7 +54,7 @@ def runs(tmp_path_factory) -> Path:
         "train.optimizer.lr=1e30",
         "train.schedule.warmup_steps=0",
         "train.optimizer.clip_grad=0",
-        "train.max_nan_steps=2",
+        "train.resilience.max_nan_steps=2",
     ]
     one_rank = [
         ("reference", layout_run),
@@ -66,7 +66,7 @@ def runs(tmp_path_factory) -> Path:
         *[(name, [*layout_run, *extra]) for name, extra in LAYOUTS.items()],
         # the dp2 run again, stopped after step STOP and resumed: the optimizer state that
         # comes back is sharded over both ranks
-        ("resumed", [*layout_run, f"train.exit_after_steps={STOP}"]),
+        ("resumed", [*layout_run, f"train.resilience.exit_after_steps={STOP}"]),
         ("resumed", layout_run),
     ]
     run_ranks(train_runs, 2, r, two_ranks)

@@ -126,7 +126,7 @@ def test_the_schema_has_the_float_fields_this_test_expects():
         "train.optimizer.lr",
         "attention.dt_init",
         "data.weights",
-        "train.wall_clock_budget_s",
+        "train.resilience.wall_clock_budget_s",
     } <= set(names)
     assert len(names) >= 20, names
 

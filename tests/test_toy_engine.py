@@ -123,7 +123,7 @@ def _train_resume_and_straight(rank, world_size, port, root) -> None:
     set_rank_env(rank, world_size, port)
     from cqk_megatron.training.loop import train
 
-    stop = "train.exit_after_steps=4"  # saves at step 4 and exits for a requeue
+    stop = "train.resilience.exit_after_steps=4"  # saves at step 4 and exits for a requeue
     for name, overrides, code in (("resumed", [stop], 75), ("resumed", [], 0), ("straight", [], 0)):
         config = config_for(root, name, [*SHORT, *overrides])
         assert train(config, datasets=synthetic_datasets(config)) == code

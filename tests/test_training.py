@@ -83,7 +83,7 @@ def runs(tmp_path_factory) -> Path:
             *[(name, [*layout_run, *extra]) for name, extra in LAYOUTS.items()],
             *[(name, [*layout_run_4l, *extra]) for name, extra in LAYOUTS_4L.items()],
             ("straight", resume_run),
-            ("resumed", [*resume_run, "train.exit_after_steps=4"]),
+            ("resumed", [*resume_run, "train.resilience.exit_after_steps=4"]),
             ("resumed", resume_run),
             ("tp2-saved", [*same, "train.train_steps=4", "parallel.tensor_parallel=2"]),
         ],
@@ -139,7 +139,7 @@ def _single_rank_runs(r, tp2_checkpoint, real_data, same, variant_run) -> None:
                     "train.optimizer.lr=1e30",
                     "train.schedule.warmup_steps=0",
                     "train.optimizer.clip_grad=0",
-                    "train.max_nan_steps=3",
+                    "train.resilience.max_nan_steps=3",
                 ],
             ),
             (

@@ -227,8 +227,40 @@ class ScheduleSettings:
 
 
 @dataclass
+class ResilienceSettings:
+    """What a run does about faults (``train.resilience.*``; docs/faults.md): non-finite
+    steps, a time budget or step to stop at for requeue, replica checks, and the
+    watchdog's bounds."""
+
+    max_nan_steps: int = 5  # abort after this many skipped (non-finite) steps in a row
+    wall_clock_budget_s: float | None = None  # checkpoint and exit for requeue after this
+    exit_after_steps: int | None = None  # checkpoint and exit for requeue at this step
+    # every this many steps, and at the end, check that every parameter that must be the
+    # same on several ranks is, bit for bit (data-parallel replicas, parameters whole on
+    # every tensor-parallel rank, tied embedding copies across pipeline stages); the run
+    # stops naming the first that differs and the ranks (training/replicas.py). 0: off
+    check_replicas_interval: int = 0
+    # faults (training/resilience/watchdog.py): no rank waits forever. Rendezvous, process-group
+    # creation, start-up and the first step are bounded by init_timeout_s; after the first step
+    # every process group's collectives time out after collective_timeout_s (raised to
+    # save_timeout_s + heartbeat_timeout_s during a checkpoint save). Each rank's watchdog
+    # heartbeats through the job's TCPStore every heartbeat_interval_s; a rank silent for
+    # heartbeat_timeout_s, or one whose main thread stays longer than its bound in a phase (a step
+    # or a data fetch: step_timeout_s; a save: save_timeout_s), ends the job with exit 76 and a line
+    # naming it. Anchors: torchtitan 300 s / 100 s, torchft heartbeats every 5 s,
+    # nvidia-resiliency-ext 60 s / 90 s soft / hard.
+    init_timeout_s: float = 300.0
+    collective_timeout_s: float = 100.0
+    step_timeout_s: float = 60.0
+    save_timeout_s: float = 600.0
+    heartbeat_interval_s: float = 5.0
+    heartbeat_timeout_s: float = 30.0
+
+
+@dataclass
 class TrainConfig:
-    """The training loop: batches, optimiser, schedule, engine, evaluation, checkpoints."""
+    """The training loop: batches, precision, steps, engine, recompute and evaluation here;
+    the optimizer, schedule, checkpoint and resilience settings in sections of their own."""
 
     # Keys moved into a section in this release: the old name is still read, with a
     # FutureWarning naming the new one (``RunConfig.RENAMED_KEYS``).
@@ -247,6 +279,16 @@ class TrainConfig:
         "warmup_steps": "schedule.warmup_steps",
         "min_lr": "schedule.min_lr",
         "wsd_decay_fraction": "schedule.wsd_decay_fraction",
+        "max_nan_steps": "resilience.max_nan_steps",
+        "wall_clock_budget_s": "resilience.wall_clock_budget_s",
+        "exit_after_steps": "resilience.exit_after_steps",
+        "check_replicas_interval": "resilience.check_replicas_interval",
+        "init_timeout_s": "resilience.init_timeout_s",
+        "collective_timeout_s": "resilience.collective_timeout_s",
+        "step_timeout_s": "resilience.step_timeout_s",
+        "save_timeout_s": "resilience.save_timeout_s",
+        "heartbeat_interval_s": "resilience.heartbeat_interval_s",
+        "heartbeat_timeout_s": "resilience.heartbeat_timeout_s",
     }
 
     micro_batch_size: int = 2
@@ -281,32 +323,9 @@ class TrainConfig:
     eval_interval: int = 50
     eval_iters: int = 4  # global batches of the validation split per evaluation
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
-    # robustness
-    max_nan_steps: int = 5  # abort after this many skipped (non-finite) steps in a row
-    wall_clock_budget_s: float | None = None  # checkpoint and exit for requeue after this
-    exit_after_steps: int | None = None  # checkpoint and exit for requeue at this step
+    resilience: ResilienceSettings = field(default_factory=ResilienceSettings)
     init_from: str | None = None  # weights-only checkpoint to start from (any layout)
     log_interval: int = 1
-    # every this many steps, and at the end, check that every parameter that must be the
-    # same on several ranks is, bit for bit (data-parallel replicas, parameters whole on
-    # every tensor-parallel rank, tied embedding copies across pipeline stages); the run
-    # stops naming the first that differs and the ranks (training/replicas.py). 0: off
-    check_replicas_interval: int = 0
-    # faults (training/resilience/watchdog.py): no rank waits forever. Rendezvous, process-group
-    # creation, start-up and the first step are bounded by init_timeout_s; after the first step
-    # every process group's collectives time out after collective_timeout_s (raised to
-    # save_timeout_s + heartbeat_timeout_s during a checkpoint save). Each rank's watchdog
-    # heartbeats through the job's TCPStore every heartbeat_interval_s; a rank silent for
-    # heartbeat_timeout_s, or one whose main thread stays longer than its bound in a phase (a step
-    # or a data fetch: step_timeout_s; a save: save_timeout_s), ends the job with exit 76 and a line
-    # naming it. Anchors: torchtitan 300 s / 100 s, torchft heartbeats every 5 s,
-    # nvidia-resiliency-ext 60 s / 90 s soft / hard.
-    init_timeout_s: float = 300.0
-    collective_timeout_s: float = 100.0
-    step_timeout_s: float = 60.0
-    save_timeout_s: float = 600.0
-    heartbeat_interval_s: float = 5.0
-    heartbeat_timeout_s: float = 30.0
 
 
 @dataclass
