@@ -6,7 +6,7 @@ Exit codes:
 
 - ``0``: the run finished (or this attempt's work is done).
 - ``EXIT_REQUEUE`` (75, EX_TEMPFAIL): stopped on purpose (a signal, the wall-clock budget,
-  ``train.exit_after_steps``) after saving a checkpoint; run it again to resume.
+  ``train.resilience.exit_after_steps``) after saving a checkpoint; run it again to resume.
 - ``EXIT_WATCHDOG`` (76): the watchdog ended this rank because the job cannot go on: a
   peer died, stopped answering, overran its phase bound, or never arrived at rendezvous.
   The rank that exits with it is a survivor, not the cause; its one-line verdict (and

@@ -11,7 +11,7 @@ and ``job.TrainingJob`` in every task), then wait for it with a deadline.
 ``cqk_megatron.repro`` trains its runs this way. What the job does is the launcher's: a
 finished run is skipped, a partial one resumes from its newest complete checkpoint, a
 failed attempt is relaunched at most ``max_restarts`` times, and a stop with a checkpoint
-(a signal, ``train.exit_after_steps``, the time limit) is requeued at most
+(a signal, ``train.resilience.exit_after_steps``, the time limit) is requeued at most
 ``max_requeues`` times (0: the job ends, and its run's last record is ``stopped`` with
 exit 75, ``EXIT_REQUEUE``). Each task's output is in ``RUN/submitit/JOBID_K_log.out`` and
 ``.err``; ``wait_local`` also copies rank 0's, as it comes, to ``log`` (repro:

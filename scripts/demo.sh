@@ -31,7 +31,7 @@ overrides=("log.root=$OUT/runs" "data.prefixes=[$OUT/data/demo_text_document]"
 if [ -n "${DEMO_STEPS:-}" ]; then
   quarter=$(( DEMO_STEPS / 4 > 0 ? DEMO_STEPS / 4 : 1 ))
   overrides+=("train.train_steps=$DEMO_STEPS" "train.eval_interval=$quarter"
-    "train.checkpoint.save_interval=$quarter" "train.warmup_steps=1")
+    "train.checkpoint.save_interval=$quarter" "train.schedule.warmup_steps=1")
 fi
 echo "== 2/5 the mini-ladder: one sweep ($SWEEP: 3 sizes x standard, coupled) through"
 echo "   cqk submit --cluster local, one task per run, two runs at a time;"

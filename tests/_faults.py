@@ -25,11 +25,11 @@ REPO = Path(__file__).resolve().parent.parent
 # Watchdog bounds for tests: seconds, not the defaults' minutes. Start-up stays generous
 # (on a loaded 2-core machine two ranks may import torch and Megatron a minute apart).
 FAST = [
-    "train.heartbeat_interval_s=0.5",
-    "train.heartbeat_timeout_s=5",
-    "train.step_timeout_s=15",
-    "train.collective_timeout_s=30",
-    "train.init_timeout_s=180",
+    "train.resilience.heartbeat_interval_s=0.5",
+    "train.resilience.heartbeat_timeout_s=5",
+    "train.resilience.step_timeout_s=15",
+    "train.resilience.collective_timeout_s=30",
+    "train.resilience.init_timeout_s=180",
 ]
 RUN = [
     "--config",

@@ -16,14 +16,14 @@ TINY = [
     "model.hidden_size=64",
     "model.num_attention_heads=4",
     "model.seq_length=32",
-    "train.lr=3e-3",
-    "train.warmup_steps=2",
+    "train.optimizer.lr=3e-3",
+    "train.schedule.warmup_steps=2",
     "train.global_batch_size=8",
     "train.micro_batch_size=2",
     "train.eval_iters=2",
     "log.wandb_mode=disabled",
     # every copy a layout keeps is compared after every step (training/replicas.py)
-    "train.check_replicas_interval=1",
+    "train.resilience.check_replicas_interval=1",
 ]
 
 

@@ -226,7 +226,7 @@ def _one_file(path: Path) -> Staged:
 
 
 def test_a_write_past_its_time_is_killed_and_reaped(tmp_path, monkeypatch):
-    """A writer that has not ended when the rank stops waiting (``train.save_timeout_s``
+    """A writer that has not ended when the rank stops waiting (``train.resilience.save_timeout_s``
     in ``PendingSave.wait``; here a write held until released, which never comes) is
     killed, reaped and writes nothing more."""
     monkeypatch.setenv(HOLD_STEPS_ENV, "1")

@@ -26,7 +26,7 @@ RUN = [
     "train.eval_interval=100",
     "train.checkpoint.save_interval=100",
     "train.checkpoint.hashes=false",
-    "train.check_replicas_interval=0",
+    "train.resilience.check_replicas_interval=0",
     "data.mock=true",
 ]
 OLD_BUCKET = 40_000_000  # Megatron's rule before: one bucket for a model this small
@@ -47,7 +47,7 @@ def snapshot(folder: Path) -> dict[str, str]:
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("bucket-resume")
     r = str(root)
-    stop = [*RUN, f"train.exit_after_steps={STOP}"]
+    stop = [*RUN, f"train.resilience.exit_after_steps={STOP}"]
     run_ranks(train_with_bucket, 2, r, "run", stop, OLD_BUCKET, "auto")
     saved = snapshot(root / "run")
     run_ranks(train_with_bucket, 2, r, "run", RUN, None, "auto")

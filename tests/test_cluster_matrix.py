@@ -72,9 +72,9 @@ RESUMED = ("ds-pp2-vp2-dp2", "mg-tp2sp-dp2-overlap", "ds-z3-tp2sp-dp2")
 CLIP = 0.3  # below every step's gradient norm here (checked): clipping binds throughout
 # Bounds that end a hung collective or save in about a minute instead of the defaults' ten.
 SHORT_TIMEOUTS = [
-    "train.save_timeout_s=60",
-    "train.step_timeout_s=60",
-    "train.collective_timeout_s=90",
+    "train.resilience.save_timeout_s=60",
+    "train.resilience.step_timeout_s=60",
+    "train.resilience.collective_timeout_s=90",
 ]
 SPAWN_TIMEOUT_S = 900
 
@@ -102,7 +102,7 @@ def runs(tmp_path_factory):
         *SHORT_TIMEOUTS,
         "train.eval_interval=100",
         "train.checkpoint.save_interval=100",
-        f"train.clip_grad={CLIP}",
+        f"train.optimizer.clip_grad={CLIP}",
         "train.checkpoint.hashes=false",
         f"train.train_steps={STEPS}",
     ]

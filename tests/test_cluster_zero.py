@@ -64,9 +64,9 @@ Z3_STEPS, Z3_STOP = 6, 3
 # Bounds that end a hung save in about a minute (each rank's watchdog exits 76) instead of
 # the defaults' ten.
 SHORT_TIMEOUTS = [
-    "train.save_timeout_s=45",
-    "train.step_timeout_s=45",
-    "train.collective_timeout_s=60",
+    "train.resilience.save_timeout_s=45",
+    "train.resilience.step_timeout_s=45",
+    "train.resilience.collective_timeout_s=60",
 ]
 SPAWN_TIMEOUT_S = 420
 
@@ -80,7 +80,7 @@ def runs(tmp_path_factory) -> dict:
         *BF16,
         "train.eval_interval=100",
         "train.checkpoint.save_interval=100",
-        "train.clip_grad=0.5",
+        "train.optimizer.clip_grad=0.5",
         "train.checkpoint.hashes=false",
         f"train.train_steps={STEPS}",
         f"train.init_from={r}/init",
@@ -99,7 +99,7 @@ def runs(tmp_path_factory) -> dict:
             ("pp2", [*same, *PP2]),
             ("pp2-offload", [*same, *PP2, *OFFLOAD]),
             ("mg-dp2", [*same, *MEGATRON]),
-            ("z1-resumed", [*same, f"train.exit_after_steps={STOP}"]),
+            ("z1-resumed", [*same, f"train.resilience.exit_after_steps={STOP}"]),
             ("z1-resumed", same),
         ],
         timeout_s=SPAWN_TIMEOUT_S,
@@ -122,7 +122,7 @@ def runs(tmp_path_factory) -> dict:
             [
                 ("z1-wide", [*wide, "train.train_steps=1", "train.checkpoint.save_interval=100"]),
                 ("z3-straight", [*wide, *ZERO3]),
-                ("z3-resumed", [*wide, *ZERO3, f"train.exit_after_steps={Z3_STOP}"]),
+                ("z3-resumed", [*wide, *ZERO3, f"train.resilience.exit_after_steps={Z3_STOP}"]),
                 ("z3-resumed", [*wide, *ZERO3]),
             ],
             timeout_s=SPAWN_TIMEOUT_S,

@@ -110,7 +110,7 @@ def _cases() -> dict[str, dict]:
                 f"train.train_steps={STEPS}",
                 "train.eval_interval=100",
                 "train.checkpoint.save_interval=100",
-                "train.check_replicas_interval=0",
+                "train.resilience.check_replicas_interval=0",
             ]
             ranks = DP * chosen["parallel.tensor_parallel"] * chosen["parallel.pipeline_parallel"]
             cases[name] = {

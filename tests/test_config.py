@@ -718,13 +718,13 @@ def test_errors_of_every_section_are_listed_together():
             "log.wandb_mode=loud",  # names
             "model.family=llama",  # architecture: a field contradicts the family
             "model.normalization=LayerNorm",
-            "train.lr=-1",  # training
+            "train.optimizer.lr=-1",  # training
             "data.split=90,10",  # data
             "model.num_layers=0",  # sizes
         ),
         "log.wandb_mode='loud'",
         "model.normalization='LayerNorm' contradicts model.family='llama'",
-        "train.lr must be positive",
+        "train.optimizer.lr must be positive",
         "data.split='90,10'",
         "model.num_layers=0",
     )
@@ -877,9 +877,12 @@ def test_engine_and_layout_combinations_that_cannot_train_right_are_refused(over
 
 
 def test_replica_check_interval_is_an_option_off_by_default():
-    assert_invalid(cfg("train.check_replicas_interval=-1"), "train.check_replicas_interval=-1")
-    assert cfg().train.check_replicas_interval == 0
-    validate(cfg("train.check_replicas_interval=100"))
+    assert_invalid(
+        cfg("train.resilience.check_replicas_interval=-1"),
+        "train.resilience.check_replicas_interval=-1",
+    )
+    assert cfg().train.resilience.check_replicas_interval == 0
+    validate(cfg("train.resilience.check_replicas_interval=100"))
 
 
 def test_the_old_name_of_transformer_impl_is_read_with_a_warning(tmp_path):
@@ -909,31 +912,90 @@ def test_the_old_name_of_transformer_impl_is_read_with_a_warning(tmp_path):
     assert "backend" not in to_dict(cfg())  # and only the new name is written
 
 
-def test_the_checkpoint_keys_moved_into_train_checkpoint_are_read_with_a_warning(tmp_path):
-    # train.save_interval, keep_last, checkpoint_hashes and async_save are now the section
-    # train.checkpoint: configs, checkpoints and wandb runs written before still load, and warn
-    moved = "'train.keep_last' is now 'train.checkpoint.keep_last'"
-    old_file = write(tmp_path / "old.yaml", "train:\n  keep_last: 5\n  checkpoint_hashes: false\n")
-    with pytest.warns(FutureWarning, match=moved):
-        loaded = load_config(old_file)
-    assert (loaded.train.checkpoint.keep_last, loaded.train.checkpoint.hashes) == (5, False)
-    with pytest.warns(FutureWarning, match="'train.save_interval' is now 'train.checkpoint.save"):
-        assert cfg("train.save_interval=7").train.checkpoint.save_interval == 7
-    saved = to_dict(cfg())
-    saved["train"]["async_save"] = saved["train"]["checkpoint"].pop("async_save")
-    with pytest.warns(FutureWarning, match="'train.async_save' is now 'train.checkpoint.async"):
-        assert from_dict(RunConfig, saved, "iter_0000005/config.yaml") == cfg()
-    # an old name in a file loses to an override of the new one, and the reverse
-    assert load_config(old_file, ["train.checkpoint.keep_last=2"]).train.checkpoint.keep_last == 2
-    new_file = write(
-        tmp_path / "new.yaml", "include: [old.yaml]\ntrain:\n  checkpoint:\n    keep_last: 4\n"
+# train's keys moved into a section: {section: [(old key, new key, a value not the default)]}
+MOVED_TRAIN_KEYS = {
+    "checkpoint": [
+        ("save_interval", "checkpoint.save_interval", 7),
+        ("keep_last", "checkpoint.keep_last", 5),
+        ("checkpoint_hashes", "checkpoint.hashes", False),
+        ("async_save", "checkpoint.async_save", True),
+    ],
+    "optimizer": [
+        ("lr", "optimizer.lr", 0.002),
+        ("weight_decay", "optimizer.weight_decay", 0.05),
+        ("adam_beta1", "optimizer.beta1", 0.8),
+        ("adam_beta2", "optimizer.beta2", 0.99),
+        ("adam_eps", "optimizer.eps", 1e-6),
+        ("clip_grad", "optimizer.clip_grad", 0.5),
+    ],
+    "schedule": [
+        ("lr_schedule", "schedule.decay", "wsd"),
+        ("warmup_steps", "schedule.warmup_steps", 3),
+        ("min_lr", "schedule.min_lr", 1e-5),
+        ("wsd_decay_fraction", "schedule.wsd_decay_fraction", 0.5),
+    ],
+    "resilience": [
+        ("max_nan_steps", "resilience.max_nan_steps", 2),
+        ("wall_clock_budget_s", "resilience.wall_clock_budget_s", 600.0),
+        ("exit_after_steps", "resilience.exit_after_steps", 3),
+        ("check_replicas_interval", "resilience.check_replicas_interval", 4),
+        ("init_timeout_s", "resilience.init_timeout_s", 400.0),
+        ("collective_timeout_s", "resilience.collective_timeout_s", 120.0),
+        ("step_timeout_s", "resilience.step_timeout_s", 50.0),
+        ("save_timeout_s", "resilience.save_timeout_s", 700.0),
+        ("heartbeat_interval_s", "resilience.heartbeat_interval_s", 2.0),
+        ("heartbeat_timeout_s", "resilience.heartbeat_timeout_s", 20.0),
+    ],
+}
+
+
+def train_value(config: RunConfig, dotted: str):
+    node = config.train
+    for key in dotted.split("."):
+        node = getattr(node, key)
+    return node
+
+
+def moved_warning(old: str, new: str) -> str:
+    return re.escape(f"'train.{old}' is now 'train.{new}'; the old name is read")
+
+
+@pytest.mark.parametrize("section", list(MOVED_TRAIN_KEYS))
+def test_the_keys_moved_into_a_train_section_are_read_with_a_warning(section, tmp_path):
+    # configs, checkpoints and wandb runs written before the move still load, and warn
+    moved = MOVED_TRAIN_KEYS[section]
+    old_text = "train:\n" + "".join(f"  {old}: {value}\n" for old, _, value in moved)
+    old_file = write(
+        tmp_path / "old.yaml", old_text.replace("True", "true").replace("False", "false")
     )
-    assert load_config(new_file).train.checkpoint.keep_last == 4
-    assert load_config(new_file, ["train.keep_last=6"]).train.checkpoint.keep_last == 6
+    with pytest.warns(FutureWarning) as said:
+        loaded = load_config(old_file)
+    for old, new, value in moved:  # each old key lands in its new place, and says so
+        assert train_value(loaded, new) == value, new
+        assert any(re.search(moved_warning(old, new), str(w.message)) for w in said), old
+        with pytest.warns(FutureWarning, match=moved_warning(old, new)):
+            assert train_value(cfg(f"train.{old}={value}"), new) == value
+    saved = to_dict(loaded)  # the config an older checkpoint holds: the old keys, flat
+    for old, new, _ in moved:
+        saved["train"][old] = saved["train"][section].pop(new.split(".", 1)[1])
+    with pytest.warns(FutureWarning, match=moved_warning(*moved[0][:2])):
+        assert from_dict(RunConfig, saved, "iter_0000005/config.yaml") == loaded
+    assert not set(to_dict(loaded)["train"]) & {old for old, _, _ in moved}  # written new
+    # an old name in a file loses to an override of the new one, and the reverse
+    old, new, value = moved[0]
+    default = train_value(cfg(), new)
+    assert train_value(load_config(old_file, [f"train.{new}={default}"]), new) == default
+    inner = new.split(".", 1)[1]
+    new_file = write(
+        tmp_path / "new.yaml",
+        f"include: [old.yaml]\ntrain:\n  {section}:\n    {inner}: {default}\n",
+    )
+    assert train_value(load_config(new_file), new) == default
+    with pytest.warns(FutureWarning):
+        assert train_value(load_config(new_file, [f"train.{old}={value}"]), new) == value
     # both names in one mapping must agree
     both = write(
-        tmp_path / "both.yaml", "train:\n  keep_last: 5\n  checkpoint:\n    keep_last: 4\n"
+        tmp_path / "both.yaml", f"train:\n  {old}: {value}\n  {section}:\n    {inner}: {default}\n"
     )
-    with pytest.raises(ConfigError, match=r"'train.keep_last' .*keep only 'train.checkpoint"):
+    with pytest.raises(ConfigError, match=rf"'train.{old}' .*keep only 'train.{new}'"):
         load_config(both)
-    assert "keep_last" not in to_dict(cfg())["train"]  # and only the new name is written

@@ -225,8 +225,8 @@ def test_diff_gap_sizes_change_one_setting_each_of_the_demo_model():
     changed = {
         "init051": {"model.init_method_std": "0.051"},
         "h8": {"model.num_attention_heads": "8"},
-        "lr1e3": {"train.lr": "0.001", "train.min_lr": "0.0001"},
-        "lr4e3": {"train.lr": "0.004", "train.min_lr": "0.0004"},
+        "lr1e3": {"train.optimizer.lr": "0.001", "train.schedule.min_lr": "0.0001"},
+        "lr4e3": {"train.optimizer.lr": "0.004", "train.schedule.min_lr": "0.0004"},
         "nonorm": {"attention.differential_norm": "none"},
         "smallstart": {"attention.differential_norm": "small_start"},
         "lambda08": {"attention.differential_lambda_init": "0.8"},

@@ -3,7 +3,7 @@
 reshards, and says before its first step when it cannot.
 
 Each run below trains STEPS steps of the tiny model in fp32; the ``to1``/``to2`` runs stop
-after step STOP (``train.exit_after_steps``) and resume under the other data-parallel
+after step STOP (``train.resilience.exit_after_steps``) and resume under the other data-parallel
 size, under each engine: Megatron's distributed optimizer in both checkpoint formats
 (``train.optimizer_checkpoint``), DeepSpeed ZeRO-1 and ZeRO-3 (converted to DeepSpeed's
 universal checkpoint at resume). Their losses after the resume must equal an
@@ -64,7 +64,7 @@ def runs(tmp_path_factory) -> Path:
         "train.checkpoint.save_interval=100",
         "train.checkpoint.hashes=false",
     ]
-    stop = [f"train.exit_after_steps={STOP}"]
+    stop = [f"train.resilience.exit_after_steps={STOP}"]
     two_ranks = [(name, [*same, *run]) for name, run in REFERENCES.items()]
     for name, engine in DP_ENGINES.items():
         two_ranks += [

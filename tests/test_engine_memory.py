@@ -28,7 +28,7 @@ ZERO2 = [
     "train.overlap_grad_reduce=true",
     "train.train_steps=2",
     "train.checkpoint.save_interval=1000",
-    "train.check_replicas_interval=0",
+    "train.resilience.check_replicas_interval=0",
     "train.global_batch_size=16",
 ]
 # Megatron's distributed optimizer with overlap_grad_reduce, as the 1B run trains

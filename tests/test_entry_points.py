@@ -46,7 +46,7 @@ sizes:
 OWNED = {
     "sweep": {
         "name": "{sweep}-{size}-{variant}-s{seed}",
-        "train.warmup_steps": "the sweep's warmup_fraction of the steps",
+        "train.schedule.warmup_steps": "the sweep's warmup_fraction of the steps",
         "train.eval_interval": "the sweep's eval_fraction of the steps",
     },
     "repro": {
@@ -56,7 +56,7 @@ OWNED = {
         "data.tokenizer": "--tokenizer",
         "data.cache_dir": "one index cache per comparison",
         "data.seed": "one data order for every seed",
-        "train.warmup_steps": "the preset's warmup fraction",
+        "train.schedule.warmup_steps": "the preset's warmup fraction",
         "train.eval_interval": "the preset's evaluations per run",
         "train.checkpoint.save_interval": "the preset's checkpoints per run",
     },

@@ -73,9 +73,9 @@ def plain(tmp_path_factory, launched_jobs) -> dict[str, Ranks]:
     long = ["train.train_steps=2000"]
     # init_timeout_s bounds the collective timeout and the step bound (validate())
     short_start = [
-        f"train.init_timeout_s={RENDEZVOUS_S}",
-        "train.collective_timeout_s=8",
-        "train.step_timeout_s=6",
+        f"train.resilience.init_timeout_s={RENDEZVOUS_S}",
+        "train.resilience.collective_timeout_s=8",
+        "train.resilience.step_timeout_s=6",
     ]
     groups = {
         "host-killed": Ranks(root, "host-killed", overrides=long),
@@ -588,12 +588,13 @@ def test_fault_drills_and_watchdog_bounds_are_checked():
         with pytest.raises(ValueError, match=re.escape(message)):
             faults.parse(bad)
     with pytest.raises(ConfigError) as error:
-        validate(load_config(None, ["train.heartbeat_timeout_s=200"]))
-    assert "train.heartbeat_timeout_s=200.0 must be below train.collective_timeout_s" in str(
-        error.value
+        validate(load_config(None, ["train.resilience.heartbeat_timeout_s=200"]))
+    assert (
+        "train.resilience.heartbeat_timeout_s=200.0 must be below "
+        "train.resilience.collective_timeout_s" in str(error.value)
     )
-    with pytest.raises(ConfigError, match="train.init_timeout_s=0.0 must be a positive"):
-        validate(load_config(None, ["train.init_timeout_s=0"]))
+    with pytest.raises(ConfigError, match="train.resilience.init_timeout_s=0.0 must be a positive"):
+        validate(load_config(None, ["train.resilience.init_timeout_s=0"]))
     validate(load_config(None, FAST))
 
 

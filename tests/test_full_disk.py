@@ -37,7 +37,7 @@ SUBMIT = [
     "train.checkpoint.save_interval=25",
     "train.eval_interval=1000",
     "train.checkpoint.hashes=true",
-    "train.save_timeout_s=30",
+    "train.resilience.save_timeout_s=30",
     *FAST,
 ]
 

@@ -61,7 +61,7 @@ SETTINGS = [
     "train.checkpoint.save_interval=2",
     "train.eval_interval=100",
     "train.checkpoint.hashes=true",
-    "train.exit_after_steps=4",
+    "train.resilience.exit_after_steps=4",
 ]
 
 
@@ -299,7 +299,9 @@ class ConfigCase:
 
 
 CONFIG_CASES = {
-    "unknown field": ConfigCase(("train.lrr=0.1",), "unknown key 'train.lrr'", "train.lr"),
+    "unknown field": ConfigCase(
+        ("train.lrr=0.1",), "unknown key 'train.lrr'", "train.optimizer.lr"
+    ),
     "wrong type": ConfigCase(
         ("train.train_steps=many",), "'train.train_steps' must be int, got 'many'"
     ),
@@ -309,16 +311,18 @@ CONFIG_CASES = {
     "negative micro batch": ConfigCase(
         ("train.micro_batch_size=-2",), "invalid config", "train.micro_batch_size"
     ),
-    "nan lr": ConfigCase(("train.lr=.nan",), "invalid config", "train.lr"),
-    "inf lr": ConfigCase(("train.lr=.inf",), "invalid config", "train.lr"),
-    "-inf min lr": ConfigCase(("train.min_lr=-.inf",), "invalid config", "train.min_lr"),
+    "nan lr": ConfigCase(("train.optimizer.lr=.nan",), "invalid config", "train.optimizer.lr"),
+    "inf lr": ConfigCase(("train.optimizer.lr=.inf",), "invalid config", "train.optimizer.lr"),
+    "-inf min lr": ConfigCase(
+        ("train.schedule.min_lr=-.inf",), "invalid config", "train.schedule.min_lr"
+    ),
     "inf weight decay": ConfigCase(
-        ("train.weight_decay=.inf",), "invalid config", "train.weight_decay"
+        ("train.optimizer.weight_decay=.inf",), "invalid config", "train.optimizer.weight_decay"
     ),
     "inf save timeout": ConfigCase(
-        ("train.save_timeout_s=.inf",),
+        ("train.resilience.save_timeout_s=.inf",),
         "invalid config",
-        "train.save_timeout_s",
+        "train.resilience.save_timeout_s",
     ),
     "name ../x": ConfigCase(
         ("name=../escape",), "invalid config", "name='../escape' is not a run name"
@@ -379,11 +383,11 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(
 DUPLICATE_CASES = {
     "section twice": (
         "include: [{config}]\ntrain:\n  train_steps: 7\n  save_interval: 7\n"
-        "model:\n  hidden_size: 64\ntrain:\n  lr: 0.001\n",
+        "model:\n  hidden_size: 64\ntrain:\n  eval_iters: 2\n",
         "key 'train' is given twice (lines 2 and 7)",
     ),
     "key twice in a section": (
-        "include: [{config}]\ntrain:\n  train_steps: 7\n  lr: 0.001\n  train_steps: 9\n",
+        "include: [{config}]\ntrain:\n  train_steps: 7\n  eval_iters: 2\n  train_steps: 9\n",
         "key 'train.train_steps' is given twice (lines 3 and 5)",
     ),
 }
@@ -410,14 +414,19 @@ def test_a_key_given_twice_in_a_run_file_is_refused(
 # silently replace the earlier
 REPEAT_CASES = {
     "key twice": (
-        ("train.lr=1e-3", "train.checkpoint.save_interval=3", "train.lr=2e-3"),
-        "command line: key 'train.lr' is given twice, by override 1 'train.lr=1e-3' and "
-        "override 3 'train.lr=2e-3'",
+        ("train.optimizer.lr=1e-3", "train.checkpoint.save_interval=3", "train.optimizer.lr=2e-3"),
+        "command line: key 'train.optimizer.lr' is given twice, by override 1 "
+        "'train.optimizer.lr=1e-3' and override 3 'train.optimizer.lr=2e-3'",
     ),
     "section, then a key it holds": (
-        ("train={lr: 1e-3}", "train.lr=2e-3"),
-        "command line: key 'train.lr' is given twice (the section 'train' holds it), by "
-        "override 1 'train={lr: 1e-3}' and override 2 'train.lr=2e-3'",
+        ("train={optimizer: {lr: 1e-3}}", "train.optimizer.lr=2e-3"),
+        "command line: key 'train.optimizer.lr' is given twice (the section 'train' holds it), "
+        "by override 1 'train={optimizer: {lr: 1e-3}}' and override 2 'train.optimizer.lr=2e-3'",
+    ),
+    "old and new name of a key moved into a section": (
+        ("train.lr=1e-3", "train.optimizer.lr=2e-3"),
+        "command line: key 'train.optimizer.lr' is given twice, by override 1 'train.lr=1e-3' "
+        "and override 2 'train.optimizer.lr=2e-3'",
     ),
     "old and new name": (
         ("backend=local", "transformer_impl=local"),
@@ -450,7 +459,7 @@ def test_a_key_given_twice_to_cqk_torchrun_is_refused_before_any_rank_starts(tmp
     command = [sys.executable, "-m", "cqk_megatron", "torchrun", "--nproc-per-node", "2"]
     training = ["-m", "cqk_megatron.train", "--config", CONFIG, f"log.root={tmp_path / 'runs'}"]
     out = subprocess.run(
-        [*command, *training, "train.lr=1e-3", "train.lr=2e-3"],
+        [*command, *training, "train.optimizer.lr=1e-3", "train.optimizer.lr=2e-3"],
         cwd=REPO,
         env=ENV,
         capture_output=True,
@@ -460,8 +469,9 @@ def test_a_key_given_twice_to_cqk_torchrun_is_refused_before_any_rank_starts(tmp
     said = f"exit {out.returncode}\nstderr:\n{out.stderr}\nstdout:\n{out.stdout}"
     assert out.returncode == EXIT_REFUSED, said
     assert out.stderr.splitlines() == [
-        "error: command line: key 'train.lr' is given twice, by override 2 'train.lr=1e-3' "
-        "and override 3 'train.lr=2e-3'; the later would silently replace the earlier: give "
+        "error: command line: key 'train.optimizer.lr' is given twice, by override 2 "
+        "'train.optimizer.lr=1e-3' and override 3 'train.optimizer.lr=2e-3'; the later would "
+        "silently replace the earlier: give "
         "each key once"
     ], said
     watch.assert_unchanged()
@@ -474,8 +484,14 @@ SWEEP = str(REPO / "configs" / "sweeps" / "ladder_smoke.yaml")
 def test_a_key_given_twice_after_a_sweep_is_refused(tmp_path, capsys, monkeypatch):
     watch = Watch(tmp_path)
     argv = ["--sweep", SWEEP, "--tasks", "2", f"log.root={tmp_path}"]  # its TP=2 size
-    outcome = launcher([*argv, "train.lr=1e-3", "train.lr=2e-3"], capsys, monkeypatch)
-    check(outcome, EXIT_REFUSED, "command line: key 'train.lr' is given twice, by override 2")
+    outcome = launcher(
+        [*argv, "train.optimizer.lr=1e-3", "train.optimizer.lr=2e-3"], capsys, monkeypatch
+    )
+    check(
+        outcome,
+        EXIT_REFUSED,
+        "command line: key 'train.optimizer.lr' is given twice, by override 2",
+    )
     watch.assert_unchanged()
 
 
@@ -1077,7 +1093,7 @@ def test_a_real_resume_skips_a_damaged_checkpoint_and_deletes_nothing(prepared_r
     _flip_byte(damaged)
     watch = Watch(tmp_path)
     log = tmp_path / "train.log"
-    code = _ended(_train_process(run_dir, "train.exit_after_steps=3", log=log))
+    code = _ended(_train_process(run_dir, "train.resilience.exit_after_steps=3", log=log))
     text = log.read_text()
     assert code == EXIT_REQUEUE, text[-3000:]
     first = next(x for x in text.splitlines() if "skipping checkpoint" in x)
@@ -1135,7 +1151,7 @@ def test_sigterm_stops_training_with_75_and_a_checkpoint_it_resumes_from(prepare
         run_dir,
         "train.train_steps=100000",
         "train.checkpoint.save_interval=100000",
-        "train.exit_after_steps=null",
+        "train.resilience.exit_after_steps=null",
         log=log,
     )
     try:
@@ -1194,7 +1210,7 @@ def _signal_when_resumed(process: subprocess.Popen, run_dir: Path, signum: int) 
 NO_SAVES = (
     "train.train_steps=100000",
     "train.checkpoint.save_interval=100000",
-    "train.exit_after_steps=null",
+    "train.resilience.exit_after_steps=null",
 )
 
 

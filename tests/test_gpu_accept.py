@@ -79,10 +79,12 @@ def test_the_training_runs_are_valid_and_each_resumed_one_is_its_twin(tmp_path):
     for name, overrides in runs.items():
         config = validate(load_config(REPO / "configs/runs/demo.yaml", overrides))
         assert config.train.precision == "bf16" and config.train.train_steps == 40
-        assert config.train.check_replicas_interval > 0, name
+        assert config.train.resilience.check_replicas_interval > 0, name
         configs[name] = config
     assert configs[accept.ZERO3].train.zero_stage == 3
-    assert configs[f"{accept.ZERO3}-resumed"].train.exit_after_steps == 20  # the mid-run save
+    assert (
+        configs[f"{accept.ZERO3}-resumed"].train.resilience.exit_after_steps == 20
+    )  # the mid-run save
     assert configs[f"{accept.ZERO3}"].train.checkpoint.save_interval == 20
     for engine in accept.ENGINES:
         gpt2 = configs[f"{accept.GPT2}-{engine}"]
@@ -135,13 +137,9 @@ def _settings(config) -> dict:
     data = to_dict(config)
     data["model"].pop("num_layers")
     data["parallel"].pop("world_size")
-    for key in (
-        "global_batch_size",
-        "train_steps",
-        "warmup_steps",
-        "eval_interval",
-    ):
+    for key in ("global_batch_size", "train_steps", "eval_interval"):
         data["train"].pop(key)
+    data["train"]["schedule"].pop("warmup_steps")
     for key in ("save_interval", "hashes"):
         data["train"]["checkpoint"].pop(key)
     return {section: data[section] for section in ("model", "attention", "parallel", "train")}

@@ -54,7 +54,7 @@ def runs(tmp_path_factory) -> Path:
         *COUPLED_DIFFERENTIAL,
         "train.eval_interval=100",
         "train.checkpoint.save_interval=100",
-        "train.clip_grad=0.5",
+        "train.optimizer.clip_grad=0.5",
         "train.checkpoint.hashes=false",
         f"train.train_steps={STEPS}",
         f"train.init_from={r}/init",
@@ -66,7 +66,7 @@ def runs(tmp_path_factory) -> Path:
         ("ds-sp-selective", [*same, *SP, *SELECTIVE], "none"),
         # the replica check would stop this run at step 1 (tests/test_replicas.py shows it):
         # off, to measure how far the curve goes
-        ("ds-sp-unsummed", [*same, *SP, "train.check_replicas_interval=0"], "unsummed"),
+        ("ds-sp-unsummed", [*same, *SP, "train.resilience.check_replicas_interval=0"], "unsummed"),
         ("mg-sp", [*same, *SP, *MEGATRON], "none"),
         ("mg-sp-full", [*same, *SP, *MEGATRON, *FULL_BLOCK], "none"),
         ("mg-sp-marked", [*same, *SP, *MEGATRON], "marked"),

@@ -226,7 +226,7 @@ LOCAL_REQUEUED = [
     "name=local-requeued",
     # stops the run as a signal would (checkpoint, exit 75); rank 0 then exits with
     # submitit's local requeue code and the local controller restarts it
-    "train.exit_after_steps=30",
+    "train.resilience.exit_after_steps=30",
 ]
 
 
@@ -832,8 +832,8 @@ def test_a_local_job_gets_a_port_that_is_free_and_not_handed_out_twice():
 def test_the_local_executor_requeues_a_stopped_run_and_it_ends_like_the_reference(
     root, reference, local_requeued
 ):
-    # LOCAL_REQUEUED: train.exit_after_steps=30 stops the run (checkpoint, exit 75) and the
-    # local controller restarts it. Started with the reference (the fixture).
+    # LOCAL_REQUEUED: train.resilience.exit_after_steps=30 stops the run (checkpoint, exit 75) and
+    # the local controller restarts it. Started with the reference (the fixture).
     code, output = finish_submit(root, "local-requeued", local_requeued)
     assert code == 0, output[-3000:]
     run_dir = root / "local-requeued"

@@ -43,7 +43,7 @@ def runs(tmp_path_factory) -> Path:
     same = [
         "train.eval_interval=100",
         "train.checkpoint.save_interval=100",
-        "train.clip_grad=0.5",
+        "train.optimizer.clip_grad=0.5",
         "train.checkpoint.hashes=false",
         "train.engine=megatron",
     ]
@@ -51,10 +51,10 @@ def runs(tmp_path_factory) -> Path:
     nan_run = [
         *same,
         "train.train_steps=10",
-        "train.lr=1e30",
-        "train.warmup_steps=0",
-        "train.clip_grad=0",
-        "train.max_nan_steps=2",
+        "train.optimizer.lr=1e30",
+        "train.schedule.warmup_steps=0",
+        "train.optimizer.clip_grad=0",
+        "train.resilience.max_nan_steps=2",
     ]
     one_rank = [
         ("reference", layout_run),
@@ -66,7 +66,7 @@ def runs(tmp_path_factory) -> Path:
         *[(name, [*layout_run, *extra]) for name, extra in LAYOUTS.items()],
         # the dp2 run again, stopped after step STOP and resumed: the optimizer state that
         # comes back is sharded over both ranks
-        ("resumed", [*layout_run, f"train.exit_after_steps={STOP}"]),
+        ("resumed", [*layout_run, f"train.resilience.exit_after_steps={STOP}"]),
         ("resumed", layout_run),
     ]
     run_ranks(train_runs, 2, r, two_ranks)
@@ -152,7 +152,7 @@ def test_bf16_steps_fp32_master_weights_with_the_weight_decay_groups():
     assert all(p.dtype == torch.float32 for g in groups for p in g["params"])  # master copies
     decayed = sum(p.numel() for g in groups if g["weight_decay"] > 0 for p in g["params"])
     assert decayed == sum(p.numel() for p in matrices)  # vectors and scalars are not decayed
-    assert {g["weight_decay"] for g in groups} == {config.train.weight_decay, 0.0}
+    assert {g["weight_decay"] for g in groups} == {config.train.optimizer.weight_decay, 0.0}
     train, _ = synthetic_datasets(config)
     losses = []
     for step in range(6):

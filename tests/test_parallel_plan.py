@@ -93,7 +93,9 @@ def test_a_checkpoint_written_before_the_rename_resumes(tmp_path):
 
     zero1 = ["train.engine=deepspeed", "train.zero_stage=1", "train.train_steps=4"]
     zero1 += ["train.eval_interval=100", "train.checkpoint.save_interval=100"]
-    run_ranks(train_runs, 2, str(tmp_path), [("old", [*zero1, "train.exit_after_steps=2"])])
+    run_ranks(
+        train_runs, 2, str(tmp_path), [("old", [*zero1, "train.resilience.exit_after_steps=2"])]
+    )
     layout_json = tmp_path / "old" / "checkpoints" / "iter_0000002" / "layout.json"
     old = (
         '{"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 2, "engine": '

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from cqk_megatron.config import (
@@ -40,9 +41,12 @@ def run(
 
 def comment_of(text: str, dotted: str) -> str | None:
     """The comment after ``dotted``'s line in --print-config's YAML (None: no comment)."""
-    section, key = dotted.rsplit(".", 1) if "." in dotted else ("", dotted)
-    block = text.split(f"\n{section}:\n", 1)[1] if section else text
-    match = re.search(rf"^\s*{key}: [^#\n]*(?:# (.*))?$", block, re.MULTILINE)
+    *sections, key = dotted.split(".")
+    block = text
+    for depth, section in enumerate(sections):  # train:, then   optimizer:, ...
+        block = block.split(f"\n{'  ' * depth}{section}:\n", 1)[1]
+    indent = "  " * len(sections)
+    match = re.search(rf"^{indent}{key}: [^#\n]*(?:# (.*))?$", block, re.MULTILINE)
     assert match, f"no line for {dotted} in:\n{text}"
     return match.group(1)
 
@@ -54,32 +58,47 @@ def write_configs(tmp_path: Path) -> Path:
     run_file = tmp_path / "run.yaml"
     run_file.write_text(
         "include: [model.yaml]\nname: traced\nmodel:\n  hidden_size: 64\n"
-        "train:\n  lr: 0.002\n  weight_decay: 0.1\nlog:\n  root: runs_here\n"
+        "train:\n  optimizer:\n    lr: 0.002\n    weight_decay: 0.1\nlog:\n  root: runs_here\n"
     )
     return run_file
 
 
 def test_train_print_config_names_the_file_or_command_line_of_every_changed_value(tmp_path):
     run_file = write_configs(tmp_path)
-    out = run([*TRAIN, "--config", str(run_file), "--print-config", "train.lr=0.003"], tmp_path)
+    out = run(
+        [*TRAIN, "--config", str(run_file), "--print-config", "train.optimizer.lr=0.003"], tmp_path
+    )
     assert out.returncode == 0, out.stderr
     text = out.stdout
     included, own = os.path.normpath(tmp_path / "model.yaml"), os.path.normpath(run_file)
     assert comment_of(text, "model.num_layers") == f"{included}; default 4"
     assert comment_of(text, "model.hidden_size") == f"{own}; default 128"  # the file wins
-    assert comment_of(text, "train.lr") == f"{COMMAND_LINE}; default 0.0003"
+    assert comment_of(text, "train.optimizer.lr") == f"{COMMAND_LINE}; default 0.0003"
     assert comment_of(text, "name") == f"{own}; default run"
     # equal to the default though the file sets it, and never set: no comment
-    assert comment_of(text, "train.weight_decay") is None
+    assert comment_of(text, "train.optimizer.weight_decay") is None
     assert comment_of(text, "train.train_steps") is None
     assert f"run folder {tmp_path / 'runs_here' / 'traced'} (log.root from {own})" in text
     # The YAML is the config that runs: it reads back as it.
     printed = from_dict(RunConfig, yaml.safe_load(text))
-    assert printed == load_config(run_file, ["train.lr=0.003"])
+    assert printed == load_config(run_file, ["train.optimizer.lr=0.003"])
     assert not (tmp_path / "runs_here").exists()  # nothing trained, nothing written
     # A config that cannot run is printed, then refused as training would refuse it.
     out = run([*TRAIN, "--print-config", "parallel.tensor_parallel=3"], tmp_path)
     assert out.returncode == 2 and "parallel.tensor_parallel=3" in out.stderr
+
+
+def test_a_key_set_under_its_old_name_is_traced_under_its_new_one(tmp_path):
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text("train:\n  warmup_steps: 3\n")
+    groups = [("cluster profile p.yaml", ["train={clip_grad: 0.5}"])]
+    groups.append((COMMAND_LINE, ["train.adam_beta1=0.8"]))
+    with pytest.warns(FutureWarning, match="'train.adam_beta1' is now 'train.optimizer.beta1'"):
+        traced = load_config_traced(run_file, groups)
+    assert traced.sources["train.schedule.warmup_steps"] == os.path.normpath(run_file)
+    assert traced.sources["train.optimizer.clip_grad"] == "cluster profile p.yaml"
+    assert traced.sources["train.optimizer.beta1"] == COMMAND_LINE
+    assert not {"train.warmup_steps", "train.clip_grad", "train.adam_beta1"} & set(traced.sources)
 
 
 def test_a_model_family_is_named_as_the_source_of_the_fields_it_fills_in():
@@ -92,11 +111,11 @@ def test_submit_print_config_names_the_profile_and_the_command_line(tmp_path):
     profile = tmp_path / "cluster.yaml"
     profile.write_text(f"gpus: false\ntasks_per_node: 1\nruns_root: {tmp_path}/shared\n")
     args = ["--config", "configs/runs/tiny_cpu.yaml", "--profile", str(profile)]
-    out = run([*SUBMIT, *args, "--cluster", "local", "--print-config", "train.lr=0.004"])
+    out = run([*SUBMIT, *args, "--cluster", "local", "--print-config", "train.optimizer.lr=0.004"])
     assert out.returncode == 0, out.stderr
     where = f"cluster profile {profile} (runs_root)"
     assert comment_of(out.stdout, "log.root") == f"{where}; default runs"
-    assert comment_of(out.stdout, "train.lr") == f"{COMMAND_LINE}; default 0.0003"
+    assert comment_of(out.stdout, "train.optimizer.lr") == f"{COMMAND_LINE}; default 0.0003"
     assert comment_of(out.stdout, "model.num_layers") == "configs/runs/tiny_cpu.yaml; default 4"
     assert f"run folder {tmp_path}/shared/tiny-cpu (log.root from {where})" in out.stdout
     assert "submitted" not in out.stdout and not (tmp_path / "shared").exists()
@@ -121,7 +140,7 @@ def test_the_run_folder_rule_command_line_then_profile_then_the_run_config(tmp_p
     sweep = [("sweep s.yaml run a", [f"log.root={tmp_path}/sw"]), (COMMAND_LINE, [])]
     assert root(profile, sweep) == (str(tmp_path / "sw"), "sweep s.yaml run a")
     # an override that sets something else leaves the profile's rule alone
-    assert root(profile, [(COMMAND_LINE, ["train.lr=0.1"])]) == by_profile
+    assert root(profile, [(COMMAND_LINE, ["train.optimizer.lr=0.1"])]) == by_profile
     assert to_dict(load_config_traced(run_file).config) == to_dict(load_config(run_file))
 
 

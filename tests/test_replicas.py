@@ -1,8 +1,8 @@
-"""``train.check_replicas_interval``: the real training loop on two gloo ranks compares every
-copy a layout keeps (data-parallel replicas, parameters whole on every tensor-parallel rank,
-tied embeddings across pipeline stages) and passes where they agree; one parameter pushed
-off on one rank (a negative control per kind of copy) stops the run, naming it, the step
-and the ranks.
+"""``train.resilience.check_replicas_interval``: the real training loop on two gloo ranks
+compares every copy a layout keeps (data-parallel replicas, parameters whole on every
+tensor-parallel rank, tied embeddings across pipeline stages) and passes where they agree;
+one parameter pushed off on one rank (a negative control per kind of copy) stops the run,
+naming it, the step and the ranks.
 
 One spawn of two ranks runs everything (starting processes is the slow part on 2 cores).
 """
@@ -25,7 +25,7 @@ SAME = [
     "train.eval_interval=100",
     "train.checkpoint.save_interval=100",
     "train.checkpoint.hashes=false",
-    "train.check_replicas_interval=1",
+    "train.resilience.check_replicas_interval=1",
 ]
 DP2 = ["train.zero_stage=1"]
 TP2_SP = ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"]

@@ -34,7 +34,7 @@ SHORT = [f"train.train_steps={STEPS}", "train.checkpoint.save_interval=3", "trai
 
 # README.md's three training commands, after `cqk` / `torchrun`.
 ONE_PROCESS = ["--config", "configs/runs/tiny_cpu.yaml"]
-CHANGED_MODEL = [*ONE_PROCESS, "attention.steps=3", "train.lr=6e-4"]
+CHANGED_MODEL = [*ONE_PROCESS, "attention.steps=3", "train.optimizer.lr=6e-4"]
 TP2_ZERO2 = [*ONE_PROCESS, "parallel.tensor_parallel=2", "train.zero_stage=2"]
 
 
@@ -107,7 +107,7 @@ def test_the_readme_commands_under_distinct_names_leave_true_records(first_run):
         assert [a["start_step"] for a in attempts] == [0], name
         for config in (attempts[0]["config"], recorded(root / name)):
             assert config["attention"]["steps"] == want["steps"], name
-            assert config["train"]["lr"] == pytest.approx(want["lr"]), name
+            assert config["train"]["optimizer"]["lr"] == pytest.approx(want["lr"]), name
             assert config["parallel"]["tensor_parallel"] == want["tp"], name
             assert config["train"]["zero_stage"] == want["zero"], name
 
@@ -196,7 +196,9 @@ def test_a_resume_from_a_checkpoint_of_another_model_function_is_refused(tmp_pat
     from cqk_megatron.run.checkpoint_files import CheckpointError, check_same_model
 
     save_config(_config(), tmp_path / "config.yaml")
-    check_same_model(tmp_path, _config("parallel.tensor_parallel=2", "train.lr=1e-4"), "fix")
+    check_same_model(
+        tmp_path, _config("parallel.tensor_parallel=2", "train.optimizer.lr=1e-4"), "fix"
+    )
     with pytest.raises(
         CheckpointError, match=r"another model: attention.steps=1 \(this config: 3\)"
     ):

@@ -77,7 +77,7 @@ def runs(tmp_path_factory) -> Path:
                     *COMMON,
                     "train.train_steps=8",
                     "train.checkpoint.save_interval=4",
-                    "train.exit_after_steps=4",
+                    "train.resilience.exit_after_steps=4",
                 ],
             ),
         ],

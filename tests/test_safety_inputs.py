@@ -122,9 +122,12 @@ def test_the_schema_has_the_float_fields_this_test_expects():
     from cqk_megatron.config import RunConfig
 
     names = [name for name, _ in _float_fields(RunConfig)]
-    assert {"train.lr", "attention.dt_init", "data.weights", "train.wall_clock_budget_s"} <= set(
-        names
-    )
+    assert {
+        "train.optimizer.lr",
+        "attention.dt_init",
+        "data.weights",
+        "train.resilience.wall_clock_budget_s",
+    } <= set(names)
     assert len(names) >= 20, names
 
 

@@ -46,15 +46,15 @@ class ToyEngine(Engine):
 
     def __init__(self, model: torch.nn.Module, config) -> None:
         t = config.train
-        self.model, self.clip = model, t.clip_grad or float("inf")
+        self.model, self.clip = model, t.optimizer.clip_grad or float("inf")
         self.root = Path(config.log.root)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params,
-            lr=t.lr,
-            betas=(t.adam_beta1, t.adam_beta2),
-            eps=t.adam_eps,
-            weight_decay=t.weight_decay,
+            lr=t.optimizer.lr,
+            betas=(t.optimizer.beta1, t.optimizer.beta2),
+            eps=t.optimizer.eps,
+            weight_decay=t.optimizer.weight_decay,
         )
 
     def set_lr(self, lr: float) -> None:
@@ -105,7 +105,7 @@ class ToyEngine(Engine):
 class ToySpec(EngineSpec):
     engine = ToyEngine
     shardings = {DDP: 0}  # one sharding: any train.zero_stage selects it
-    settings = ("lr", "adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "clip_grad")
+    settings = ("optimizer",)  # train.optimizer: AdamW's settings
     checkpoint_format = "torch.optim.AdamW state_dict, one file per data-parallel rank"
 
 
@@ -123,7 +123,7 @@ def _train_resume_and_straight(rank, world_size, port, root) -> None:
     set_rank_env(rank, world_size, port)
     from cqk_megatron.training.loop import train
 
-    stop = "train.exit_after_steps=4"  # saves at step 4 and exits for a requeue
+    stop = "train.resilience.exit_after_steps=4"  # saves at step 4 and exits for a requeue
     for name, overrides, code in (("resumed", [stop], 75), ("resumed", [], 0), ("straight", [], 0)):
         config = config_for(root, name, [*SHORT, *overrides])
         assert train(config, datasets=synthetic_datasets(config)) == code

@@ -54,7 +54,11 @@ def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("runs")
     r = str(root)
     # Clipping at 0.5 is active (gradient norms are ~1), so the global norm must agree too.
-    same = ["train.eval_interval=100", "train.checkpoint.save_interval=100", "train.clip_grad=0.5"]
+    same = [
+        "train.eval_interval=100",
+        "train.checkpoint.save_interval=100",
+        "train.optimizer.clip_grad=0.5",
+    ]
     layout_run = [*same, f"train.train_steps={STEPS}", f"train.init_from={r}/init"]
     layout_run_4l = [
         *same,
@@ -62,7 +66,7 @@ def runs(tmp_path_factory) -> Path:
         f"train.train_steps={STEPS}",
         f"train.init_from={r}/init-4l",
     ]
-    resume_run = [*same, "train.train_steps=8", "train.zero_stage=2", "train.lr_schedule=wsd"]
+    resume_run = [*same, "train.train_steps=8", "train.zero_stage=2", "train.schedule.decay=wsd"]
     run_ranks(save_initial_weights, 1, r, [("init", []), ("init-4l", FOUR_LAYERS)])
     run_ranks(train_runs, 1, r, [("reference", layout_run), ("reference-4l", layout_run_4l)])
     run_ranks(
@@ -79,7 +83,7 @@ def runs(tmp_path_factory) -> Path:
             *[(name, [*layout_run, *extra]) for name, extra in LAYOUTS.items()],
             *[(name, [*layout_run_4l, *extra]) for name, extra in LAYOUTS_4L.items()],
             ("straight", resume_run),
-            ("resumed", [*resume_run, "train.exit_after_steps=4"]),
+            ("resumed", [*resume_run, "train.resilience.exit_after_steps=4"]),
             ("resumed", resume_run),
             ("tp2-saved", [*same, "train.train_steps=4", "parallel.tensor_parallel=2"]),
         ],
@@ -95,7 +99,7 @@ def runs(tmp_path_factory) -> Path:
         f"data.tokenizer={demo.folder}/tokenizer.model",
         f"data.cache_dir={root}/index-cache",
     ]
-    variant_run = [*same, f"train.train_steps={VARIANT_STEPS}", "train.lr=1e-2"]
+    variant_run = [*same, f"train.train_steps={VARIANT_STEPS}", "train.optimizer.lr=1e-2"]
     # A lock file left by a rank killed while loading a JIT-built torch extension makes
     # every later load wait forever; the engine must start regardless (the CPU bridge keeps
     # DeepSpeed from loading its shared-memory op). The spawned ranks inherit the variable.
@@ -132,10 +136,10 @@ def _single_rank_runs(r, tp2_checkpoint, real_data, same, variant_run) -> None:
                 [
                     *same,
                     "train.train_steps=20",
-                    "train.lr=1e30",
-                    "train.warmup_steps=0",
-                    "train.clip_grad=0",
-                    "train.max_nan_steps=3",
+                    "train.optimizer.lr=1e30",
+                    "train.schedule.warmup_steps=0",
+                    "train.optimizer.clip_grad=0",
+                    "train.resilience.max_nan_steps=3",
                 ],
             ),
             (

@@ -28,7 +28,7 @@ OFFLINE = [
     "train.train_steps=4",
     "train.checkpoint.save_interval=2",
     "train.eval_interval=100",
-    "train.check_replicas_interval=0",
+    "train.resilience.check_replicas_interval=0",
 ]
 
 
@@ -44,7 +44,7 @@ def test_the_wandb_id_is_the_run_folder_s_kept_by_a_requeue_new_elsewhere_or_res
 ):
     here, there = tmp_path / "here", tmp_path / "there"
     runs = [
-        ("same", [*OFFLINE, f"log.root={here}", "train.exit_after_steps=2"]),  # requeued
+        ("same", [*OFFLINE, f"log.root={here}", "train.resilience.exit_after_steps=2"]),  # requeued
         ("same", [*OFFLINE, f"log.root={here}"]),  # the requeue: resumes at step 2
         ("same", [*OFFLINE, f"log.root={there}"]),  # the same name in another folder
         ("same", [*OFFLINE, f"log.root={here}"], "none"),  # a restart from scratch

@@ -81,7 +81,7 @@ def step_overrides(steps: int | None) -> list[str]:
         f"train.train_steps={steps}",
         f"train.eval_interval={quarter}",
         f"train.checkpoint.save_interval={quarter}",
-        "train.warmup_steps=1",
+        "train.schedule.warmup_steps=1",
     ]
 
 

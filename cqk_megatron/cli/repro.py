@@ -2,7 +2,7 @@
 
     cqk repro --preset cpu-tiny
     cqk repro --preset paper-60m --data data/wikitext103/wt103_text_document \\
-        --tokens 80M --variants standard,hamiltonian [--seeds 0,1] [train.lr=8e-4 ...]
+        --tokens 80M --variants standard,hamiltonian [--seeds 0,1] [train.optimizer.lr=8e-4 ...]
     cqk repro --preset cpu-tiny --family gpt2   # the GPT-2 model family
 
 Trains every variant x seed one after the other, each as a local job of the launcher

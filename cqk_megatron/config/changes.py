@@ -58,11 +58,11 @@ MODEL_KEYS = SHAPE_KEYS + FUNCTION_KEYS
 # Keys of ``cqk_megatron.training.lr_schedule.learning_rate``.
 SCHEDULE_KEYS = (
     "train.train_steps",
-    "train.lr",
-    "train.min_lr",
-    "train.lr_schedule",
-    "train.warmup_steps",
-    "train.wsd_decay_fraction",
+    "train.optimizer.lr",
+    "train.schedule.min_lr",
+    "train.schedule.decay",
+    "train.schedule.warmup_steps",
+    "train.schedule.wsd_decay_fraction",
 )
 # Where a run folder is, not what it trains.
 LOCATION_KEYS = ("name", "log.root")

@@ -23,6 +23,7 @@ from cqk_megatron.config.schema import (
     DataConfig,
     LogConfig,
     ModelConfig,
+    ResilienceSettings,
     RunConfig,
     TrainConfig,
 )
@@ -160,7 +161,7 @@ def _check_names(config: RunConfig, check: _Checks) -> None:
         check.choice(m.family, tuple(MODEL_FAMILIES), "model.family")
     check.choice(t.precision, ("fp32", "bf16", "fp64"), "train.precision")
     check.choice(config.transformer_impl, ("local", "transformer_engine"), "transformer_impl")
-    check.choice(t.lr_schedule, ("cosine", "wsd", "constant"), "train.lr_schedule")
+    check.choice(t.schedule.decay, ("cosine", "wsd", "constant"), "train.schedule.decay")
     check.choice(t.engine, tuple(engine_names()), "train.engine")
     check.choice(t.optimizer_checkpoint, OPTIMIZER_CHECKPOINTS, "train.optimizer_checkpoint")
     check.choice(t.recompute, RECOMPUTE, "train.recompute")
@@ -191,29 +192,39 @@ def _check_training(t: TrainConfig, check: _Checks) -> None:
     """The optimizer, schedule, intervals and fault bounds, field by field."""
     check(t.zero_stage in (1, 2, 3), f"train.zero_stage={t.zero_stage} must be 1, 2 or 3")
     check(
-        t.lr > 0 and 0 <= t.min_lr <= t.lr, "train.lr must be positive and train.min_lr in [0, lr]"
+        t.optimizer.lr > 0 and 0 <= t.schedule.min_lr <= t.optimizer.lr,
+        "train.optimizer.lr must be positive and train.schedule.min_lr in [0, lr]",
     )
-    check(t.warmup_steps >= 0, "train.warmup_steps must be >= 0")
-    check(0 < t.wsd_decay_fraction <= 1, "train.wsd_decay_fraction must be in (0, 1]")
-    check(t.clip_grad >= 0, "train.clip_grad must be >= 0 (0 disables clipping)")
+    check(t.schedule.warmup_steps >= 0, "train.schedule.warmup_steps must be >= 0")
+    check(
+        0 < t.schedule.wsd_decay_fraction <= 1,
+        "train.schedule.wsd_decay_fraction must be in (0, 1]",
+    )
+    check(
+        t.optimizer.clip_grad >= 0, "train.optimizer.clip_grad must be >= 0 (0 disables clipping)"
+    )
     check(t.train_steps >= 1, "train.train_steps must be at least 1")
     check(t.checkpoint.keep_last >= 1, "train.checkpoint.keep_last must be at least 1")
-    check_fault_bounds(t, check)
+    check_fault_bounds(t.resilience, check)
     for dotted, value in [
         ("train.eval_interval", t.eval_interval),
         ("train.checkpoint.save_interval", t.checkpoint.save_interval),
         ("train.log_interval", t.log_interval),
-        ("train.max_nan_steps", t.max_nan_steps),
+        (f"{RESILIENCE}max_nan_steps", t.resilience.max_nan_steps),
     ]:
         check(value >= 1, f"{dotted}={value} must be at least 1")
+    interval = t.resilience.check_replicas_interval
     check(
-        t.check_replicas_interval >= 0,
-        f"train.check_replicas_interval={t.check_replicas_interval} must be >= 0 (0 turns the "
-        "replica check off)",
+        interval >= 0,
+        f"{RESILIENCE}check_replicas_interval={interval} must be >= 0 (0 turns the replica "
+        "check off)",
     )
 
 
-def check_fault_bounds(t: TrainConfig, check: _Checks) -> None:
+RESILIENCE = "train.resilience."  # where ResilienceSettings' keys are
+
+
+def check_fault_bounds(r: ResilienceSettings, check: _Checks) -> None:
     """The watchdog's bounds must nest, or a collective times out (with torch's bare
     error) before the watchdog can name the rank that caused it."""
     names = (
@@ -224,30 +235,30 @@ def check_fault_bounds(t: TrainConfig, check: _Checks) -> None:
         "heartbeat_interval_s",
         "heartbeat_timeout_s",
     )
-    values = {name: getattr(t, name) for name in names}
+    values = {name: getattr(r, name) for name in names}
     bad = [n for n, v in values.items() if not isinstance(v, (int, float)) or not v > 0]
     for name in bad:
-        check(False, f"train.{name}={values[name]!r} must be a positive number of seconds")
+        check(False, f"{RESILIENCE}{name}={values[name]!r} must be a positive number of seconds")
     if bad:
         return
     check(
-        t.heartbeat_interval_s < t.heartbeat_timeout_s,
-        f"train.heartbeat_interval_s={t.heartbeat_interval_s} must be below "
-        f"train.heartbeat_timeout_s={t.heartbeat_timeout_s} (a peer is declared lost after "
-        "several missed heartbeats, not one)",
+        r.heartbeat_interval_s < r.heartbeat_timeout_s,
+        f"{RESILIENCE}heartbeat_interval_s={r.heartbeat_interval_s} must be below "
+        f"{RESILIENCE}heartbeat_timeout_s={r.heartbeat_timeout_s} (a peer is declared lost "
+        "after several missed heartbeats, not one)",
     )
     for shorter in ("heartbeat_timeout_s", "step_timeout_s"):
         check(
-            values[shorter] < t.collective_timeout_s,
-            f"train.{shorter}={values[shorter]} must be below "
-            f"train.collective_timeout_s={t.collective_timeout_s}, so that the watchdog names "
-            "a lost or stuck rank before its peers' collectives time out; raise "
-            "train.collective_timeout_s or lower the other",
+            values[shorter] < r.collective_timeout_s,
+            f"{RESILIENCE}{shorter}={values[shorter]} must be below "
+            f"{RESILIENCE}collective_timeout_s={r.collective_timeout_s}, so that the watchdog "
+            "names a lost or stuck rank before its peers' collectives time out; raise "
+            f"{RESILIENCE}collective_timeout_s or lower the other",
         )
     check(
-        t.collective_timeout_s <= t.init_timeout_s,
-        f"train.collective_timeout_s={t.collective_timeout_s} must not exceed "
-        f"train.init_timeout_s={t.init_timeout_s} (start-up is the slow phase)",
+        r.collective_timeout_s <= r.init_timeout_s,
+        f"{RESILIENCE}collective_timeout_s={r.collective_timeout_s} must not exceed "
+        f"{RESILIENCE}init_timeout_s={r.init_timeout_s} (start-up is the slow phase)",
     )
 
 

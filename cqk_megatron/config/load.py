@@ -141,10 +141,12 @@ _Given = tuple[tuple[str, ...], int, str]  # an override's keys, its position, i
 
 
 def refuse_repeated_overrides(overrides: Sequence[str], where: str = COMMAND_LINE) -> None:
-    """Raise ``ConfigError`` when two of ``overrides`` set one key (``train.lr=1``, then
-    ``train.lr=2``), or one sets a section that holds the other's key (``train={...}`` and
-    ``train.lr=2``), naming the key and both arguments. Applied in order, the later would
-    silently replace the earlier, as a duplicate YAML key would (``config.duplicates``)."""
+    """Raise ``ConfigError`` when two of ``overrides`` set one key (``train.optimizer.lr=1``,
+    then ``train.optimizer.lr=2``; or an old and a new name of one key, ``train.lr=1`` and
+    ``train.optimizer.lr=2``), or one sets a section that holds the other's key
+    (``train={...}`` and ``train.optimizer.lr=2``), naming the key and both arguments.
+    Applied in order, the later would silently replace the earlier, as a duplicate YAML key
+    would (``config.duplicates``)."""
     seen: list[_Given] = []
     for position, override in enumerate(overrides, 1):
         keys = _override_path(override)
@@ -236,8 +238,14 @@ def _file_sources(path: Path) -> dict[str, str]:
     for name in [includes] if isinstance(includes, str) else includes:
         included = _resolve_include(name, path.parent)
         sources.update(_file_sources(included))
-    sources.update(dict.fromkeys(flatten(data), os.path.normpath(path)))
+    sources.update(dict.fromkeys(map(_current_name, flatten(data)), os.path.normpath(path)))
     return sources
+
+
+def _current_name(dotted: str) -> str:
+    """``dotted`` under its name today (``train.lr`` -> ``train.optimizer.lr``): a key is
+    traced to where it is set, whichever name set it (the loading has warned already)."""
+    return ".".join(renamed_path(dotted.split("."), dotted, warn=False))
 
 
 def _override_keys(overrides: Sequence[str]) -> Iterator[str]:
@@ -245,9 +253,9 @@ def _override_keys(overrides: Sequence[str]) -> Iterator[str]:
         dotted, raw = override.split("=", 1)  # load_config has refused any other form
         value = _override_value(override, raw)
         if isinstance(value, dict):
-            yield from flatten(value, f"{dotted.strip()}.")
+            yield from map(_current_name, flatten(value, f"{dotted.strip()}."))
         else:
-            yield dotted.strip()
+            yield _current_name(dotted.strip())
 
 
 def load_config_traced(

@@ -202,8 +202,65 @@ class CheckpointSettings:
 
 
 @dataclass
+class OptimizerSettings:
+    """AdamW's settings (``train.optimizer.*``), which every engine's optimizer takes."""
+
+    lr: float = 3e-4  # the peak learning rate, which the schedule warms up to
+    weight_decay: float = 0.1  # not on vectors and scalars (norms, biases, dt, lambda)
+    beta1: float = 0.9  # AdamW's first-moment decay (Megatron's adam_beta1)
+    beta2: float = 0.95  # AdamW's second-moment decay (Megatron's adam_beta2)
+    eps: float = 1e-8  # AdamW's denominator term (Megatron's adam_eps)
+    clip_grad: float = 1.0  # the global gradient norm's bound; 0 disables clipping
+
+
+@dataclass
+class ScheduleSettings:
+    """The learning rate's course over the run (``train.schedule.*``): a linear warmup to
+    ``train.optimizer.lr``, then ``decay`` down to ``min_lr`` (training/lr_schedule.py).
+    ``min_lr`` is here rather than in ``train.optimizer``: it is the schedule's floor (AdamW
+    has no such setting), and a resume compares it with the schedule's other keys."""
+
+    decay: str = "cosine"  # after the warmup: cosine | wsd (warmup-stable-decay) | constant
+    warmup_steps: int = 10
+    min_lr: float = 3e-5  # where cosine and wsd end, at train.train_steps
+    wsd_decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly
+
+
+@dataclass
+class ResilienceSettings:
+    """What a run does about faults (``train.resilience.*``; docs/faults.md): non-finite
+    steps, a time budget or step to stop at for requeue, replica checks, and the
+    watchdog's bounds."""
+
+    max_nan_steps: int = 5  # abort after this many skipped (non-finite) steps in a row
+    wall_clock_budget_s: float | None = None  # checkpoint and exit for requeue after this
+    exit_after_steps: int | None = None  # checkpoint and exit for requeue at this step
+    # every this many steps, and at the end, check that every parameter that must be the
+    # same on several ranks is, bit for bit (data-parallel replicas, parameters whole on
+    # every tensor-parallel rank, tied embedding copies across pipeline stages); the run
+    # stops naming the first that differs and the ranks (training/replicas.py). 0: off
+    check_replicas_interval: int = 0
+    # faults (training/resilience/watchdog.py): no rank waits forever. Rendezvous, process-group
+    # creation, start-up and the first step are bounded by init_timeout_s; after the first step
+    # every process group's collectives time out after collective_timeout_s (raised to
+    # save_timeout_s + heartbeat_timeout_s during a checkpoint save). Each rank's watchdog
+    # heartbeats through the job's TCPStore every heartbeat_interval_s; a rank silent for
+    # heartbeat_timeout_s, or one whose main thread stays longer than its bound in a phase (a step
+    # or a data fetch: step_timeout_s; a save: save_timeout_s), ends the job with exit 76 and a line
+    # naming it. Anchors: torchtitan 300 s / 100 s, torchft heartbeats every 5 s,
+    # nvidia-resiliency-ext 60 s / 90 s soft / hard.
+    init_timeout_s: float = 300.0
+    collective_timeout_s: float = 100.0
+    step_timeout_s: float = 60.0
+    save_timeout_s: float = 600.0
+    heartbeat_interval_s: float = 5.0
+    heartbeat_timeout_s: float = 30.0
+
+
+@dataclass
 class TrainConfig:
-    """The training loop: batches, optimiser, schedule, engine, evaluation, checkpoints."""
+    """The training loop: batches, precision, steps, engine, recompute and evaluation here;
+    the optimizer, schedule, checkpoint and resilience settings in sections of their own."""
 
     # Keys moved into a section in this release: the old name is still read, with a
     # FutureWarning naming the new one (``RunConfig.RENAMED_KEYS``).
@@ -212,24 +269,34 @@ class TrainConfig:
         "keep_last": "checkpoint.keep_last",
         "checkpoint_hashes": "checkpoint.hashes",
         "async_save": "checkpoint.async_save",
+        "lr": "optimizer.lr",
+        "weight_decay": "optimizer.weight_decay",
+        "adam_beta1": "optimizer.beta1",
+        "adam_beta2": "optimizer.beta2",
+        "adam_eps": "optimizer.eps",
+        "clip_grad": "optimizer.clip_grad",
+        "lr_schedule": "schedule.decay",
+        "warmup_steps": "schedule.warmup_steps",
+        "min_lr": "schedule.min_lr",
+        "wsd_decay_fraction": "schedule.wsd_decay_fraction",
+        "max_nan_steps": "resilience.max_nan_steps",
+        "wall_clock_budget_s": "resilience.wall_clock_budget_s",
+        "exit_after_steps": "resilience.exit_after_steps",
+        "check_replicas_interval": "resilience.check_replicas_interval",
+        "init_timeout_s": "resilience.init_timeout_s",
+        "collective_timeout_s": "resilience.collective_timeout_s",
+        "step_timeout_s": "resilience.step_timeout_s",
+        "save_timeout_s": "resilience.save_timeout_s",
+        "heartbeat_interval_s": "resilience.heartbeat_interval_s",
+        "heartbeat_timeout_s": "resilience.heartbeat_timeout_s",
     }
 
     micro_batch_size: int = 2
     global_batch_size: int = 8
     precision: str = "fp32"  # fp32 | bf16 | fp64 (numerical checks on CPU)
     train_steps: int = 100
-    # AdamW
-    lr: float = 3e-4
-    min_lr: float = 3e-5
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0  # 0 disables clipping
-    # learning-rate schedule: warmup then cosine | wsd (warmup-stable-decay) | constant
-    lr_schedule: str = "cosine"
-    warmup_steps: int = 10
-    wsd_decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    schedule: ScheduleSettings = field(default_factory=ScheduleSettings)
     # data-parallel engine: deepspeed (ZeRO) | megatron (Megatron-Core DDP + distributed
     # optimizer, CPU and GPU) | one registered with training.engines.register_engine
     engine: str = "deepspeed"
@@ -256,32 +323,9 @@ class TrainConfig:
     eval_interval: int = 50
     eval_iters: int = 4  # global batches of the validation split per evaluation
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
-    # robustness
-    max_nan_steps: int = 5  # abort after this many skipped (non-finite) steps in a row
-    wall_clock_budget_s: float | None = None  # checkpoint and exit for requeue after this
-    exit_after_steps: int | None = None  # checkpoint and exit for requeue at this step
+    resilience: ResilienceSettings = field(default_factory=ResilienceSettings)
     init_from: str | None = None  # weights-only checkpoint to start from (any layout)
     log_interval: int = 1
-    # every this many steps, and at the end, check that every parameter that must be the
-    # same on several ranks is, bit for bit (data-parallel replicas, parameters whole on
-    # every tensor-parallel rank, tied embedding copies across pipeline stages); the run
-    # stops naming the first that differs and the ranks (training/replicas.py). 0: off
-    check_replicas_interval: int = 0
-    # faults (training/resilience/watchdog.py): no rank waits forever. Rendezvous, process-group
-    # creation, start-up and the first step are bounded by init_timeout_s; after the first step
-    # every process group's collectives time out after collective_timeout_s (raised to
-    # save_timeout_s + heartbeat_timeout_s during a checkpoint save). Each rank's watchdog
-    # heartbeats through the job's TCPStore every heartbeat_interval_s; a rank silent for
-    # heartbeat_timeout_s, or one whose main thread stays longer than its bound in a phase (a step
-    # or a data fetch: step_timeout_s; a save: save_timeout_s), ends the job with exit 76 and a line
-    # naming it. Anchors: torchtitan 300 s / 100 s, torchft heartbeats every 5 s,
-    # nvidia-resiliency-ext 60 s / 90 s soft / hard.
-    init_timeout_s: float = 300.0
-    collective_timeout_s: float = 100.0
-    step_timeout_s: float = 60.0
-    save_timeout_s: float = 600.0
-    heartbeat_interval_s: float = 5.0
-    heartbeat_timeout_s: float = 30.0
 
 
 @dataclass
@@ -363,9 +407,26 @@ class RunConfig:
 
 def _unknown_key_error(key: str, where: str, cls: type, source: str) -> ConfigError:
     names = [f.name for f in dataclasses.fields(cls)]
-    close = difflib.get_close_matches(key, names, n=1)
-    hint = f"did you mean '{where}{close[0]}'?" if close else f"known keys: {', '.join(names)}"
+    known = _suggestions(cls)
+    close = difflib.get_close_matches(key, list(known), n=1)
+    hint = (
+        f"did you mean '{where}{known[close[0]]}'?" if close else f"known keys: {', '.join(names)}"
+    )
     return ConfigError(f"{source}: unknown key '{where}{key}'; {hint}")
+
+
+def _suggestions(cls: type) -> dict[str, str]:
+    """A key someone may mean -> the key to suggest: ``cls``'s fields, and the keys of its
+    sections and its old names under the name they have now (``lr`` -> ``optimizer.lr``),
+    so that a misspelt key that moved into a section is pointed there."""
+    hints = typing.get_type_hints(cls)
+    known: dict[str, str] = {}
+    for name, hint in hints.items():
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            known.update({f.name: f"{name}.{f.name}" for f in dataclasses.fields(hint)})
+    known.update(getattr(cls, "RENAMED_KEYS", {}))
+    known.update({f.name: f.name for f in dataclasses.fields(cls)})  # a field's own name wins
+    return known
 
 
 def _coerce(value: Any, annotation: Any, dotted: str, source: str) -> Any:

@@ -52,7 +52,7 @@ def shortened(steps: int) -> list[str]:
     """``--steps``: the demo_seeds schedule's shape (7.5% warmup, ten evaluations) on N steps."""
     return [
         f"train.train_steps={steps}",
-        f"train.warmup_steps={max(1, round(0.075 * steps))}",
+        f"train.schedule.warmup_steps={max(1, round(0.075 * steps))}",
         f"train.eval_interval={max(1, steps // 10)}",
     ]
 
@@ -81,10 +81,12 @@ def adamw(model: torch.nn.Module, config: RunConfig) -> torch.optim.AdamW:
     t = config.train
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": t.optimizer.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+    return torch.optim.AdamW(
+        groups, lr=t.optimizer.lr, betas=(t.optimizer.beta1, t.optimizer.beta2), eps=t.optimizer.eps
+    )
 
 
 def batches(dataset, config: RunConfig, start: int) -> list[Batch]:
@@ -135,7 +137,7 @@ def paired_curves(config: RunConfig, datasets) -> list[tuple[int, float, float]]
         lr = learning_rate(step - 1, t)
         for (model, loss_fn), optimizer in zip(models, optimizers, strict=True):
             model.train()
-            train_step(model, optimizer, loss_fn, micro, lr, t.clip_grad)
+            train_step(model, optimizer, loss_fn, micro, lr, t.optimizer.clip_grad)
         if step % t.eval_interval == 0 or step == t.train_steps:
             for model, _ in models:
                 model.eval()

@@ -87,7 +87,7 @@ def _port_in_use(error: Exception) -> bool:
 
 
 class RendezvousError(RuntimeError):
-    """Not every rank arrived at rendezvous within ``train.init_timeout_s``."""
+    """Not every rank arrived at rendezvous within ``train.resilience.init_timeout_s``."""
 
 
 class PortInUseError(RuntimeError):
@@ -208,8 +208,8 @@ def rendezvous(dist_env: DistEnv, timeout_s: float) -> dist.Store:
         raise RendezvousError(
             f"rank {dist_env.rank} on {socket.gethostname()}: {who} at {where} could not be "
             f"reached or started within {time.monotonic() - started:.0f} s "
-            f"(train.init_timeout_s={timeout_s:g}): rank 0 never arrived, or the address is "
-            f"wrong ({str(error).splitlines()[0]})"
+            f"(train.resilience.init_timeout_s={timeout_s:g}): rank 0 never arrived, or the "
+            f"address is wrong ({str(error).splitlines()[0]})"
         ) from error
     if dist_env.world_size == 1:
         return store
@@ -229,7 +229,7 @@ def rendezvous(dist_env: DistEnv, timeout_s: float) -> dist.Store:
         raise RendezvousError(
             f"rank {dist_env.rank} on {me['host']}: {named or 'some rank'} never arrived at "
             f"rendezvous {where} within {time.monotonic() - started:.0f} s "
-            f"(train.init_timeout_s={timeout_s:g}); "
+            f"(train.resilience.init_timeout_s={timeout_s:g}); "
             f"{dist_env.world_size - len(missing)} of {dist_env.world_size} signed in"
         ) from error
     return store
@@ -280,7 +280,7 @@ def init_model_parallel(config: RunConfig) -> None:
         virtual_pipeline_model_parallel_size=p.virtual_pipeline,
         # Megatron gives each of its groups this timeout (whole minutes), not the default
         # group's: start-up's bound, until set_collective_timeout lowers every group's.
-        distributed_timeout_minutes=max(1, math.ceil(config.train.init_timeout_s / 60)),
+        distributed_timeout_minutes=max(1, math.ceil(config.train.resilience.init_timeout_s / 60)),
         # Megatron's gloo twins of its groups (data parallel with and without context
         # parallelism, expert data parallel, ...): only Megatron's distributed optimizer uses
         # them (its checkpoint formats). Elsewhere they are a TCP rendezvous and a set of

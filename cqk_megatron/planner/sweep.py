@@ -52,10 +52,10 @@ from cqk_megatron.planner.runs import plan_config, run_overrides
 
 # schedule key -> config field that the training engine reads
 SCHEDULE_FIELDS = {
-    "lr": "train.lr",
-    "min_lr": "train.min_lr",
+    "lr": "train.optimizer.lr",
+    "min_lr": "train.schedule.min_lr",
     "train_steps": "train.train_steps",
-    "warmup_steps": "train.warmup_steps",
+    "warmup_steps": "train.schedule.warmup_steps",
     "eval_interval": "train.eval_interval",
 }
 Several = list | int | float | str | None  # a list, or one value standing for a list of it

@@ -77,7 +77,7 @@ def check_overrides(overrides: list[str]) -> None:
         if "=" not in override:
             raise ReproError(
                 f"{override!r} is neither an option nor an override; overrides look like "
-                "section.key=value (e.g. train.lr=1e-3)"
+                "section.key=value (e.g. train.optimizer.lr=1e-3)"
             )
         key = override.split("=", 1)[0].strip()
         if key in OWNED_KEYS:
@@ -139,7 +139,7 @@ def build_reproduction(
         # one data order and one set of validation windows for every seed: --seeds then
         # varies the initialisation only
         "data.seed": DATA_SEED,
-        "train.warmup_steps": max(1, round(preset.warmup_fraction * steps)),
+        "train.schedule.warmup_steps": max(1, round(preset.warmup_fraction * steps)),
         "train.eval_interval": max(1, steps // preset.evaluations),
         "train.checkpoint.save_interval": max(1, math.ceil(steps / preset.checkpoints)),
         "train.micro_batch_size": _micro_batch(base, nproc),

@@ -280,6 +280,7 @@ def render_markdown(
         for seed, ok in sorted(same.items())
     ]
     t = reproduction.runs[0].config.train
+    schedule = t.schedule
     lines = [
         f"# Attention variants compared: preset `{reproduction.preset.name}`",
         "",
@@ -287,8 +288,8 @@ def render_markdown(
         f"`{reproduction.data.prefix}`, tokenizer `{reproduction.data.tokenizer}` "
         f"({reproduction.data.vocab_size} tokens). Every run: {reproduction.steps:,} steps x "
         f"{reproduction.tokens_per_step:,} tokens = {reproduction.tokens:,} tokens, "
-        f"{t.lr_schedule} schedule "
-        f"(lr {t.lr:g} -> {t.min_lr:g}, warmup {t.warmup_steps} steps), {t.precision}, "
+        f"{schedule.decay} schedule (lr {t.optimizer.lr:g} -> {schedule.min_lr:g}, warmup "
+        f"{schedule.warmup_steps} steps), {t.precision}, "
         f"{reproduction.nproc} process(es). Hardware: {hardware()}.",
         "",
         "Validation perplexity is the final evaluation on the same held-out batches "

@@ -176,14 +176,15 @@ class PendingSave:
         return not collectives.any_rank(self.writer.is_alive())
 
     def wait(self) -> None:
-        """This rank's writer ended, bounded by ``train.save_timeout_s`` (then killed)."""
+        """This rank's writer ended, bounded by ``train.resilience.save_timeout_s`` (then
+        killed)."""
         self.writer.release()
-        self.writer.join(self.config.train.save_timeout_s)
+        self.writer.join(self.config.train.resilience.save_timeout_s)
         if self.writer.is_alive():
             self.writer.kill()
             self.writer.error = TimeoutError(
                 f"the asynchronous write of {self.final} did not finish within "
-                f"train.save_timeout_s={self.config.train.save_timeout_s} s"
+                f"train.resilience.save_timeout_s={self.config.train.resilience.save_timeout_s} s"
             )
 
     def commit(self) -> None:

@@ -34,7 +34,7 @@ exit handler and flushes none of the rank's buffers). It reports through a pipe:
 request's write results (which Megatron's finalize functions read from its results
 queue), the first failure, and the digests of the files it wrote. The rank reads the
 pipe at each poll without blocking, and every wait for the child is bounded: past
-``train.save_timeout_s`` it is killed.
+``train.resilience.save_timeout_s`` it is killed.
 """
 
 from __future__ import annotations

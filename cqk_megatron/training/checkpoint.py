@@ -463,8 +463,8 @@ def refuse_non_finite_weights(checkpoints: Path, model, step: int) -> None:
     raise CheckpointSaveError(
         f"not saving {iteration_dir(checkpoints, step).name}: the weights at step {step} are "
         f"not finite ({len(names)} parameter(s) with inf or nan on rank {rank}, e.g. "
-        f"{names[0]}), so the run diverged; {kept}. Lower train.lr (or set train.clip_grad) "
-        "and resume from it"
+        f"{names[0]}), so the run diverged; {kept}. Lower train.optimizer.lr (or set "
+        "train.optimizer.clip_grad) and resume from it"
     )
 
 

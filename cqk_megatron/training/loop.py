@@ -109,7 +109,7 @@ def train(
     dist_env = discover()
     faults.on_phase("rendezvous", 0, dist_env.rank)
     try:
-        init_process_group(dist_env, timeout_s=config.train.init_timeout_s)
+        init_process_group(dist_env, timeout_s=config.train.resilience.init_timeout_s)
     except RendezvousError as error:
         watchdog.record_rendezvous_failure(run_dir_of(config), str(error), dist_env.rank)
         return EXIT_WATCHDOG

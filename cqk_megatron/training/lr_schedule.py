@@ -11,26 +11,28 @@ from cqk_megatron.run.checkpoint_files import saved_config
 
 
 def learning_rate(step: int, train: TrainConfig) -> float:
-    """The learning rate for optimizer step ``step`` (0-based).
+    """The learning rate for optimizer step ``step`` (0-based), ``train.schedule``'s.
 
     ``cosine``: linear warmup to ``lr``, cosine decay to ``min_lr`` at ``train_steps``.
     ``wsd``: warmup, constant ``lr``, then linear decay to ``min_lr`` over the last
     ``wsd_decay_fraction`` of the steps. ``constant``: warmup, then ``lr``.
     """
-    if train.warmup_steps and step < train.warmup_steps:
-        return train.lr * (step + 1) / train.warmup_steps
-    if train.lr_schedule == "constant":
-        return train.lr
-    if train.lr_schedule == "wsd":
-        decay_steps = max(1, round(train.wsd_decay_fraction * train.train_steps))
-        decay_start = train.train_steps - decay_steps
+    schedule, peak, steps = train.schedule, train.optimizer.lr, train.train_steps
+    floor, warmup = schedule.min_lr, schedule.warmup_steps
+    if warmup and step < warmup:
+        return peak * (step + 1) / warmup
+    if schedule.decay == "constant":
+        return peak
+    if schedule.decay == "wsd":
+        decay_steps = max(1, round(schedule.wsd_decay_fraction * steps))
+        decay_start = steps - decay_steps
         if step < decay_start:
-            return train.lr
+            return peak
         progress = min(1.0, (step - decay_start + 1) / decay_steps)
-        return train.lr - (train.lr - train.min_lr) * progress
-    span = max(1, train.train_steps - train.warmup_steps)
-    progress = min(1.0, (step - train.warmup_steps) / span)
-    return train.min_lr + 0.5 * (train.lr - train.min_lr) * (1 + math.cos(math.pi * progress))
+        return peak - (peak - floor) * progress
+    span = max(1, steps - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
 
 
 def schedule_warning(folder: Path, config: RunConfig, step: int) -> str | None:

@@ -2,7 +2,7 @@
 
 Megatron-LM's ``--check-weight-hash-across-dp-replicas-interval`` (its
 ``check_param_hashes_across_dp_replicas``) compares data-parallel replicas; a layout here
-keeps three kinds of copies, and ``train.check_replicas_interval`` compares all three:
+keeps three kinds of copies, and ``train.resilience.check_replicas_interval`` compares all three:
 
 - **data-parallel replicas**: every parameter, across the data-parallel group. Under
   DeepSpeed ZeRO-3 a parameter has no replicas there (each data-parallel rank holds another
@@ -172,12 +172,12 @@ def _first_difference(comparison: _Comparison, step: int) -> str | None:
 
 
 class ReplicaCheck:
-    """``train.check_replicas_interval`` for one run: built once the engine holds the
+    """``train.resilience.check_replicas_interval`` for one run: built once the engine holds the
     model (ZeRO-3 partitions parameters when it is built)."""
 
     def __init__(self, model: torch.nn.Module, config: RunConfig) -> None:
         self.model, self.config = model, config
-        self.interval = config.train.check_replicas_interval
+        self.interval = config.train.resilience.check_replicas_interval
         self.last_checked: int | None = None
         if (
             self.interval

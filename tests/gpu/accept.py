@@ -130,8 +130,8 @@ ENGINES = {
 }
 RESUMED = "coupled-deepspeed"  # its twin is stopped by SIGTERM and resumed
 ZERO3 = "coupled-zero3"  # ZeRO-3 (parameters partitioned) saving mid-run
-# a twin of each: stopped mid-run (SIGTERM, or train.exit_after_steps at the mid-run save),
-# then run again with the same command less that stop, to resume from the checkpoint
+# a twin of each: stopped mid-run (SIGTERM, or train.resilience.exit_after_steps at the mid-run
+# save), then run again with the same command less that stop, to resume from the checkpoint
 TWINS = {f"{RESUMED}-resumed": RESUMED, f"{ZERO3}-resumed": ZERO3}
 REPLICA_CHECK_INTERVAL = 10  # steps; on one GPU it runs the check's code, compares nothing
 # bf16 on a GPU: the two engines sum in different orders (and flash backward is not bitwise
@@ -278,7 +278,7 @@ def speed_overrides(work: Path, sizes: Sizes) -> list[str]:
         f"data.cache_dir={work}/cache/speed",
         f"train.global_batch_size={SPEED_GLOBAL_BATCH}",
         f"train.train_steps={sizes.speed_steps}",
-        "train.warmup_steps=2",
+        "train.schedule.warmup_steps=2",
         f"train.eval_interval={10 * sizes.speed_steps}",
         f"train.checkpoint.save_interval={10 * sizes.speed_steps}",
         "train.checkpoint.hashes=false",
@@ -489,14 +489,14 @@ def train_runs(work: Path, sizes: Sizes) -> dict[str, list[str]]:
         f"train.micro_batch_size={sizes.micro_batch}",
         f"train.global_batch_size={sizes.global_batch}",
         f"train.train_steps={sizes.steps}",
-        "train.lr=2e-3",
-        "train.min_lr=2e-4",
-        "train.warmup_steps=4",
+        "train.optimizer.lr=2e-3",
+        "train.schedule.min_lr=2e-4",
+        "train.schedule.warmup_steps=4",
         f"train.eval_interval={sizes.steps // 2}",
         "train.eval_iters=2",
         f"train.checkpoint.save_interval={sizes.steps // 2}",
         "train.checkpoint.hashes=false",
-        f"train.check_replicas_interval={REPLICA_CHECK_INTERVAL}",
+        f"train.resilience.check_replicas_interval={REPLICA_CHECK_INTERVAL}",
         f"log.root={work}/runs",
         "log.wandb_mode=disabled",
         'log.progress_bar="off"',
@@ -518,7 +518,9 @@ def train_runs(work: Path, sizes: Sizes) -> dict[str, list[str]]:
         add(f"{GPT2}-{engine}", *common, *engine_overrides, *gpt2, *variant("coupled"))
     add(ZERO3, *common, "train.engine=deepspeed", "train.zero_stage=3", *variant("coupled"))
     for twin, original in TWINS.items():
-        stop = [f"train.exit_after_steps={sizes.steps // 2}"] if original == ZERO3 else []
+        stop = (
+            [f"train.resilience.exit_after_steps={sizes.steps // 2}"] if original == ZERO3 else []
+        )
         add(twin, *settings(runs[original]), *stop)
     return runs
 
@@ -530,7 +532,7 @@ def settings(overrides: list[str]) -> list[str]:
 
 def resumed_command(overrides: list[str]) -> list[str]:
     """The twin's second launch: the same command less the stop it was given."""
-    return [o for o in overrides if not o.startswith("train.exit_after_steps=")]
+    return [o for o in overrides if not o.startswith("train.resilience.exit_after_steps=")]
 
 
 def train_command(overrides: list[str], run: str = "configs/runs/demo.yaml") -> list[str]:

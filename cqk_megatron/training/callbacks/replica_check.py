@@ -1,4 +1,4 @@
-"""``train.check_replicas_interval``: copies of a parameter that must agree across ranks
+"""``train.resilience.check_replicas_interval``: copies of a parameter that must agree across ranks
 are compared after the interval's steps, and once more at the end (``training/replicas.py``)."""
 
 from __future__ import annotations

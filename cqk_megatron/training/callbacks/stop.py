@@ -1,6 +1,6 @@
 """Stop early to be requeued: on SIGTERM/SIGUSR1 (any rank's), past the wall-clock budget,
-or at ``train.exit_after_steps`` (``training/resilience/preemption.py``). The checkpoint is saved by
-``Checkpointing.post_train``; the loop then returns ``EXIT_REQUEUE``."""
+or at ``train.resilience.exit_after_steps`` (``training/resilience/preemption.py``). The
+checkpoint is saved by ``Checkpointing.post_train``; the loop then returns ``EXIT_REQUEUE``."""
 
 from __future__ import annotations
 
@@ -16,13 +16,15 @@ class StopAndRequeue(Callback):
         self.stop: StopRequest | None = None
 
     def pre_train(self, run: TrainingRun) -> None:
-        self.stop = StopRequest(run.config.train.wall_clock_budget_s)  # installs its handlers
+        self.stop = StopRequest(
+            run.config.train.resilience.wall_clock_budget_s
+        )  # installs its handlers
 
     def post_step(self, run: TrainingRun, outcome: StepOutcome) -> None:
         stopping = self.stop.agreed()  # collective: every rank, every step
-        if stopping or run.state.step == run.config.train.exit_after_steps:
+        if stopping or run.state.step == run.config.train.resilience.exit_after_steps:
             run.stop_reason = self.stop.local_reason() or (
-                "another rank was signalled" if stopping else "train.exit_after_steps"
+                "another rank was signalled" if stopping else "train.resilience.exit_after_steps"
             )
 
     def post_train(self, run: TrainingRun) -> None:

@@ -72,7 +72,7 @@ def deepspeed_config(
     ds: dict = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": gradient_accumulation_steps,
-        "gradient_clipping": t.clip_grad,
+        "gradient_clipping": t.optimizer.clip_grad,
         "zero_optimization": {"stage": t.zero_stage},
         "bf16": {"enabled": t.precision == "bf16"},
         "steps_per_print": 10**9,
@@ -166,8 +166,12 @@ def make_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Opt
     - CPU: torch's AdamW.
     """
     t = config.train
-    kwargs = {"lr": t.lr, "betas": (t.adam_beta1, t.adam_beta2), "eps": t.adam_eps}
-    groups = param_groups(model, t.weight_decay)
+    kwargs = {
+        "lr": t.optimizer.lr,
+        "betas": (t.optimizer.beta1, t.optimizer.beta2),
+        "eps": t.optimizer.eps,
+    }
+    groups = param_groups(model, t.optimizer.weight_decay)
     on_gpu = device().type == "cuda"
     if t.offload_optimizer and on_gpu:
         if _prebuilt_deepspeed_op("cpu_adam"):

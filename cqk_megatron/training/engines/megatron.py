@@ -101,13 +101,13 @@ def optimizer_config(config: RunConfig) -> OptimizerConfig:
     return OptimizerConfig(
         optimizer="adam",
         decoupled_weight_decay=True,  # AdamW
-        lr=t.lr,
-        min_lr=t.min_lr,
-        weight_decay=t.weight_decay,
-        adam_beta1=t.adam_beta1,
-        adam_beta2=t.adam_beta2,
-        adam_eps=t.adam_eps,
-        clip_grad=t.clip_grad,
+        lr=t.optimizer.lr,
+        min_lr=t.schedule.min_lr,
+        weight_decay=t.optimizer.weight_decay,
+        adam_beta1=t.optimizer.beta1,
+        adam_beta2=t.optimizer.beta2,
+        adam_eps=t.optimizer.eps,
+        clip_grad=t.optimizer.clip_grad,
         bf16=t.precision == "bf16",
         params_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32,
         use_distributed_optimizer=True,
@@ -183,7 +183,7 @@ class MegatronEngine(Engine):
         model_config.no_sync_func = (
             (no_sync[0] if len(no_sync) == 1 else no_sync) if overlap else None
         )
-        self.set_lr(t.lr)
+        self.set_lr(t.optimizer.lr)
 
     # -- training ----------------------------------------------------------------------
 
@@ -206,7 +206,9 @@ class MegatronEngine(Engine):
         (Megatron's ``OptimizerParamScheduler`` does the same; the loop owns the schedule)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-            group["weight_decay"] = self.config.train.weight_decay * group.get("wd_mult", 1.0)
+            group["weight_decay"] = self.config.train.optimizer.weight_decay * group.get(
+                "wd_mult", 1.0
+            )
 
     def train_step(self, micro_batches: list[Batch]) -> StepResult:
         for chunk in self.chunks:
@@ -215,7 +217,7 @@ class MegatronEngine(Engine):
         self.optimizer.zero_grad()
         loss_sum = schedule_loss_sum(self.chunks, micro_batches, self.config, forward_only=False)
         updated, grad_norm, _ = self.optimizer.step()
-        if updated and self.config.train.clip_grad == 0:
+        if updated and self.config.train.optimizer.clip_grad == 0:
             grad_norm = self.optimizer.get_grad_norm()  # the step only measures it to clip
         return StepResult(
             loss=global_mean_loss(loss_sum, len(micro_batches)),

@@ -1,7 +1,7 @@
 """The heartbeat store: every rank publishes its state to the job's TCPStore and reads its
 peers', through a client connection of its own (``StoreCalls``) with a short timeout.
 
-A peer whose heartbeat counter stops changing for ``train.heartbeat_timeout_s`` (killed,
+A peer whose heartbeat counter stops changing for ``train.resilience.heartbeat_timeout_s`` (killed,
 SIGSTOPped, its node gone from the network: no TCP reset needed) is lost; so is the
 store's host (rank 0, or torchrun's agent) when the store stops answering or closes. Ages
 are each rank's own clock: no clock is compared across nodes. All-to-all reads cost each
@@ -250,7 +250,7 @@ class Heartbeats:
                     [r],
                     peer.state,
                     f"sent no heartbeat for {silent:.1f} s "
-                    f"(train.heartbeat_timeout_s={self.bounds.heartbeat_timeout_s:g}): "
+                    f"(train.resilience.heartbeat_timeout_s={self.bounds.heartbeat_timeout_s:g}): "
                     f"{self.liveness(peer.state)}",
                     silent,
                     kind="silent",

@@ -36,12 +36,12 @@ class Bounds:
     def from_config(cls, config) -> Bounds:
         t = config.train
         return cls(
-            interval_s=t.heartbeat_interval_s,
-            heartbeat_timeout_s=t.heartbeat_timeout_s,
-            init_s=t.init_timeout_s,
-            step_s=t.step_timeout_s,
-            save_s=t.save_timeout_s,
-            collective_s=t.collective_timeout_s,
+            interval_s=t.resilience.heartbeat_interval_s,
+            heartbeat_timeout_s=t.resilience.heartbeat_timeout_s,
+            init_s=t.resilience.init_timeout_s,
+            step_s=t.resilience.step_timeout_s,
+            save_s=t.resilience.save_timeout_s,
+            collective_s=t.resilience.collective_timeout_s,
             eval_batches=max(1, t.eval_iters),
         )
 

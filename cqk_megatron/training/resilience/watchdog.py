@@ -4,7 +4,7 @@ waits for it until a collective times out.
 Design (read against nvidia-resiliency-ext's rank monitors, heartbeat every 30 s with 60 s
 soft and 90 s hard timeouts, and torchft's 5 s heartbeats), in three parts:
 
-- **Liveness, from a thread** (``heartbeat.py``). Every ``train.heartbeat_interval_s`` a
+- **Liveness, from a thread** (``heartbeat.py``). Every ``train.resilience.heartbeat_interval_s`` a
   daemon thread of each rank writes its state to the job's TCPStore and reads every
   rank's: a heartbeat counter, the step, the phase and how long it has been in it, host,
   PID and where its main thread is. A silent peer, or a store that stops answering or
