@@ -119,3 +119,21 @@ def test_the_loop_and_checkpointing_use_only_the_protocol(module):
     assert used, f"{module} no longer calls an engine: update this test"
     undeclared = {name: line for name, line in used.items() if name not in DECLARED}
     assert undeclared == {}, f"{module} calls engine methods Engine does not declare"
+
+
+def test_a_sharding_saved_by_another_engine_is_named_with_that_engine_s_format():
+    """A resume under another engine restarts the optimizer; the reason says which engine
+    wrote the saved state and what its folder holds (its spec's ``checkpoint_format``)."""
+    from cqk_megatron.parallel.layout import Layout
+    from cqk_megatron.training.engines import engine_spec
+    from cqk_megatron.training.engines.protocol import sharding_change
+
+    zero1, zero2 = Layout(1, 1, 2, "zero1"), Layout(1, 1, 2, "zero2")
+    distopt = Layout(1, 1, 2, "distopt")
+    assert sharding_change(zero1, zero1) is None
+    same_engine = sharding_change(zero1, zero2)
+    assert same_engine == "it was saved with another optimizer sharding (zero1; this run: zero2)"
+    across = sharding_change(zero1, distopt)
+    assert across is not None and across.startswith(same_engine.replace("zero2", "distopt"))
+    assert "train.engine=deepspeed" in across and "train.engine=megatron" in across
+    assert engine_spec("deepspeed").checkpoint_format in across

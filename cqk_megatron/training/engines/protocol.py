@@ -25,6 +25,7 @@ import torch
 
 from cqk_megatron.config import RunConfig
 from cqk_megatron.parallel.layout import Layout
+from cqk_megatron.training.engines.registry import engine_spec, sharding_settings
 
 Batch = dict[str, torch.Tensor]  # one micro-batch from ``sampler.fetch``, on the device
 
@@ -89,10 +90,20 @@ class Engine(ABC):
 
 
 def sharding_change(saved: Layout, current: Layout) -> str | None:
-    """Why no engine loads optimizer state saved under another optimizer sharding."""
+    """Why no engine loads optimizer state saved under another optimizer sharding; when
+    another engine saved it, what its ``engine/`` folder holds, which this one cannot read."""
     if saved.optimizer_sharding == current.optimizer_sharding:
         return None
-    return (
+    reason = (
         f"it was saved with another optimizer sharding ({saved.optimizer_sharding}; this "
         f"run: {current.optimizer_sharding})"
+    )
+    saved_engine = sharding_settings(saved.optimizer_sharding)["engine"]
+    current_engine = sharding_settings(current.optimizer_sharding)["engine"]
+    if saved_engine == current_engine:
+        return reason
+    return (
+        f"{reason} by train.engine={saved_engine}, whose state is "
+        f"{engine_spec(saved_engine).checkpoint_format}; train.engine={current_engine} "
+        "reads only its own"
     )
