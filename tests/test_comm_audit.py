@@ -16,7 +16,8 @@ recorded (``_collective_audit.TrafficRecorder``). Per step, on every rank:
 
 A bucket derived from a model's size is larger than a tiny model, so each run sets the
 engines' buckets (``traffic.BUCKETS_PER_BACKWARD``) to make as many buckets per backward
-as the shipped config's size makes (12 for the 1B config's TP=2 ranks).
+as a rank of the shipped config's size makes in the same settings (24 for the 1B config's
+TP=1 ranks, 12 for its model at TP=2).
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ def _settings(config) -> dict[str, object]:
     }
 
 
+def _overrides(settings: dict[str, object] | tuple) -> list[str]:
+    items = settings.items() if isinstance(settings, dict) else settings
+    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in items]
+
+
 def _shipped_buckets(config) -> int:
     """Gradient buckets per backward on a rank of the shipped config at its own size."""
     p = config.parallel
@@ -102,7 +108,10 @@ def _cases() -> dict[str, dict]:
                 continue
             seen[key] = name
             micro = _micro_batches(config)
-            overrides = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in key]
+            # the buckets a rank of the shipped size makes in these settings (a TP=2 rank
+            # holds half the model, so half the buckets of a TP=1 rank)
+            at_size = load_config(path, _overrides(chosen))
+            overrides = _overrides(key)
             overrides += [
                 "parallel.world_size=null",
                 "train.micro_batch_size=2",
@@ -116,7 +125,7 @@ def _cases() -> dict[str, dict]:
             cases[name] = {
                 "source": path.name,
                 "overrides": overrides,
-                "buckets": _shipped_buckets(config),
+                "buckets": _shipped_buckets(at_size),
                 "ranks": ranks,
             }
     return cases
