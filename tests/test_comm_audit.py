@@ -241,6 +241,41 @@ def _check_step(config, predicted, calls, tensors, where: str, warm_up: bool) ->
     )
 
 
+PERFORMANCE_DOC = REPO / "docs" / "performance.md"
+PLURAL = {"all_reduce": "all-reduces", "reduce_scatter": "reduce-scatters"}
+
+
+def _documented_now(name: str) -> str:
+    """The "now" cell of ``name``'s data-parallel row in docs/performance.md's audit table."""
+    rows = [
+        line
+        for line in PERFORMANCE_DOC.read_text().splitlines()
+        if line.startswith("|") and f"(`{name}`)" in line and "TP sums" not in line
+    ]
+    assert len(rows) == 1, f"docs/performance.md: no one audit row for `{name}`: {rows}"
+    return rows[0].split("|")[-2].strip()
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(CASES) if n.startswith("1b_4x8")])
+def test_the_audit_numbers_in_the_docs_are_what_the_engines_send(recorded, name):
+    """docs/performance.md's table gives each 1B case's gradient reduction as recorded:
+    calls, dtype, elements and the share issued inside the backward, on rank 0's last step."""
+    config = config_for(str(recorded), name, CASES[name]["overrides"])
+    kind = next(
+        c.kind for c in traffic.dp_collectives(config, DP) if c.what == "gradient reduction"
+    )
+    record = json.loads((recorded / f"{name}-rank0.json").read_text())
+    calls = [c for c in _dp_traffic(record)[STEPS - 1] if c["kind"] == kind]
+    elements = sum(c["elements"] for c in calls)
+    inside = sum(c["elements"] for c in calls if c["in_backward"])
+    dtypes = "/".join(sorted({c["dtype"] for c in calls}))
+    recorded_now = (
+        f"{len(calls)} {dtypes} {PLURAL[kind]} of {elements:,} elements, "
+        f"{inside / elements:.0%} inside the backward"
+    )
+    assert _documented_now(name) == recorded_now
+
+
 TP_GRADS = "cqk_megatron/model/attention/tp_grads.py"
 
 
