@@ -226,6 +226,20 @@ def test_the_1b_layouts_in_the_docs_and_the_configs_comment_are_what_plan_prints
         assert cells[1:3] == [f"{p.step_s * 1e3:.1f} ms", f"{p.parts['compute'] * 1e3:.1f} ms"]
         assert cells[3].startswith(f"{comm * 1e3:.1f} ms"), layout
         assert cells[4:] == [f"{p.tokens_per_s_per_gpu:,.0f}", f"{p.mfu:.1%}"], layout
+    doc = _one_line(PERFORMANCE_DOC.read_text())
+    zero2_p = ranked["TP=2 PP=1 DP=16 SP zero2 recompute=none"][2]
+    gradients = [t for t in zero2_p.transfers if t.part == "dp_gradients"]
+    sent = {  # GB each rank sends a step over data parallelism
+        layout: sum(t.bytes_per_step for t in ranked[layout][2].transfers if t.part[:3] == "dp_")
+        for layout in DOCUMENTED_1B_LAYOUTS
+    }
+    assert (
+        f"{sum(t.bytes_per_step for t in gradients) / 1e9:.1f} GB sent per rank a step across "
+        f"nodes, {sum(t.exposed_s for t in gradients) * 1e3:.0f} ms of it exposed, against "
+        f"{sent['TP=2 PP=1 DP=16 SP distopt recompute=none'] / 1e9:.1f} GB for the distributed "
+        f"optimizer at TP=2 ({sent['TP=1 PP=1 DP=32 distopt recompute=none'] / 1e9:.1f} GB at "
+        "TP=1, the shipped layout)"
+    ) in doc
     comment = _one_line(
         " ".join(line.lstrip("# ") for line in RUN_1B.read_text().splitlines() if line[:1] == "#")
     )
