@@ -16,7 +16,8 @@ recorded (``_collective_audit.TrafficRecorder``). Per step, on every rank:
 
 A bucket derived from a model's size is larger than a tiny model, so each run sets the
 engines' buckets (``traffic.BUCKETS_PER_BACKWARD``) to make as many buckets per backward
-as the shipped config's size makes (12 for the 1B config's TP=2 ranks).
+as a rank of the shipped config's size makes in the same settings (24 for the 1B config's
+TP=1 ranks, 12 for its model at TP=2).
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ def _settings(config) -> dict[str, object]:
     }
 
 
+def _overrides(settings: dict[str, object] | tuple) -> list[str]:
+    items = settings.items() if isinstance(settings, dict) else settings
+    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in items]
+
+
 def _shipped_buckets(config) -> int:
     """Gradient buckets per backward on a rank of the shipped config at its own size."""
     p = config.parallel
@@ -102,7 +108,10 @@ def _cases() -> dict[str, dict]:
                 continue
             seen[key] = name
             micro = _micro_batches(config)
-            overrides = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in key]
+            # the buckets a rank of the shipped size makes in these settings (a TP=2 rank
+            # holds half the model, so half the buckets of a TP=1 rank)
+            at_size = load_config(path, _overrides(chosen))
+            overrides = _overrides(key)
             overrides += [
                 "parallel.world_size=null",
                 "train.micro_batch_size=2",
@@ -116,7 +125,7 @@ def _cases() -> dict[str, dict]:
             cases[name] = {
                 "source": path.name,
                 "overrides": overrides,
-                "buckets": _shipped_buckets(config),
+                "buckets": _shipped_buckets(at_size),
                 "ranks": ranks,
             }
     return cases
@@ -230,6 +239,41 @@ def _check_step(config, predicted, calls, tensors, where: str, warm_up: bool) ->
         f"{sum(c['in_backward'] for c in reductions)} of {len(reductions)} {kind} calls "
         f"(at least {OVERLAPPED_SHARE:.0%} needed)"
     )
+
+
+PERFORMANCE_DOC = REPO / "docs" / "performance.md"
+PLURAL = {"all_reduce": "all-reduces", "reduce_scatter": "reduce-scatters"}
+
+
+def _documented_now(name: str) -> str:
+    """The "now" cell of ``name``'s data-parallel row in docs/performance.md's audit table."""
+    rows = [
+        line
+        for line in PERFORMANCE_DOC.read_text().splitlines()
+        if line.startswith("|") and f"(`{name}`)" in line and "TP sums" not in line
+    ]
+    assert len(rows) == 1, f"docs/performance.md: no one audit row for `{name}`: {rows}"
+    return rows[0].split("|")[-2].strip()
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(CASES) if n.startswith("1b_4x8")])
+def test_the_audit_numbers_in_the_docs_are_what_the_engines_send(recorded, name):
+    """docs/performance.md's table gives each 1B case's gradient reduction as recorded:
+    calls, dtype, elements and the share issued inside the backward, on rank 0's last step."""
+    config = config_for(str(recorded), name, CASES[name]["overrides"])
+    kind = next(
+        c.kind for c in traffic.dp_collectives(config, DP) if c.what == "gradient reduction"
+    )
+    record = json.loads((recorded / f"{name}-rank0.json").read_text())
+    calls = [c for c in _dp_traffic(record)[STEPS - 1] if c["kind"] == kind]
+    elements = sum(c["elements"] for c in calls)
+    inside = sum(c["elements"] for c in calls if c["in_backward"])
+    dtypes = "/".join(sorted({c["dtype"] for c in calls}))
+    recorded_now = (
+        f"{len(calls)} {dtypes} {PLURAL[kind]} of {elements:,} elements, "
+        f"{inside / elements:.0%} inside the backward"
+    )
+    assert _documented_now(name) == recorded_now
 
 
 TP_GRADS = "cqk_megatron/model/attention/tp_grads.py"

@@ -1,4 +1,5 @@
-"""Every path, config include and link that README.md and docs/ name exists.
+"""Every path, config include and link that README.md and docs/ name exists, and every
+source file that a config's comments name.
 
 A doc that points at a file, a config include or a section that has moved sends a user to
 nothing; this fails on it, naming the page, the line and what is missing.
@@ -89,3 +90,27 @@ def test_the_check_sees_a_missing_path(tmp_path: Path) -> None:
     )
     problems = [p for n, k, t in _mentions(page) if (p := _missing(page, k, t))]
     assert len(problems) == 5, problems
+
+
+# A source file a config's comments name, with or without its folders (config/schema.py,
+# launch/attempts.py): the comments are a config's documentation.
+COMMENT_SOURCE = re.compile(r"(?<![\w./-])([\w/]*\w\.py)\b")
+
+
+def _sources_named_in_comments(config: Path) -> list[tuple[int, str]]:
+    found = []
+    for number, line in enumerate(config.read_text().splitlines(), 1):
+        comment = line.partition("#")[2]
+        found += [(number, name) for name in COMMENT_SOURCE.findall(comment)]
+    return found
+
+
+def test_every_source_a_configs_comment_names_exists() -> None:
+    sources = [p.relative_to(REPO).as_posix() for p in REPO.rglob("*.py") if ".venv" not in p.parts]
+    problems = [
+        f"{config.relative_to(REPO)}:{number}: no {name} in the repository"
+        for config in sorted((REPO / "configs").rglob("*.yaml"))
+        for number, name in _sources_named_in_comments(config)
+        if not any(path == name or path.endswith(f"/{name}") for path in sources)
+    ]
+    assert not problems, "\n".join(problems)

@@ -164,6 +164,23 @@ def test_the_cut_config_fits_an_h100_by_the_planner(tmp_path):
     assert predicted * accept.MFU_OF_PREDICTION >= accept.MFU_FLOOR
 
 
+def test_gpu_md_gives_the_speed_stages_thresholds_on_an_h100(tmp_path):
+    # docs/gpu.md states what the stage expects on an H100: the step-time model's MFU and
+    # the planner's memory for the cut config, and the bounds they give
+    cut = accept.speed_config(tmp_path, accept.Sizes())
+    predicted, planned = accept.speed_expectations(
+        cut, accept.one_gpu_hardware("NVIDIA H100 80GB HBM3")
+    )
+    low, high = planned * (1 - accept.MEMORY_TOLERANCE), planned * (1 + accept.MEMORY_TOLERANCE)
+    said = (
+        f"On an H100 the step-time model predicts {predicted:.1%} MFU for the cut config and "
+        f"the planner {planned:.1f} GiB (`python tests/gpu/accept.py --dry-run` prints both), "
+        f"so the stage fails below {predicted * accept.MFU_OF_PREDICTION:.1%} MFU, or with a "
+        f"peak outside {low:.1f}-{high:.1f} GiB."
+    )
+    assert said in " ".join((REPO / "docs" / "gpu.md").read_text().split())
+
+
 def test_the_hardware_profile_follows_the_gpu_torch_reports():
     h100 = accept.one_gpu_hardware("NVIDIA H100 80GB HBM3")
     h200 = accept.one_gpu_hardware("NVIDIA H200")

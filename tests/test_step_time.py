@@ -189,12 +189,111 @@ def test_the_shipped_1b_layout_is_the_models_first_and_its_comment_says_so():
     assert f"{shipped.mfu:.1%} MFU" in comment
 
 
-@pytest.mark.parametrize("size", ["350m", "1b", "3b", "7b"])
-def test_the_ladders_layouts_are_within_5_percent_of_the_first_as_their_comments_say(size):
-    # configs/sweeps/ladder.yaml: each size's layout (standard variant) within 5% of the
-    # layout the model ranks first on its GPUs, its predicted MFU in the comment above it
+PERFORMANCE_DOC = Path(__file__).resolve().parents[1] / "docs" / "performance.md"
+ORDINALS = ["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth"]
+# docs/performance.md's rows of the 1B run's layouts, by the layout `cqk plan` prints
+DOCUMENTED_1B_LAYOUTS = {
+    "TP=1 PP=1 DP=32 distopt recompute=none": "| TP=1 x DP=32, distributed optimizer",
+    "TP=2 PP=1 DP=16 SP distopt recompute=none": "| TP=2 + SP x DP=16, distributed optimizer |",
+    "TP=2 PP=1 DP=16 SP zero2 recompute=none": "| TP=2 + SP x DP=16, DeepSpeed ZeRO-2",
+}
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _ranked_1b() -> dict[str, tuple[int, object, object]]:
+    """The 1B run's fitting layouts on H100 nodes: {layout: (place, PlanResult, prediction)}."""
+    config, hardware = run_1b(), load_hardware(H100)
+    t = config.train
+    results = plan.plan_all(
+        config, 32, hardware.hbm_bytes, t.micro_batch_size, global_batch=t.global_batch_size
+    )
+    ranked = rank_layouts(config, results, hardware, t.micro_batch_size, t.global_batch_size)
+    return {r.layout.describe(): (i, r, p) for i, (r, p) in enumerate(ranked)}
+
+
+def test_the_1b_layouts_in_the_docs_and_the_configs_comment_are_what_plan_prints():
+    ranked = _ranked_1b()
+    lines = PERFORMANCE_DOC.read_text().splitlines()
+    for layout, row_start in DOCUMENTED_1B_LAYOUTS.items():
+        _, result, p = ranked[layout]
+        row = next(line for line in lines if line.startswith(row_start))
+        cells = [cell.strip() for cell in row.split("|")[2:-1]]
+        comm = p.parts["tp_pp_in_line"] + p.parts["dp_exposed"] + p.parts["step_end_sums"]
+        assert cells[0] == f"{result.worst.total / plan.GIB:.1f} GiB", layout
+        assert cells[1:3] == [f"{p.step_s * 1e3:.1f} ms", f"{p.parts['compute'] * 1e3:.1f} ms"]
+        assert cells[3].startswith(f"{comm * 1e3:.1f} ms"), layout
+        assert cells[4:] == [f"{p.tokens_per_s_per_gpu:,.0f}", f"{p.mfu:.1%}"], layout
+    doc = _one_line(PERFORMANCE_DOC.read_text())
+    zero2_p = ranked["TP=2 PP=1 DP=16 SP zero2 recompute=none"][2]
+    gradients = [t for t in zero2_p.transfers if t.part == "dp_gradients"]
+    sent = {  # GB each rank sends a step over data parallelism
+        layout: sum(t.bytes_per_step for t in ranked[layout][2].transfers if t.part[:3] == "dp_")
+        for layout in DOCUMENTED_1B_LAYOUTS
+    }
+    assert (
+        f"{sum(t.bytes_per_step for t in gradients) / 1e9:.1f} GB sent per rank a step across "
+        f"nodes, {sum(t.exposed_s for t in gradients) * 1e3:.0f} ms of it exposed, against "
+        f"{sent['TP=2 PP=1 DP=16 SP distopt recompute=none'] / 1e9:.1f} GB for the distributed "
+        f"optimizer at TP=2 ({sent['TP=1 PP=1 DP=32 distopt recompute=none'] / 1e9:.1f} GB at "
+        "TP=1, the shipped layout)"
+    ) in doc
+    comment = _one_line(
+        " ".join(line.lstrip("# ") for line in RUN_1B.read_text().splitlines() if line[:1] == "#")
+    )
+    _, shipped, _ = ranked["TP=1 PP=1 DP=32 distopt recompute=none"]
+    assert f"{shipped.worst.total / plan.GIB:.1f} GiB a GPU" in comment
+    tp2, _, tp2_p = ranked["TP=2 PP=1 DP=16 SP distopt recompute=none"]
+    assert f"TP=2 + SP comes {ORDINALS[tp2]} ({tp2_p.mfu:.1%}" in comment
+    zero2, _, zero2_p = ranked["TP=2 PP=1 DP=16 SP zero2 recompute=none"]
+    assert f"ZeRO-2 at TP=2 {ORDINALS[zero2]} ({zero2_p.mfu:.1%}" in comment
+
+
+def test_the_ladders_mfu_and_gpu_hours_in_the_docs_are_what_plan_prints():
+    doc = _one_line(PERFORMANCE_DOC.read_text())
+    runs = expand_sweep(LADDER)
+    mfu = {
+        size.upper(): predict_step(sweep_config(next(r for r in runs if r["name"] == name)), hw)
+        for size, name in LADDER_RUNS.items()
+        for hw in [load_hardware(H100)]
+    }
+    listed = ", ".join(f"{size} {p.mfu:.1%}" for size, p in mfu.items())
+    assert f"{listed} MFU" in doc
+    for profile, said in ((H100, "**{:,.0f} GPU-hours on H100**"), (H200, "({:,.0f} on H200")):
+        hardware = load_hardware(profile)
+        hours = {
+            r["name"]: predict_step(sweep_config(r), hardware).gpu_hours(
+                r["schedule"]["train_steps"]
+            )
+            for r in runs
+        }
+        assert said.format(sum(hours.values())) in doc
+        if profile == H100:
+            seven_b = sum(h for name, h in hours.items() if name.startswith("ladder-7b-"))
+            assert f"of which 7B takes {seven_b:,.0f}" in doc
+
+
+# the ladder's sizes; 60M and 150M carry several token budgets, named by the 20 one
+LADDER_RUNS = {
+    "60m": "ladder-60m-standard-t20-s0",
+    "150m": "ladder-150m-standard-t20-s0",
+    "350m": "ladder-350m-standard-s0",
+    "1b": "ladder-1b-standard-s0",
+    "3b": "ladder-3b-standard-s0",
+    "7b": "ladder-7b-standard-s0",
+}
+WITHIN_5_PERCENT = ("350m", "1b", "3b", "7b")  # the sizes the ladder's comment says so of
+
+
+@pytest.mark.parametrize("size", sorted(LADDER_RUNS))
+def test_the_ladders_layouts_are_the_models_choice_as_their_comments_say(size):
+    # configs/sweeps/ladder.yaml: each size's layout (standard variant), its predicted MFU
+    # in the comment above it, and the first's where it is not the first; from 350M up
+    # within 5% of the layout the model ranks first on its GPUs
     runs = {r["name"]: r for r in expand_sweep(LADDER)}
-    config, hardware = sweep_config(runs[f"ladder-{size}-standard-s0"]), load_hardware(H100)
+    config, hardware = sweep_config(runs[LADDER_RUNS[size]]), load_hardware(H100)
     t = config.train
     results = plan.plan_all(
         config,
@@ -204,7 +303,10 @@ def test_the_ladders_layouts_are_within_5_percent_of_the_first_as_their_comments
         global_batch=t.global_batch_size,
     )
     ranked = rank_layouts(config, results, hardware, t.micro_batch_size, t.global_batch_size)
-    shipped = predict_step(config, hardware)
-    assert shipped.tokens_per_s_per_gpu >= 0.95 * ranked[0][1].tokens_per_s_per_gpu
+    shipped, first = predict_step(config, hardware), ranked[0][1]
+    if size in WITHIN_5_PERCENT:
+        assert shipped.tokens_per_s_per_gpu >= 0.95 * first.tokens_per_s_per_gpu
     block = re.search(rf"\n  {size}:\n(.*?)(\n  \w+:\n|\Z)", LADDER.read_text(), re.S)[1]
     assert f"{shipped.mfu:.1%} MFU predicted" in block
+    if first.tokens_per_s_per_gpu > shipped.tokens_per_s_per_gpu:
+        assert f": {first.mfu:.1%}" in block, f"{size}: the first's MFU, {first.mfu:.1%}"

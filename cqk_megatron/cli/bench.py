@@ -18,7 +18,7 @@ from cqk_megatron.cli.args import new_parser
 from cqk_megatron.config import VARIANTS, ConfigError, RunConfig
 
 DEFAULT_VARIANTS = "standard,coupled,differential"
-CLOCK_NAMES = ("wall", "cpu")  # perf.bench.CLOCKS, which run_benchmark checks
+CLOCK_NAMES = ("wall", "cpu")  # bench.variants.CLOCKS, which run_benchmark checks
 
 
 def build_parser() -> argparse.ArgumentParser:

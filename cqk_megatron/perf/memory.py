@@ -37,7 +37,7 @@ from cqk_megatron.training.engines import SHARDINGS
 from cqk_megatron.variants import ActivationTerm, Heads, coupling, scoring
 
 BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}
-# train.recompute's choices, from config.py; ActivationTerm, from the variant registry
+# train.recompute's choices, from config/schema.py; ActivationTerm, from the variant registry
 __all__ = ["RECOMPUTE", "RECOMPUTE_METHODS", "ActivationTerm"]
 SDPA_KERNELS = ("fused", "math")
 

@@ -1,7 +1,7 @@
 """From a variant, a size (a config file or a ``RunConfig``), a seed and a budget to one
 validated run config: the one place that turns a variant into config fields, and the one
 that plans and validates a run. ``planner.sweep`` (``launch --sweep``, ``cqk analyze
-ladder``), ``repro``, ``perf.bench``, ``perf.plan`` (``cqk plan``) and ``params``
+ladder``), ``repro``, ``bench`` (``cqk bench``), ``cli.plan`` (``cqk plan``) and ``params``
 (``cqk params``) all go through it; ``tests/test_entry_points.py`` checks that they
 produce the same config.
 
