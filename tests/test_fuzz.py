@@ -382,13 +382,18 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(
 # included 200)
 DUPLICATE_CASES = {
     "section twice": (
-        "include: [{config}]\ntrain:\n  train_steps: 7\n  save_interval: 7\n"
+        "include: [{config}]\ntrain:\n  train_steps: 7\n  checkpoint:\n    save_interval: 7\n"
         "model:\n  hidden_size: 64\ntrain:\n  eval_iters: 2\n",
-        "key 'train' is given twice (lines 2 and 7)",
+        "key 'train' is given twice (lines 2 and 8)",
     ),
     "key twice in a section": (
         "include: [{config}]\ntrain:\n  train_steps: 7\n  eval_iters: 2\n  train_steps: 9\n",
         "key 'train.train_steps' is given twice (lines 3 and 5)",
+    ),
+    "key twice in a group of a section": (
+        "include: [{config}]\ntrain:\n  checkpoint:\n    save_interval: 7\n    keep_last: 2\n"
+        "    save_interval: 9\n",
+        "key 'train.checkpoint.save_interval' is given twice (lines 4 and 6)",
     ),
 }
 
