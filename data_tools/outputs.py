@@ -67,18 +67,37 @@ def remove_path(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def make_folder(folder: Path) -> list[Path]:
+    """Create ``folder`` with its missing parents; those it created, deepest first."""
+    missing = [path for path in (folder, *folder.parents) if not path.exists()]
+    folder.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+def remove_empty_folders(folders: list[Path]) -> None:
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only if empty: a folder something else wrote into stays
+
+
 @contextlib.contextmanager
 def partial_paths(*finals: Path) -> Iterator[list[Path]]:
-    """Temporary names for ``finals``; removed if the block fails (or is interrupted)."""
+    """Temporary names for ``finals``; removed if the block fails (or is interrupted), and
+    with them the output folders it created, so that a refused input writes nothing."""
+    created: list[Path] = []
     for final in finals:
-        final.parent.mkdir(parents=True, exist_ok=True)
+        created += make_folder(final.parent)
         remove_stale_partials(final)
     partials = [partial_name(final) for final in finals]
+    finished = False
     try:
         yield partials
+        finished = True
     finally:
         for partial in partials:
             remove_path(partial)  # after a successful commit nothing is left to remove
+        if not finished:
+            remove_empty_folders(created)
 
 
 def commit_file(partial: Path, final: Path) -> None:

@@ -592,13 +592,14 @@ def _preprocess(data: Path, source: Path) -> tuple[Callable, list[str]]:
     from data_tools import preprocess
 
     argv = ["--input", str(source), "--tokenizer", str(data / "spm.model"), "--workers", "1"]
-    return preprocess.main, [*argv, "--output-prefix", str(data / "out"), "--quiet"]
+    return preprocess.main, [*argv, "--output-prefix", str(data / "new" / "out"), "--quiet"]
 
 
 def _train_tokenizer(data: Path, source: Path) -> tuple[Callable, list[str]]:
     from data_tools import tokenizer
 
-    argv = ["--input", str(source), "--output-prefix", str(data / "tok"), "--vocab-size", "300"]
+    out = data / "new" / "tok"
+    argv = ["--input", str(source), "--output-prefix", str(out), "--vocab-size", "300"]
     return tokenizer.main, argv
 
 
@@ -713,8 +714,8 @@ def test_the_data_tools_name_an_input_they_cannot_read(
     make, name, first, tool, prepared_data, tmp_path, capsys
 ):
     """A truncated or mislabelled compressed file, a damaged Parquet file: one line naming
-    the file and what is wrong, exit 2, nothing written (a truncated .gz was an EOFError
-    traceback, exit 1)."""
+    the file and what is wrong, exit 2, nothing written, not even the output's new folder
+    (a truncated .gz was an EOFError traceback, exit 1)."""
     data = copy_data(prepared_data, tmp_path)
     source = make(data, name)
     main, argv = tool(data, source)
