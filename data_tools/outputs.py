@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from cqk_megatron.data.errors import DataError
@@ -21,12 +21,26 @@ _PARTIAL = ".partial-"
 
 
 def refuse_existing_dataset(prefix: Path, overwrite: bool) -> None:
+    finals = (bin_path(prefix), idx_path(prefix), meta_path(prefix))
     if holds_dataset(prefix) and not overwrite:
-        present = [p.name for p in (bin_path(prefix), idx_path(prefix), meta_path(prefix))]
-        present = [name for name in present if (prefix.parent / name).exists()]
+        present = [path.name for path in finals if path.exists()]
         raise DataError(
             f"output prefix '{prefix}' already holds a dataset ({', '.join(present)}); pass "
             "--force to replace it, or choose another --out"
+        )
+    refuse_foreign_output(finals, meta_path(prefix), "cqk data preprocess")
+
+
+def refuse_foreign_output(finals: Sequence[Path], record: Path, command: str) -> None:
+    """``--force`` replaces only what ``command`` wrote there before, which it recognises by
+    the ``record`` it writes beside its outputs (a dataset's ``.meta.json``, a tokenizer's
+    ``.recipe.json``): a dataset or tokenizer made elsewhere, at a mistyped ``--out``, stays."""
+    present = [path for path in finals if path.exists()]
+    if present and not record.is_file():
+        raise DataError(
+            f"--force would replace {', '.join(p.name for p in present)} in '{record.parent}', "
+            f"which {command} did not write (no {record.name} beside them); nothing was "
+            "deleted: choose another --out, or remove them yourself if they really are to go"
         )
 
 

@@ -982,6 +982,72 @@ def test_force_never_deletes_what_the_command_did_not_write(
     watch.assert_no_process_left()
 
 
+def _foreign_dataset(case: Path, prepared_data: Path) -> tuple[Callable, list[str], str]:
+    """A dataset that cqk data preprocess did not write (Megatron-LM's own tool writes no
+    ``.meta.json``), at the prefix a preprocess with ``--force`` is given."""
+    from data_tools import preprocess
+
+    folder = case / "corpus"
+    folder.mkdir()
+    for name in ("docs_text_document.bin", "docs_text_document.idx"):
+        shutil.copy(prepared_data / name, folder / name)
+    argv = ["--input", str(prepared_data / "docs.jsonl"), "--tokenizer"]
+    argv += [str(prepared_data / "spm.model"), "--out", str(folder / "docs_text_document")]
+    first = (
+        "error: --force would replace docs_text_document.bin, docs_text_document.idx in "
+        f"'{folder}', which cqk data preprocess did not write (no docs_text_document.meta.json"
+    )
+    return preprocess.main, [*argv, "--workers", "1", "--quiet", "--force"], first
+
+
+def _foreign_tokenizer(case: Path, prepared_data: Path) -> tuple[Callable, list[str], str]:
+    """A tokenizer that cqk data tokenizer did not write (no ``.recipe.json``), at the
+    prefix a tokenizer training with ``--force`` is given."""
+    from data_tools import tokenizer
+
+    folder = case / "tokenizer"
+    folder.mkdir()
+    shutil.copy(prepared_data / "spm.model", folder / "spm.model")
+    argv = ["--input", str(prepared_data / "docs.jsonl"), "--out", str(folder / "spm")]
+    first = (
+        f"error: --force would replace spm.model in '{folder}', which cqk data tokenizer did "
+        "not write (no spm.recipe.json"
+    )
+    return tokenizer.main, [*argv, "--vocab-size", "300", "--force"], first
+
+
+@pytest.mark.parametrize(
+    "make", [_foreign_dataset, _foreign_tokenizer], ids=["dataset", "tokenizer"]
+)
+def test_force_on_a_data_tool_never_replaces_what_it_did_not_write(
+    make, prepared_data, tmp_path, capsys
+):
+    """``cqk data preprocess --force`` onto a dataset made elsewhere, ``cqk data tokenizer
+    --force`` onto a tokenizer made elsewhere: refused naming them, exit 2, nothing replaced
+    (both were replaced, exit 0). What the same command wrote there before, by its
+    ``.meta.json`` or ``.recipe.json``, ``--force`` still replaces
+    (``tests/test_data_tools.py``)."""
+    main, argv, first = make(tmp_path, prepared_data)
+    watch = Watch(tmp_path)
+    outcome = data_tool(main, argv, capsys)
+    check(outcome, EXIT_REFUSED, first, "nothing was deleted")
+    watch.assert_unchanged()
+    watch.assert_no_process_left()
+
+
+def test_force_on_a_data_tool_replaces_its_own_earlier_output(prepared_data, tmp_path, capsys):
+    from data_tools import tokenizer
+
+    folder = tmp_path / "tokenizer"
+    folder.mkdir()
+    for name in ("spm.model", "spm.vocab", "spm.recipe.json"):
+        shutil.copy(prepared_data / name, folder / name)
+    argv = ["--input", str(prepared_data / "docs.jsonl"), "--out", str(folder / "spm")]
+    outcome = data_tool(tokenizer.main, [*argv, "--vocab-size", "300", "--force"], capsys)
+    assert outcome.code == 0, outcome.err
+    assert json.loads((folder / "spm.recipe.json").read_text())["recipe"]["vocab_size"] == 300
+
+
 def _another_shape(run_dir: Path) -> None:
     """The newest checkpoint without a config of its own (as an older save wrote it),
     complete by its manifest, and its run's config changed to another hidden size since:
