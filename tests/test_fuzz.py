@@ -1048,6 +1048,24 @@ def test_force_on_a_data_tool_replaces_its_own_earlier_output(prepared_data, tmp
     assert json.loads((folder / "spm.recipe.json").read_text())["recipe"]["vocab_size"] == 300
 
 
+@pytest.mark.parametrize("force", [[], ["--force"]], ids=["plain", "force"])
+def test_the_demo_corpus_never_replaces_a_corpus_it_did_not_write(force, tmp_path, capsys):
+    """``cqk data demo-corpus --out DIR`` where DIR holds the user's own corpus.jsonl (no
+    manifest of the demo's): refused naming it, exit 2, nothing replaced (the corpus was
+    replaced by the demo's, exit 0)."""
+    from data_tools import demo_corpus
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "corpus.jsonl").write_text('{"text": "my own corpus"}\n')
+    watch = Watch(tmp_path)
+    outcome = data_tool(demo_corpus.main, ["--out", str(folder), "--quiet", *force], capsys)
+    first = f"error: '{folder}' holds corpus.jsonl, which cqk data demo-corpus did not write"
+    check(outcome, EXIT_REFUSED, first, "nothing was replaced")
+    watch.assert_unchanged()
+    watch.assert_no_process_left()
+
+
 def _another_shape(run_dir: Path) -> None:
     """The newest checkpoint without a config of its own (as an older save wrote it),
     complete by its manifest, and its run's config changed to another hidden size since:
