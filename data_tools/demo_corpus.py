@@ -182,6 +182,9 @@ def write_corpus(path: Path, settings: DemoSettings) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------
 
 
+MANIFEST_NAME = "manifest.json"  # what the demo built, and that it built it
+
+
 def output_files(folder: Path) -> list[Path]:
     names = [
         "corpus.jsonl",
@@ -195,12 +198,41 @@ def output_files(folder: Path) -> list[Path]:
     return [folder / name for name in names]
 
 
+def read_manifest(folder: Path) -> dict[str, Any] | None:
+    """The demo's own record in ``folder`` (its settings and files), or None if there is
+    none: no file of that name, or one that the demo did not write."""
+    try:
+        manifest = json.loads((folder / MANIFEST_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    ours = isinstance(manifest, dict) and {"settings", "files"} <= manifest.keys()
+    return manifest if ours else None
+
+
+def refuse_foreign_files(folder: Path) -> None:
+    """The demo replaces only what it wrote there before (its manifest says so, finished
+    or still building): a corpus.jsonl, tokenizer or dataset of the user's, at an --out
+    that names their data folder, stays, even with --force."""
+    present = [p for p in [*output_files(folder), folder / MANIFEST_NAME] if p.exists()]
+    if present and read_manifest(folder) is None:
+        raise DataError(
+            f"'{folder}' holds {', '.join(p.name for p in present)}, which cqk data "
+            f"demo-corpus did not write (no {MANIFEST_NAME} of its own); nothing was "
+            "replaced: choose another --out, or remove them yourself if they really are to go"
+        )
+
+
+def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
+    manifest_file = folder / MANIFEST_NAME
+    with partial_paths(manifest_file) as (partial,):
+        write_json(partial, manifest)
+        commit_file(partial, manifest_file)
+
+
 def is_complete(folder: Path, settings: DemoSettings) -> dict[str, Any] | None:
     """The manifest if it matches ``settings`` and every file still matches it."""
-    manifest_file = folder / "manifest.json"
-    try:
-        manifest = json.loads(manifest_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    manifest = read_manifest(folder)
+    if manifest is None:
         return None
     if manifest.get("settings") != asdict(settings):
         return None
@@ -240,9 +272,11 @@ def build_demo(
                 manifest["tokens"],
                 0.0,
             )
+    refuse_foreign_files(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    # no manifest while rebuilding: an interrupted rebuild is never taken for complete
-    (folder / "manifest.json").unlink(missing_ok=True)
+    # a manifest listing no file while rebuilding: an interrupted rebuild is never taken
+    # for complete, and its files are still known to be the demo's
+    _write_manifest(folder, {"settings": asdict(settings), "files": {}})
     log = (lambda message: print(message, file=sys.stderr)) if progress else (lambda m: None)
     workers = workers or default_workers()
 
@@ -280,10 +314,7 @@ def build_demo(
             for p in output_files(folder)
         },
     }
-    manifest_file = folder / "manifest.json"
-    with partial_paths(manifest_file) as (partial,):
-        write_json(partial, manifest)
-        commit_file(partial, manifest_file)
+    _write_manifest(folder, manifest)
     return DemoOutputs(folder, False, documents, corpus_bytes, result.tokens, seconds)
 
 

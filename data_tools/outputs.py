@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from cqk_megatron.data.errors import DataError
@@ -21,12 +21,26 @@ _PARTIAL = ".partial-"
 
 
 def refuse_existing_dataset(prefix: Path, overwrite: bool) -> None:
+    finals = (bin_path(prefix), idx_path(prefix), meta_path(prefix))
     if holds_dataset(prefix) and not overwrite:
-        present = [p.name for p in (bin_path(prefix), idx_path(prefix), meta_path(prefix))]
-        present = [name for name in present if (prefix.parent / name).exists()]
+        present = [path.name for path in finals if path.exists()]
         raise DataError(
             f"output prefix '{prefix}' already holds a dataset ({', '.join(present)}); pass "
             "--force to replace it, or choose another --out"
+        )
+    refuse_foreign_output(finals, meta_path(prefix), "cqk data preprocess")
+
+
+def refuse_foreign_output(finals: Sequence[Path], record: Path, command: str) -> None:
+    """``--force`` replaces only what ``command`` wrote there before, which it recognises by
+    the ``record`` it writes beside its outputs (a dataset's ``.meta.json``, a tokenizer's
+    ``.recipe.json``): a dataset or tokenizer made elsewhere, at a mistyped ``--out``, stays."""
+    present = [path for path in finals if path.exists()]
+    if present and not record.is_file():
+        raise DataError(
+            f"--force would replace {', '.join(p.name for p in present)} in '{record.parent}', "
+            f"which {command} did not write (no {record.name} beside them); nothing was "
+            "deleted: choose another --out, or remove them yourself if they really are to go"
         )
 
 
@@ -67,18 +81,37 @@ def remove_path(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def make_folder(folder: Path) -> list[Path]:
+    """Create ``folder`` with its missing parents; those it created, deepest first."""
+    missing = [path for path in (folder, *folder.parents) if not path.exists()]
+    folder.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+def remove_empty_folders(folders: list[Path]) -> None:
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only if empty: a folder something else wrote into stays
+
+
 @contextlib.contextmanager
 def partial_paths(*finals: Path) -> Iterator[list[Path]]:
-    """Temporary names for ``finals``; removed if the block fails (or is interrupted)."""
+    """Temporary names for ``finals``; removed if the block fails (or is interrupted), and
+    with them the output folders it created, so that a refused input writes nothing."""
+    created: list[Path] = []
     for final in finals:
-        final.parent.mkdir(parents=True, exist_ok=True)
+        created += make_folder(final.parent)
         remove_stale_partials(final)
     partials = [partial_name(final) for final in finals]
+    finished = False
     try:
         yield partials
+        finished = True
     finally:
         for partial in partials:
             remove_path(partial)  # after a successful commit nothing is left to remove
+        if not finished:
+            remove_empty_folders(created)
 
 
 def commit_file(partial: Path, final: Path) -> None:

@@ -28,7 +28,12 @@ from cqk_megatron.cli.args import add_force, add_out, new_parser
 from cqk_megatron.data.errors import DataError
 from cqk_megatron.data.metadata import write_json
 from data_tools.cli import friendly_errors
-from data_tools.outputs import commit_file, partial_paths, refuse_existing_file
+from data_tools.outputs import (
+    commit_file,
+    partial_paths,
+    refuse_existing_file,
+    refuse_foreign_output,
+)
 from data_tools.sources import MAX_INVALID_UTF8, add_input_arguments, default_workers, open_corpus
 
 NORMALIZATIONS = ("nfkc", "identity", "nmt_nfkc", "nfkc_cf", "nmt_nfkc_cf")
@@ -175,6 +180,7 @@ def train_tokenizer(
     finals = [Path(f"{prefix}.model"), Path(f"{prefix}.vocab"), Path(f"{prefix}.recipe.json")]
     for final in finals:
         refuse_existing_file(final, overwrite)
+    refuse_foreign_output(finals, finals[2], "cqk data tokenizer")
     start = time.perf_counter()
     with partial_paths(prefix, *finals) as (work, *partials):
         corpus = open_corpus(

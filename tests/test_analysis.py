@@ -748,6 +748,19 @@ def test_a_three_size_fit_prints_not_identified_for_its_size_term(demo_outputs):
     assert "## Compute-optimal allocation" in report and f"_{NOT_IDENTIFIED}:" in report
 
 
+def test_every_constant_of_the_compute_fit_is_an_interval_or_not_identified(demo_outputs):
+    """L(C)'s coefficient A as a bare number read as a measurement while its exponent was
+    "not identified": each constant is printed with its interval, or as not identified."""
+    printed, report, _ = demo_outputs
+    header = "| variant | frontier points | E (nats) | A | a |"
+    for text in (printed, report):
+        rows = text[text.index(header) :].splitlines()[2:4]
+        assert len(rows) == 2, rows
+        for line in rows:
+            for cell in [c.strip() for c in line.strip("|").split("|")][2:]:
+                assert cell == NOT_IDENTIFIED or PRINTED_INTERVAL.fullmatch(cell), line
+
+
 def test_the_multiplier_figure_labels_its_axes(monkeypatch):
     frame = pd.DataFrame(
         {

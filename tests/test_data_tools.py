@@ -307,10 +307,30 @@ def test_demo_corpus_builds_then_skips_then_repairs(tmp_path):
     assert not repaired.skipped
     assert {p.name: sha256(p) for p in data_files} == hashes
 
-    (folder / "manifest.json").unlink()  # as after an interrupted run
-    assert demo_corpus.is_complete(folder, settings) is None
     different = demo_corpus.DemoSettings(max_bytes=100_000, vocab_size=700)
     assert demo_corpus.is_complete(folder, different) is None
+    (folder / "manifest.json").unlink()  # no record of what was built: not complete
+    assert demo_corpus.is_complete(folder, settings) is None
+
+
+def test_an_interrupted_demo_corpus_is_rebuilt_by_the_same_command(tmp_path, monkeypatch):
+    """Interrupted after its corpus, the demo leaves a manifest of its own that lists no
+    file: not complete, and its files still known as the demo's, so the same command
+    rebuilds them (a folder of files without that manifest it refuses: test_fuzz.py)."""
+    settings = demo_corpus.DemoSettings(max_bytes=60_000, vocab_size=500)
+    folder = tmp_path / "demo"
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(demo_corpus, "train_tokenizer", interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            demo_corpus.build_demo(folder, settings, workers=1, progress=False)
+    assert (folder / "corpus.jsonl").is_file()
+    assert demo_corpus.is_complete(folder, settings) is None
+    rebuilt = demo_corpus.build_demo(folder, settings, workers=1, progress=False)
+    assert not rebuilt.skipped and demo_corpus.is_complete(folder, settings) is not None
 
 
 # --------------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ nothing; this fails on it, naming the page, the line and what is missing.
 
 from __future__ import annotations
 
+import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,8 @@ _ROOTS = "|".join(TRACKED_ROOTS)
 PATH = re.compile(rf"(?<![\w./-])((?:{_ROOTS})/[\w./*-]*[\w/*])")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 INCLUDE = re.compile(r"include:\s*\[([^\]]*)\]")
+# A test named by its pytest node id: tests/test_x.py::test_y (or ::TestClass::test_y).
+NODE_ID = re.compile(r"(tests/[\w/]+\.py)((?:::\w+)+)")
 PLACEHOLDER = re.compile(r"[A-Z]{3,}|NAME|\.\.\.|<|\*|/my\w*\.")  # runs/NAME.yaml, mysite.yaml
 
 
@@ -114,3 +118,52 @@ def test_every_source_a_configs_comment_names_exists() -> None:
         if not any(path == name or path.endswith(f"/{name}") for path in sources)
     ]
     assert not problems, "\n".join(problems)
+
+
+def _defined_names(test_file: Path) -> set[str]:
+    """The functions and classes ``test_file`` defines at its top level."""
+    tree = ast.parse(test_file.read_text())
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return {node.name for node in tree.body if isinstance(node, kinds)}
+
+
+def _missing_tests(page: Path) -> list[str]:
+    """``page:line: node id`` for each test node id of ``page`` whose test is not defined:
+    a row of "what happens when" that names a renamed or deleted test promises nothing."""
+    problems = []
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        for file, parts in NODE_ID.findall(line):
+            test_file, name = REPO / file, parts.split("::")[1]
+            if not test_file.exists() or name not in _defined_names(test_file):
+                problems.append(f"{page.relative_to(REPO)}:{number}: {file}{parts} is no test")
+    return problems
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_named_test_exists(page: Path) -> None:
+    problems = _missing_tests(page)
+    assert not problems, "\n".join(problems)
+
+
+def test_every_row_of_the_faults_table_names_a_test() -> None:
+    rows = [
+        line
+        for line in (REPO / "docs" / "faults.md").read_text().splitlines()
+        if line.startswith("| ") and not line.startswith(("| When", "|---"))
+    ]
+    unnamed = [row for row in rows if not NODE_ID.search(row.rsplit("|", 2)[-2])]
+    assert rows and not unnamed, unnamed
+
+
+def test_the_check_sees_a_test_that_is_not_there(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text("def test_here():\n    pass\n")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "`tests/test_x.py::test_here` `tests/test_x.py::test_gone` `tests/test_y.py::test_a`\n"
+    )
+    assert [p.split(": ", 1)[1] for p in _missing_tests(page)] == [
+        "tests/test_x.py::test_gone is no test",
+        "tests/test_y.py::test_a is no test",
+    ]

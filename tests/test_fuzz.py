@@ -382,13 +382,18 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(
 # included 200)
 DUPLICATE_CASES = {
     "section twice": (
-        "include: [{config}]\ntrain:\n  train_steps: 7\n  save_interval: 7\n"
+        "include: [{config}]\ntrain:\n  train_steps: 7\n  checkpoint:\n    save_interval: 7\n"
         "model:\n  hidden_size: 64\ntrain:\n  eval_iters: 2\n",
-        "key 'train' is given twice (lines 2 and 7)",
+        "key 'train' is given twice (lines 2 and 8)",
     ),
     "key twice in a section": (
         "include: [{config}]\ntrain:\n  train_steps: 7\n  eval_iters: 2\n  train_steps: 9\n",
         "key 'train.train_steps' is given twice (lines 3 and 5)",
+    ),
+    "key twice in a group of a section": (
+        "include: [{config}]\ntrain:\n  checkpoint:\n    save_interval: 7\n    keep_last: 2\n"
+        "    save_interval: 9\n",
+        "key 'train.checkpoint.save_interval' is given twice (lines 4 and 6)",
     ),
 }
 
@@ -587,13 +592,14 @@ def _preprocess(data: Path, source: Path) -> tuple[Callable, list[str]]:
     from data_tools import preprocess
 
     argv = ["--input", str(source), "--tokenizer", str(data / "spm.model"), "--workers", "1"]
-    return preprocess.main, [*argv, "--output-prefix", str(data / "out"), "--quiet"]
+    return preprocess.main, [*argv, "--output-prefix", str(data / "new" / "out"), "--quiet"]
 
 
 def _train_tokenizer(data: Path, source: Path) -> tuple[Callable, list[str]]:
     from data_tools import tokenizer
 
-    argv = ["--input", str(source), "--output-prefix", str(data / "tok"), "--vocab-size", "300"]
+    out = data / "new" / "tok"
+    argv = ["--input", str(source), "--output-prefix", str(out), "--vocab-size", "300"]
     return tokenizer.main, argv
 
 
@@ -708,8 +714,8 @@ def test_the_data_tools_name_an_input_they_cannot_read(
     make, name, first, tool, prepared_data, tmp_path, capsys
 ):
     """A truncated or mislabelled compressed file, a damaged Parquet file: one line naming
-    the file and what is wrong, exit 2, nothing written (a truncated .gz was an EOFError
-    traceback, exit 1)."""
+    the file and what is wrong, exit 2, nothing written, not even the output's new folder
+    (a truncated .gz was an EOFError traceback, exit 1)."""
     data = copy_data(prepared_data, tmp_path)
     source = make(data, name)
     main, argv = tool(data, source)
@@ -972,6 +978,90 @@ def test_force_never_deletes_what_the_command_did_not_write(
     # these folders is foreign; an export names what it found in full
     said += first if command == "export" else "which holds "
     check(outcome, EXIT_REFUSED, said, "nothing was deleted")
+    watch.assert_unchanged()
+    watch.assert_no_process_left()
+
+
+def _foreign_dataset(case: Path, prepared_data: Path) -> tuple[Callable, list[str], str]:
+    """A dataset that cqk data preprocess did not write (Megatron-LM's own tool writes no
+    ``.meta.json``), at the prefix a preprocess with ``--force`` is given."""
+    from data_tools import preprocess
+
+    folder = case / "corpus"
+    folder.mkdir()
+    for name in ("docs_text_document.bin", "docs_text_document.idx"):
+        shutil.copy(prepared_data / name, folder / name)
+    argv = ["--input", str(prepared_data / "docs.jsonl"), "--tokenizer"]
+    argv += [str(prepared_data / "spm.model"), "--out", str(folder / "docs_text_document")]
+    first = (
+        "error: --force would replace docs_text_document.bin, docs_text_document.idx in "
+        f"'{folder}', which cqk data preprocess did not write (no docs_text_document.meta.json"
+    )
+    return preprocess.main, [*argv, "--workers", "1", "--quiet", "--force"], first
+
+
+def _foreign_tokenizer(case: Path, prepared_data: Path) -> tuple[Callable, list[str], str]:
+    """A tokenizer that cqk data tokenizer did not write (no ``.recipe.json``), at the
+    prefix a tokenizer training with ``--force`` is given."""
+    from data_tools import tokenizer
+
+    folder = case / "tokenizer"
+    folder.mkdir()
+    shutil.copy(prepared_data / "spm.model", folder / "spm.model")
+    argv = ["--input", str(prepared_data / "docs.jsonl"), "--out", str(folder / "spm")]
+    first = (
+        f"error: --force would replace spm.model in '{folder}', which cqk data tokenizer did "
+        "not write (no spm.recipe.json"
+    )
+    return tokenizer.main, [*argv, "--vocab-size", "300", "--force"], first
+
+
+@pytest.mark.parametrize(
+    "make", [_foreign_dataset, _foreign_tokenizer], ids=["dataset", "tokenizer"]
+)
+def test_force_on_a_data_tool_never_replaces_what_it_did_not_write(
+    make, prepared_data, tmp_path, capsys
+):
+    """``cqk data preprocess --force`` onto a dataset made elsewhere, ``cqk data tokenizer
+    --force`` onto a tokenizer made elsewhere: refused naming them, exit 2, nothing replaced
+    (both were replaced, exit 0). What the same command wrote there before, by its
+    ``.meta.json`` or ``.recipe.json``, ``--force`` still replaces
+    (``tests/test_data_tools.py``)."""
+    main, argv, first = make(tmp_path, prepared_data)
+    watch = Watch(tmp_path)
+    outcome = data_tool(main, argv, capsys)
+    check(outcome, EXIT_REFUSED, first, "nothing was deleted")
+    watch.assert_unchanged()
+    watch.assert_no_process_left()
+
+
+def test_force_on_a_data_tool_replaces_its_own_earlier_output(prepared_data, tmp_path, capsys):
+    from data_tools import tokenizer
+
+    folder = tmp_path / "tokenizer"
+    folder.mkdir()
+    for name in ("spm.model", "spm.vocab", "spm.recipe.json"):
+        shutil.copy(prepared_data / name, folder / name)
+    argv = ["--input", str(prepared_data / "docs.jsonl"), "--out", str(folder / "spm")]
+    outcome = data_tool(tokenizer.main, [*argv, "--vocab-size", "300", "--force"], capsys)
+    assert outcome.code == 0, outcome.err
+    assert json.loads((folder / "spm.recipe.json").read_text())["recipe"]["vocab_size"] == 300
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]], ids=["plain", "force"])
+def test_the_demo_corpus_never_replaces_a_corpus_it_did_not_write(force, tmp_path, capsys):
+    """``cqk data demo-corpus --out DIR`` where DIR holds the user's own corpus.jsonl (no
+    manifest of the demo's): refused naming it, exit 2, nothing replaced (the corpus was
+    replaced by the demo's, exit 0)."""
+    from data_tools import demo_corpus
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "corpus.jsonl").write_text('{"text": "my own corpus"}\n')
+    watch = Watch(tmp_path)
+    outcome = data_tool(demo_corpus.main, ["--out", str(folder), "--quiet", *force], capsys)
+    first = f"error: '{folder}' holds corpus.jsonl, which cqk data demo-corpus did not write"
+    check(outcome, EXIT_REFUSED, first, "nothing was replaced")
     watch.assert_unchanged()
     watch.assert_no_process_left()
 

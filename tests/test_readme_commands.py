@@ -16,6 +16,10 @@ backslash and drops a ``$ `` prompt. Each command then gets one treatment from `
 A README command that no rule covers fails, and so does a rule that covers nothing: a new
 command in the README gets a decision here. ``cqk plan`` runs with its build check on.
 
+A command that reads what an earlier one wrote (the export reads the run trained above,
+the tokenizer the demo corpus) names it in its rule's ``after``: that command runs first
+if it has not yet, so each case also runs alone (``-k``), and each command runs once.
+
 Time: the training commands run at their written length (200 steps of a 140k-parameter
 model: 13 s for one process; the 4-rank torchrun line is the longest, 44 s on a 2-core
 machine, most of it four processes importing Megatron-Core and DeepSpeed), and the data
@@ -156,6 +160,8 @@ class Rule:
     start: str
     action: str  # run, dry-run, help or skip
     reason: str = ""
+    # the starts of the earlier documented commands whose output this one reads
+    after: tuple[str, ...] = ()
 
 
 CLUSTER_NODE = "a CUDA cluster node's install (CUDA wheels, a filesystem every node mounts)"
@@ -164,6 +170,7 @@ LADDER_RUNS = (
     "reads the ladder's finished runs under the cluster's runs_root; "
     "tests/test_analysis.py runs table, fit and report on run folders"
 )
+TRAINED_RUN = "cqk train --config configs/runs/tiny_cpu.yaml # one process"  # runs/tiny-cpu
 RULES = (
     Rule("Install", "bash scripts/install.sh", "skip", "the install itself: .ci/run runs it"),
     Rule("Install", "source .venv/bin/activate", "skip", "this test runs in that environment"),
@@ -188,8 +195,12 @@ RULES = (
     Rule("A scaling ladder", "cqk analyze ladder", "run"),
     Rule("A scaling ladder", "cqk submit", "dry-run"),
     Rule("A scaling ladder", "cqk analyze", "skip", LADDER_RUNS),
+    Rule("Data preparation", "cqk data tokenizer", "run", after=("cqk data demo-corpus",)),
+    Rule("Data preparation", "cqk data preprocess", "run", after=("cqk data tokenizer",)),
+    Rule("Data preparation", "cqk data stats", "run", after=("cqk data preprocess",)),
     Rule("Data preparation", "cqk data", "run"),
-    Rule("Export to Hugging Face", "cqk convert", "run"),
+    Rule("Export to Hugging Face", "cqk convert export", "run", after=(TRAINED_RUN,)),
+    Rule("Export to Hugging Face", "cqk convert import", "run", after=("cqk convert export",)),
     Rule("Commands", "cqk ", "help"),
 )
 
@@ -199,6 +210,14 @@ def rule_for(command: ShellCommand) -> Rule | None:
         if command.section.startswith(rule.section) and command.text.startswith(rule.start):
             return rule
     return None
+
+
+def prerequisites(command: ShellCommand, documented: list[ShellCommand]) -> list[ShellCommand]:
+    """The documented commands before ``command`` that its rule's ``after`` names."""
+    rule = rule_for(command)
+    earlier = documented[: documented.index(command)]
+    starts = rule.after if rule else ()
+    return [c for c in earlier if any(c.text.startswith(start) for start in starts)]
 
 
 def script(command: ShellCommand, rule: Rule) -> str:
@@ -306,6 +325,17 @@ def test_every_documented_command_has_a_rule_and_every_rule_a_command():
     assert not unused, f"rules that match no documented command: {unused}"
 
 
+def test_every_command_a_rule_runs_after_comes_before_it():
+    """An ``after`` that names no earlier command would let a case run without its input."""
+    for command in DOCUMENTED:
+        rule = rule_for(command)
+        found = prerequisites(command, DOCUMENTED)
+        for start in rule.after if rule else ():
+            assert any(c.text.startswith(start) for c in found), (
+                f"{command}: nothing before it starts {start!r}"
+            )
+
+
 def test_every_skip_says_why():
     assert all(rule.reason for rule in RULES if rule.action == "skip")
 
@@ -342,28 +372,49 @@ def _env() -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("command", DOCUMENTED, ids=str)
-def test_every_documented_command_runs(command: ShellCommand, scratch: Path):
+Outcomes = dict[ShellCommand, subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> Outcomes:
+    """What each command has done in ``scratch`` so far: each runs once."""
+    return {}
+
+
+def run_documented(command: ShellCommand, scratch: Path, outcomes: Outcomes) -> None:
+    """Run ``command`` in ``scratch`` (after the commands it reads from), once, and check
+    that it worked as its rule says."""
     rule = rule_for(command)
     assert rule is not None, f"no rule for {command}"
-    if rule.action == "skip":
-        pytest.skip(f"{command}: {rule.reason}")
+    for needed in prerequisites(command, DOCUMENTED):
+        run_documented(needed, scratch, outcomes)
     line = script(command, rule)
-    done = subprocess.run(
-        ["bash", "-c", line],
-        cwd=scratch,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=COMMAND_TIMEOUT_S,
-        check=False,
-    )
+    if command not in outcomes:
+        outcomes[command] = subprocess.run(
+            ["bash", "-c", line],
+            cwd=scratch,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_TIMEOUT_S,
+            check=False,
+        )
+    done = outcomes[command]
     report = (
         f"{command}\nran ({rule.action}): {line}\nexit {done.returncode}\n"
         f"stdout (end):\n{done.stdout[-1500:]}\nstderr (end):\n{done.stderr[-3000:]}"
     )
     assert done.returncode == 0 or refused_for_cluster_data(rule, done), report
     assert "Traceback" not in done.stdout + done.stderr, report
+
+
+@pytest.mark.parametrize("command", DOCUMENTED, ids=str)
+def test_every_documented_command_runs(command: ShellCommand, scratch: Path, outcomes: Outcomes):
+    rule = rule_for(command)
+    assert rule is not None, f"no rule for {command}"
+    if rule.action == "skip":
+        pytest.skip(f"{command}: {rule.reason}")
+    run_documented(command, scratch, outcomes)
 
 
 def refused_for_cluster_data(rule: Rule, done: subprocess.CompletedProcess[str]) -> bool:

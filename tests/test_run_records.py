@@ -205,6 +205,23 @@ def test_a_resume_from_a_checkpoint_of_another_model_function_is_refused(tmp_pat
         check_same_model(tmp_path, _config("attention.steps=3"), "fix")
 
 
+@pytest.mark.parametrize(
+    "change",
+    ["attention.differential_lambda_init=0.5", "attention.differential_norm=none"],
+)
+def test_a_resume_that_changes_the_differential_scoring_is_refused(tmp_path, change):
+    """lambda_init is in lambda and in the output's (1 - lambda_init) factor; the norm is
+    a term of the output: either changes what a differential model computes."""
+    from cqk_megatron.config import save_config
+    from cqk_megatron.run.checkpoint_files import CheckpointError, check_same_model
+
+    differential = "attention.scoring=differential"
+    save_config(_config(differential), tmp_path / "config.yaml")
+    key = change.split("=")[0]
+    with pytest.raises(CheckpointError, match=rf"another model: {key}="):
+        check_same_model(tmp_path, _config(differential, change), "fix")
+
+
 def test_starting_over_moves_the_history_and_config_aside(tmp_path):
     from cqk_megatron.run.checkpoint_files import apply_choice, choose_resume
     from cqk_megatron.run.history import read_history, record_attempt

@@ -269,7 +269,7 @@ def _compute_table(analysis: Analysis) -> pd.DataFrame:
                 "variant": variant,
                 "frontier points": boot.point.n_points,
                 "E (nats)": format_interval(boot.estimate("E", level)),
-                "A": f"{boot.point.A:.3g}",
+                "A": format_interval(boot.estimate("A", level)),
                 "a": format_interval(boot.estimate("a", level)),
             }
         )

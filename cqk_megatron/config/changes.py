@@ -53,6 +53,10 @@ FUNCTION_KEYS = (
     "attention.steps",
     "attention.position",
     "attention.invertible_scale_bound",
+    # lambda's constant term and the (1 - lambda_init) factor; the norm after out1 - lambda
+    # out2 ("none" has no norm weight at all)
+    "attention.differential_lambda_init",
+    "attention.differential_norm",
 )
 MODEL_KEYS = SHAPE_KEYS + FUNCTION_KEYS
 # Keys of ``cqk_megatron.training.lr_schedule.learning_rate``.

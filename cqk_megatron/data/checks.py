@@ -49,7 +49,7 @@ _DTYPES = {  # megatron.core.datasets.indexed_dataset.DType codes
     8: np.uint16,
 }
 _MAKE_IT = "make it with cqk data preprocess (or cqk data demo-corpus)"
-_REMAKE = "re-run cqk data preprocess --overwrite for it"
+_REMAKE = "re-run cqk data preprocess --force for it"
 _SPLIT = re.compile(r"^\s*\d+(\.\d*)?(\s*,\s*\d+(\.\d*)?){0,2}\s*$")
 SPLIT_NAMES = ("train", "valid", "test")
 EOD_SAMPLES = 256  # documents whose last token is compared with EOD

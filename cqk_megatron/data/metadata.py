@@ -42,7 +42,7 @@ def read_meta(prefix: str | Path) -> dict[str, Any] | None:
     except (OSError, ValueError) as error:
         raise DataError(
             f"dataset metadata '{path}' is unreadable ({error}); re-run cqk data preprocess "
-            "--overwrite for this prefix, or delete the file to skip the checks it enables"
+            "--force for this prefix, or delete the file to skip the checks it enables"
         ) from error
     if not isinstance(meta, dict) or not isinstance(meta.get("tokenizer"), dict):
         raise DataError(
