@@ -107,9 +107,13 @@ def main(argv: list[str]) -> int:
     except runs.AmbiguousRun as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_REFUSED
-    failed = 0
-    for run_dir in run_dirs:
+    failed = missing = 0
+    for run, run_dir in zip(args.runs, run_dirs, strict=True):
+        if not run_dir.is_dir():  # a mistyped name or path: the user's to fix, as exit 2 says
+            missing += 1
+            print(f"error: {runs.not_found(run)}", file=sys.stderr, flush=True)
+            continue
         ended, text = cancel(run_dir, args.wait_s)
         failed += not ended
         print(text, flush=True)
-    return 1 if failed else 0
+    return EXIT_REFUSED if missing else 1 if failed else 0

@@ -160,9 +160,11 @@ def main(argv: list[str]) -> int:
         return EXIT_REFUSED
     missing = 0
     for i, (run, run_dir) in enumerate(zip(args.runs, run_dirs, strict=True)):
-        if i:
+        if not run_dir.is_dir():  # a mistyped name or path: the user's to fix, as exit 2 says
+            missing += 1
+            print(f"error: {runs.not_found(run)}", file=sys.stderr)
+            continue
+        if i > missing:
             print()
-        text = describe(run_dir, args.lines) if run_dir.is_dir() else runs.not_found(run)
-        missing += not run_dir.is_dir()
-        print(text)
-    return 1 if missing else 0
+        print(describe(run_dir, args.lines))
+    return EXIT_REFUSED if missing else 0

@@ -176,5 +176,5 @@ def test_status_finds_a_submitted_run_by_name_in_the_profile_s_runs_root(tmp_pat
     assert found.returncode == 0, found.stdout + found.stderr
     assert f"run        {run_dir}" in found.stdout and "finished   yes" in found.stdout
     missing = run([*SUBMIT, "status", "never-submitted"], elsewhere, timeout=60, env=env)
-    assert missing.returncode == 1
-    assert "no run of that name was submitted from this account" in missing.stdout
+    assert missing.returncode == 2
+    assert "no run of that name was submitted from this account" in missing.stderr

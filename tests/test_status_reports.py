@@ -119,3 +119,16 @@ def test_a_job_stopped_by_a_signal_to_its_controller_reads_cancelled(tmp_path):
     assert re.search(r"job\s+999999999 \(local\): CANCELLED, attempt 1", status.stdout), (
         status.stdout
     )
+
+
+def test_status_and_cancel_of_a_run_that_is_not_there_say_so_and_exit_2(tmp_path):
+    """A mistyped name or path is the user's to fix: exit 2 (not 1, a failed cancel), one
+    line on stderr saying where the launcher looked; the runs that are there are shown."""
+    state, there = tmp_path / "state", tmp_path / "there"
+    there.mkdir()
+    for command in ("status", "cancel"):
+        done = cqk(state, command, "nowhere", str(there))
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert done.stderr.startswith("error: nowhere: no such run folder, and no run of that")
+        assert len(done.stderr.splitlines()) == 1, done.stderr
+        assert str(there) in done.stdout, done.stdout
