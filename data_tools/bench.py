@@ -74,8 +74,8 @@ def _run(command: list[str], cwd: Path | None = None) -> tuple[float, str]:
 def run_ours(corpus: Path, model: Path, out: Path, workers: int) -> Run:
     prefix = out / f"ours_w{workers}"
     command = [sys.executable, "-m", "data_tools.preprocess", "--input", str(corpus)]
-    command += ["--tokenizer", str(model), "--output-prefix", str(prefix)]
-    command += ["--workers", str(workers), "--overwrite"]
+    command += ["--tokenizer", str(model), "--out", str(prefix)]
+    command += ["--workers", str(workers), "--force"]
     wall, log = _run(command, cwd=Path(__file__).resolve().parent.parent)
     match = _OURS_RATE.search(log)
     return Run(f"cqk data preprocess, {workers} worker(s)", wall, match and float(match[1]), prefix)
