@@ -419,11 +419,9 @@ def _suggestions(cls: type) -> dict[str, str]:
     """A key someone may mean -> the key to suggest: ``cls``'s fields, and the keys of its
     sections and its old names under the name they have now (``lr`` -> ``optimizer.lr``),
     so that a misspelt key that moved into a section is pointed there."""
-    hints = typing.get_type_hints(cls)
     known: dict[str, str] = {}
-    for name, hint in hints.items():
-        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-            known.update({f.name: f"{name}.{f.name}" for f in dataclasses.fields(hint)})
+    for name, section in _sections(cls).items():
+        known.update({f.name: f"{name}.{f.name}" for f in dataclasses.fields(section)})
     known.update(getattr(cls, "RENAMED_KEYS", {}))
     known.update({f.name: f.name for f in dataclasses.fields(cls)})  # a field's own name wins
     return known
@@ -540,15 +538,10 @@ def renamed_tree(cls: type, data: dict[str, Any], source: str, prefix: str = "")
     ``cls`` (``train`` in a run config), so that a file's old name and an included file's
     new one meet under the new name."""
     renamed = renamed_keys(cls, data, source, prefix)
-    hints = typing.get_type_hints(cls)
+    sections = _sections(cls)
     for key, value in renamed.items():
-        section = hints.get(key)
-        if (
-            isinstance(value, dict)
-            and isinstance(section, type)
-            and dataclasses.is_dataclass(section)
-        ):
-            renamed[key] = renamed_tree(section, value, source, f"{prefix}{key}.")
+        if isinstance(value, dict) and key in sections:
+            renamed[key] = renamed_tree(sections[key], value, source, f"{prefix}{key}.")
     return renamed
 
 
@@ -562,10 +555,19 @@ def renamed_path(keys: list[str], source: str, warn: bool = True) -> list[str]:
         if moved and warn:
             renamed_keys(section, {key: None}, source, "".join(f"{k}." for k in out))
         for part in moved.split(".") if moved else [key]:
-            hint = typing.get_type_hints(section).get(part) if section else None
             out.append(part)
-            section = hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+            section = _sections(section).get(part) if section else None
     return out
+
+
+def _sections(cls: type) -> dict[str, type]:
+    """``cls``'s fields that are sections of their own, by name (a dataclass each:
+    ``train.optimizer``, ``train.checkpoint``, ...)."""
+    return {
+        name: hint
+        for name, hint in typing.get_type_hints(cls).items()
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint)
+    }
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
