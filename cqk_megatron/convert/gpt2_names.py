@@ -12,9 +12,14 @@ from __future__ import annotations
 import torch
 
 from cqk_megatron.convert.errors import ConversionError
-from cqk_megatron.convert.names import ModelShape, fuse_qkv, split_qkv
+from cqk_megatron.convert.names import (
+    MEGATRON_LAYER,
+    ModelShape,
+    fuse_qkv,
+    layer_split,
+    split_qkv,
+)
 
-MEGATRON_LAYER = "decoder.layers.{}."
 GPT2_LAYER = "transformer.h.{}."
 
 _GLOBAL = {
@@ -41,21 +46,13 @@ _QKV = "self_attention.linear_qkv."
 _C_ATTN = "attn.c_attn."
 
 
-def _layer_split(name: str, pattern: str) -> tuple[int | None, str]:
-    head = pattern.split("{}")[0]
-    if not name.startswith(head):
-        return None, name
-    index, _, suffix = name[len(head) :].partition(".")
-    return (int(index), suffix) if index.isdigit() else (None, name)
-
-
 def megatron_to_gpt2(state: dict[str, torch.Tensor], shape: ModelShape) -> dict:
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         if name in _GLOBAL:
             out[_GLOBAL[name]] = tensor
             continue
-        index, suffix = _layer_split(name, MEGATRON_LAYER)
+        index, suffix = layer_split(name, MEGATRON_LAYER)
         prefix = GPT2_LAYER.format(index)
         if index is not None and suffix.startswith(_QKV):
             kind = suffix[len(_QKV) :]
@@ -78,7 +75,7 @@ def gpt2_to_megatron(tensors: dict[str, torch.Tensor], shape: ModelShape) -> dic
         if name in global_back:
             out[global_back[name]] = tensor
             continue
-        index, suffix = _layer_split(name, GPT2_LAYER)
+        index, suffix = layer_split(name, GPT2_LAYER)
         if index is None:
             raise ConversionError(f"unexpected tensor '{name}' in the GPT-2 weights")
         prefix = MEGATRON_LAYER.format(index)

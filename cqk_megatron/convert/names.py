@@ -158,7 +158,7 @@ def megatron_to_hf(state: dict[str, torch.Tensor], shape: ModelShape) -> dict[st
         if name in _GLOBAL_RENAMES:
             out[_GLOBAL_RENAMES[name]] = tensor
             continue
-        index, suffix = _layer_split(name, MEGATRON_LAYER)
+        index, suffix = layer_split(name, MEGATRON_LAYER)
         if index is None:
             raise ConversionError(f"unexpected tensor '{name}' in the Megatron state dict")
         hf = HF_LAYER.format(index)
@@ -193,7 +193,7 @@ def hf_to_megatron(tensors: dict[str, torch.Tensor], shape: ModelShape) -> dict[
         if name in global_back:
             out[global_back[name]] = tensor
             continue
-        index, suffix = _layer_split(name, HF_LAYER)
+        index, suffix = layer_split(name, HF_LAYER)
         if index is None:
             raise ConversionError(f"unexpected tensor '{name}' in the Hugging Face weights")
         meg = MEGATRON_LAYER.format(index)
@@ -224,7 +224,9 @@ def hf_to_megatron(tensors: dict[str, torch.Tensor], shape: ModelShape) -> dict[
     return out
 
 
-def _layer_split(name: str, pattern: str) -> tuple[int | None, str]:
+def layer_split(name: str, pattern: str) -> tuple[int | None, str]:
+    """``(layer index, the name's rest)`` for a name under ``pattern``'s layer prefix
+    (``decoder.layers.{}.``), else ``(None, name)``."""
     head = pattern.split("{}")[0]
     if not name.startswith(head):
         return None, name
