@@ -222,6 +222,28 @@ def test_a_resume_that_changes_the_differential_scoring_is_refused(tmp_path, cha
         check_same_model(tmp_path, _config(differential, change), "fix")
 
 
+# Options of the registered couplings and scorings that only set a parameter's first value
+# (a resumed run's checkpoint holds the parameter): a resume may change them.
+INITIALISATION_ONLY = {"attention.dt_init"}
+
+
+def test_every_option_a_coupling_or_scoring_takes_is_a_model_key_or_initialisation_only():
+    """A registered variant's constructor options change what its module computes, unless
+    they only initialise a parameter; a new option missing from ``changes.MODEL_KEYS``
+    would let a resume change the model unnoticed (as lambda_init and the norm once did)."""
+    from cqk_megatron.config.changes import MODEL_KEYS
+    from cqk_megatron.variants import COUPLINGS, SCORINGS
+
+    options = {
+        f"attention.{field}"
+        for variant in (*COUPLINGS.values(), *SCORINGS.values())
+        for field in variant.options.values()
+    }
+    unlisted = sorted(options - set(MODEL_KEYS) - INITIALISATION_ONLY)
+    assert not unlisted, f"add to config/changes.py's MODEL_KEYS (or here): {unlisted}"
+    assert INITIALISATION_ONLY <= options  # names still registered
+
+
 def test_starting_over_moves_the_history_and_config_aside(tmp_path):
     from cqk_megatron.run.checkpoint_files import apply_choice, choose_resume
     from cqk_megatron.run.history import read_history, record_attempt
