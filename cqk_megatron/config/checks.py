@@ -188,6 +188,9 @@ def _check_architecture(m: ModelConfig, a: AttentionConfig, check: _Checks) -> N
     )
 
 
+RESILIENCE = "train.resilience."  # where ResilienceSettings' keys are
+
+
 def _check_training(t: TrainConfig, check: _Checks) -> None:
     """The optimizer, schedule, intervals and fault bounds, field by field."""
     check(t.zero_stage in (1, 2, 3), f"train.zero_stage={t.zero_stage} must be 1, 2 or 3")
@@ -219,9 +222,6 @@ def _check_training(t: TrainConfig, check: _Checks) -> None:
         f"{RESILIENCE}check_replicas_interval={interval} must be >= 0 (0 turns the replica "
         "check off)",
     )
-
-
-RESILIENCE = "train.resilience."  # where ResilienceSettings' keys are
 
 
 def check_fault_bounds(r: ResilienceSettings, check: _Checks) -> None:
