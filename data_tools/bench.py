@@ -61,10 +61,20 @@ class Run:
     output_prefix: Path
 
 
+# one tool's run over the corpus: minutes for the whole demo corpus on one core; a tool that
+# takes longer is stuck, and the benchmark says so rather than wait on it
+RUN_TIMEOUT_S = 3600.0
+
+
 def _run(command: list[str], cwd: Path | None = None) -> tuple[float, str]:
     start = time.perf_counter()
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    done = subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=env)
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, cwd=cwd, env=env, timeout=RUN_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired as error:
+        raise RuntimeError(f"{command[:4]} did not finish within {RUN_TIMEOUT_S:g} s") from error
     wall = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"{command[:4]} failed ({done.returncode}):\n{done.stderr[-3000:]}")

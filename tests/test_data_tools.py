@@ -517,3 +517,14 @@ def test_interrupted_overwrite_keeps_the_old_dataset(tmp_path, corpus, spm_model
             progress=False,
         )
     assert list(tmp_path.iterdir()) == [p for p in tmp_path.iterdir() if p.name.startswith("kept")]
+
+
+def test_the_preprocessing_benchmark_bounds_each_tool_it_runs(monkeypatch):
+    """cqk data bench waits on a tool at most RUN_TIMEOUT_S, then says which one hung."""
+    import sys
+
+    from data_tools import bench
+
+    monkeypatch.setattr(bench, "RUN_TIMEOUT_S", 0.5)
+    with pytest.raises(RuntimeError, match=r"did not finish within 0.5 s"):
+        bench._run([sys.executable, "-c", "import time; time.sleep(30)"])
